@@ -1,0 +1,94 @@
+"""The only module that knows transformers-version details: masks, caches, attention call signature.
+
+Replacement attention modules implement
+    forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw)
+        -> (output (b, t, hidden), None)
+which is what decoder layers of transformers 5.x call (Llama/Gemma3 pass `position_embeddings`
+as (cos, sin); OPT passes none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# transformers' DynamicLayer reports a sequence length of 0 when its key tensor is empty, and the
+# model derives positions and masks from layer 0's length. Layers that store no KV cache therefore
+# write a one-byte-per-token marker so positions stay right; `kv_cache_bytes` counts it honestly.
+_MARKER_DTYPE = torch.int8
+
+
+def keep_mask(
+    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
+    """Boolean (b|1, 1, q_len, kv_len) mask, True = attend, from whatever HF passed.
+
+    HF passes None (SDPA's causal fast path), a boolean mask, or an additive float mask. With None,
+    queries are the last q_len of kv_len positions (causal with offset).
+    """
+    if attention_mask is None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        k_pos = torch.arange(kv_len, device=device)[None, :]
+        return (k_pos <= q_pos)[None, None]
+    mask = attention_mask[..., -q_len:, -kv_len:]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask == 0
+
+
+def cache_update(
+    cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append (b, h, t, d) keys/values (any h, d: latent caches store (b, 1, t, r)); returns all so far."""
+    if cache is None:
+        return keys, values
+    return cache.update(keys, values, layer_idx)
+
+
+def cache_mark_tokens(cache: Any, layer_idx: int, hidden_states: torch.Tensor) -> None:
+    """For a layer that stores no KV: record t new tokens (1 byte each) so positions stay correct."""
+    if cache is None:
+        return
+    b, t = hidden_states.shape[:2]
+    marker = torch.zeros(b, 1, t, 1, dtype=_MARKER_DTYPE, device=hidden_states.device)
+    empty = torch.zeros(b, 1, t, 0, dtype=_MARKER_DTYPE, device=hidden_states.device)
+    cache.update(marker, empty, layer_idx)
+
+
+def cache_seq_length(cache: Any, layer_idx: int) -> int:
+    """Tokens already seen by layer `layer_idx`'s cache (0 without a cache)."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return 0
+    return int(cache.layers[layer_idx].get_seq_length())
+
+
+def cache_bytes_per_layer(cache: Any) -> list[int]:
+    """Bytes each cache layer really holds (keys + values tensors)."""
+    out = []
+    for layer in cache.layers:
+        total = 0
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+        out.append(total)
+    return out
+
+
+def new_cache(config: Any) -> Any:
+    """A fresh dynamic cache for `config` (what generate() would create)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def rotary_cos_sin(
+    rotary: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) each (b, t, d_rot) from the model's rotary module (Gemma3 takes a layer type)."""
+    if layer_type is not None and "layer_type" in rotary.forward.__code__.co_varnames:
+        cos, sin = rotary(x, position_ids, layer_type)
+    else:
+        cos, sin = rotary(x, position_ids)
+    return cos, sin

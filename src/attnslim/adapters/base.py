@@ -1,0 +1,191 @@
+"""The adapter contract: everything a method may know about a model's architecture.
+
+Methods read `AttentionSpec` / `MLPSpec` and call `replace_attention` / `replace_linear`; they never
+import `transformers.models.*`. One adapter per family, registered by `config.model_type`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from attnslim.errors import AttnslimError
+
+ATTENTION_LINEARS = ("q", "k", "v", "o")
+MLP_LINEARS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding of one layer (None in the spec means learned/absolute positions)."""
+
+    theta: float
+    rotary_dims: int  # number of head dims rotated (== head_dim for full RoPE)
+    layer_type: str = "full_attention"  # key into the model's per-layer-type rotary tables (Gemma3)
+
+
+@dataclass
+class AttentionSpec:
+    """One attention sub-block in canonical form. Weights are `[out, in]` like `nn.Linear.weight`.
+
+    Shapes: q (n_heads*head_dim, hidden), k/v (n_kv_heads*head_dim, hidden), o (hidden, n_heads*head_dim).
+    `q_norm`/`k_norm` (Gemma3 QK-norm) act per head on (..., head_dim) before RoPE.
+    """
+
+    layer: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    scaling: float  # multiplies q·k before softmax
+    rope: RopeSpec | None
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 = MHA, n_heads = MQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    def weight(self, name: str) -> torch.Tensor:
+        return {"q": self.q, "k": self.k, "v": self.v, "o": self.o}[name]
+
+    def bias(self, name: str) -> torch.Tensor | None:
+        return {"q": self.q_bias, "k": self.k_bias, "v": self.v_bias, "o": self.o_bias}[name]
+
+
+@dataclass
+class MLPSpec:
+    """One MLP sub-block: y = down(act(gate(x)) * up(x)) for gated MLPs, down(act(up(x))) otherwise."""
+
+    layer: int
+    up: torch.Tensor  # (inter, hidden)
+    down: torch.Tensor  # (hidden, inter)
+    gate: torch.Tensor | None  # (inter, hidden) for SwiGLU/GeGLU
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    gate_bias: torch.Tensor | None
+    activation: str  # "silu", "gelu_pytorch_tanh", "relu", ...
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = field(repr=False, default=torch.relu)
+
+
+class Adapter:
+    """Base class; subclasses fill in the family-specific attribute paths."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.config: Any = model.config
+
+    # --- structure -------------------------------------------------------------------------
+    def decoder_layers(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def num_layers(self) -> int:
+        return len(self.decoder_layers())
+
+    def attention(self, i: int) -> nn.Module:
+        return self._attn_parent(i).get_submodule(self._attn_name())
+
+    def _attn_parent(self, i: int) -> nn.Module:
+        return self.decoder_layers()[self._check_layer(i)]
+
+    def _attn_name(self) -> str:
+        return "self_attn"
+
+    def replace_attention(self, i: int, module: nn.Module) -> nn.Module:
+        """Install `module` as layer i's attention; returns the module it replaced."""
+        parent = self._attn_parent(i)
+        old = parent.get_submodule(self._attn_name())
+        setattr(parent, self._attn_name(), module)
+        return old
+
+    def linear(self, i: int, name: str) -> nn.Module:
+        """The module behind a canonical linear name (q, k, v, o, gate, up, down) of layer i."""
+        path = self.linear_paths().get(name)
+        if path is None:
+            raise AttnslimError(
+                f"layer {i}: linear {name!r} does not exist in {type(self).__name__}; "
+                f"valid names: {sorted(self.linear_paths())}"
+            )
+        return self.decoder_layers()[self._check_layer(i)].get_submodule(path)
+
+    def replace_linear(self, i: int, name: str, module: nn.Module) -> None:
+        path = self.linear_paths()[name]
+        parent_path, _, attr = path.rpartition(".")
+        layer = self.decoder_layers()[self._check_layer(i)]
+        setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, module)
+
+    def linear_paths(self) -> dict[str, str]:
+        """Canonical linear name -> dotted path inside a decoder layer."""
+        raise NotImplementedError
+
+    def attention_spec(self, i: int) -> AttentionSpec:
+        raise NotImplementedError
+
+    def mlp_spec(self, i: int) -> MLPSpec:
+        raise NotImplementedError
+
+    def attention_norm(self, i: int) -> nn.Module:
+        """The norm applied to the residual stream right before attention."""
+        raise NotImplementedError
+
+    def rotary_embedding(self, layer_type: str = "full_attention") -> nn.Module | None:
+        """The model's rotary module producing (cos, sin) for position ids, or None."""
+        return None
+
+    def layer_types(self) -> list[str]:
+        """Per-layer attention type ("full_attention" / "sliding_attention")."""
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else ["full_attention"] * self.num_layers()
+
+    def embed_tokens(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _check_layer(self, i: int) -> int:
+        n = self.num_layers()
+        if not 0 <= i < n:
+            raise AttnslimError(f"layer index {i} out of range: the model has {n} layers (0..{n - 1})")
+        return i
+
+    # --- parameter groups --------------------------------------------------------------------
+    def param_groups(self) -> dict[str, int]:
+        """Parameter counts per group, from the real tensors (tied weights counted once)."""
+        seen: set[int] = set()
+        groups = {"attention": 0, "mlp": 0, "embedding": 0, "other": 0}
+        attn_ids = set()
+        mlp_ids = set()
+        for i in range(self.num_layers()):
+            attn_ids |= {id(p) for p in self.attention(i).parameters()}
+            mlp_ids |= {id(p) for p in self.mlp(i).parameters()}
+        embed_ids = {id(p) for p in self.embed_tokens().parameters()}
+        for p in self.model.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = (
+                "attention" if id(p) in attn_ids else
+                "mlp" if id(p) in mlp_ids else
+                "embedding" if id(p) in embed_ids else "other"
+            )
+            groups[key] += p.numel()
+        groups["total"] = sum(groups.values())
+        return groups
+
+    def mlp(self, i: int) -> nn.Module:
+        return self.decoder_layers()[self._check_layer(i)].get_submodule("mlp")

@@ -1,0 +1,1 @@
+"""Pure tensor math: no modules, no hooks, no transformers imports."""

@@ -1,0 +1,44 @@
+"""Attention math shared by replacement modules and the adapter contract test."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(b, n_kv, t, d) -> (b, n_kv*groups, t, d): each KV head serves `groups` query heads."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def sliding_keep(keep: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Restrict a (.., q, kv) causal keep-mask to the last `window` keys of each query."""
+    if window is None:
+        return keep
+    q_len, kv_len = keep.shape[-2:]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=keep.device)[:, None]
+    k_pos = torch.arange(kv_len, device=keep.device)[None, :]
+    return keep & (q_pos - k_pos < window)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q (b, h, tq, d), k (b, h, tk, d), v (b, h, tk, dv), keep (b|1, 1|h, tq, tk) -> (b, h, tq, dv).
+
+    Rows with no allowed key (padding) give zeros, never NaN.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling)
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1) @ v

@@ -1,0 +1,1 @@
+"""Compression methods (registered by name)."""

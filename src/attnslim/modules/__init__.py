@@ -1,0 +1,1 @@
+"""Replacement nn.Modules (registered by class name: the load allowlist)."""
