@@ -1,0 +1,5 @@
+import sys
+
+from attnslim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""Perplexity on fixed non-overlapping windows: mean NLL over every predicted token, exp'd."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attnslim.data import TokenWindows
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood (nats per predicted token)
+    predicted_tokens: int
+    windows: int
+    seq_len: int
+    description: str
+
+
+@torch.no_grad()
+def window_nll(model: Any, ids: torch.Tensor) -> tuple[float, int]:
+    """Sum of NLL and number of predicted tokens for a batch of windows ids (b, t)."""
+    logits = model(input_ids=ids, use_cache=False).logits  # (b, t, vocab)
+    nll = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum"
+    )
+    return float(nll), ids[:, 1:].numel()
+
+
+def perplexity(
+    model: Any, windows: TokenWindows, batch_size: int = 1, progress: bool = True, label: str = ""
+) -> PerplexityResult:
+    """Perplexity of `model` on `windows` (the same windows must be used for every compared model)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    ids = windows.ids
+    batches = range(0, ids.shape[0], batch_size)
+    for start in tqdm(batches, desc=f"ppl {label or windows.source}", disable=not progress, leave=False):
+        nll, n = window_nll(model, ids[start : start + batch_size].to(device))
+        total, count = total + nll, count + n
+    mean = total / count
+    return PerplexityResult(
+        ppl=math.exp(mean), nll=mean, predicted_tokens=count, windows=ids.shape[0], seq_len=ids.shape[1],
+        description=windows.description,
+    )
