@@ -9,10 +9,11 @@ window by window and never held. Covariances are mean-centred and normalised by 
 cancels in the correlations, in W and in the NMSE ratio).
 
 Deviations from the reference implementation, and why:
-- no explicit inverse: W C_XX = C_YX is solved with a Cholesky factor of C_XX + δI, where δ is a ridge relative
-  to the mean eigenvalue of C_XX (the reference uses a plain inverse, which breaks on near-singular C_XX);
-- the inverse square roots of the CCA floor eigenvalues at `eig_floor` × λ_max, so numerically null
-  directions are damped instead of amplified into spurious correlations of 1;
+- no explicit inverse: W C_XX = C_YX is solved with a Cholesky factor of C_XX + δI, where δ is a ridge
+  relative to the mean eigenvalue of C_XX (the reference uses a plain inverse, which breaks when C_XX is
+  near-singular);
+- the CCA's inverse square roots floor eigenvalues at `eig_floor` × λ_max, so numerically null directions
+  are damped instead of amplified into spurious correlations of 1;
 - too few tokens (n < d + 1, where every covariance is singular) is an error, not a silently wrong bound.
 """
 
@@ -60,11 +61,11 @@ class JointStats:
         return int(self.sum_y.shape[0])
 
     def update(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Add rows in place: x (..., d_x), y (..., d_y) with equal leading dims; mask (...) bool, True = real token."""
+        """Add rows in place: x (..., d_x), y (..., d_y), equal leading dims; mask (...) bool, True = real."""
         if x.shape[-1] != self.d_x or y.shape[-1] != self.d_y or x.shape[:-1] != y.shape[:-1]:
             raise AttnslimError(
-                f"JointStats.update expects x (..., {self.d_x}) and y (..., {self.d_y}) with equal leading dims, "
-                f"got x {tuple(x.shape)} and y {tuple(y.shape)}"
+                f"JointStats.update expects x (..., {self.d_x}) and y (..., {self.d_y}) with equal leading "
+                f"dims, got x {tuple(x.shape)} and y {tuple(y.shape)}"
             )
         dev = self.sum_x.device
         x2 = x.detach().reshape(-1, self.d_x).to(device=dev, dtype=_F64)  # (N, d_x)
@@ -88,7 +89,8 @@ class JointStats:
         """New stats over both token sets (sums add, so chunked accumulation equals one batch)."""
         if (other.d_x, other.d_y) != (self.d_x, self.d_y):
             raise AttnslimError(
-                f"cannot merge JointStats of dims (d_x, d_y)={(self.d_x, self.d_y)} with {(other.d_x, other.d_y)}"
+                f"cannot merge JointStats of dims (d_x, d_y)={(self.d_x, self.d_y)} "
+                f"with {(other.d_x, other.d_y)}"
             )
         dev = self.sum_x.device
         return JointStats(
@@ -158,8 +160,10 @@ def _inv_sqrt_psd(c: torch.Tensor, eig_floor: float) -> torch.Tensor:
     return (vec * lam.rsqrt()) @ vec.T
 
 
-def canonical_correlations(stats: JointStats, residual: bool = True, eig_floor: float = 1e-10) -> torch.Tensor:
-    """Canonical correlations ρ (min(d_x, d_y),) in [0, 1], descending, of (Y+, X) with Y+ = Y + X (or (Y, X)).
+def canonical_correlations(
+    stats: JointStats, residual: bool = True, eig_floor: float = 1e-10
+) -> torch.Tensor:
+    """Canonical correlations ρ (min(d_x, d_y),) in [0, 1], descending, of (Y+ = Y + X, X), or of (Y, X).
 
     Algorithm 2 of NBL: C_W = C_{Y+Y+}^{-1/2} C_{Y+X} C_XX^{-1/2}; ρ = singular values of C_W.
     """
@@ -203,10 +207,10 @@ def lmmse_map(
 ) -> tuple[torch.Tensor, torch.Tensor, LmmseInfo]:
     """Affine LMMSE fit y ≈ W x + b: W (d_y, d_x) solves W (C_XX + δI) = C_YX, b (d_y,) = E[Y] − W E[X].
 
-    δ = ridge · tr(C_XX) / d_x (relative to the mean eigenvalue). Solved by Cholesky, never an explicit inverse.
+    δ = ridge · tr(C_XX) / d_x (relative to the mean eigenvalue). Cholesky solve, never an explicit inverse.
     """
     if not ridge >= 0.0 or not math.isfinite(ridge):
-        raise AttnslimError(f"ridge must be a finite number ≥ 0 (relative to the mean eigenvalue), got {ridge}")
+        raise AttnslimError(f"ridge must be finite and ≥ 0 (relative to the mean eigenvalue), got {ridge}")
     stats.check()
     if not allow_few_tokens:
         require_tokens(stats.n, stats.d_x, what="lmmse_map")

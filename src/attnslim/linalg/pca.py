@@ -1,21 +1,23 @@
-"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; shared/methods/atp.md).
+"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; methods/atp.md).
 
-ATP writes one sequence's hidden states X (L, d) as X ≈ U X′ with U (L, r) orthonormal columns and X′ (r, d) whose
-row i is σ_i v_iᵀ (uncentred truncated SVD, Eq. 5), then attends over the r rows of X′ instead of the L tokens.
+ATP writes one sequence's hidden states X (L, d) as X ≈ U X′ with U (L, r) orthonormal columns and X′ (r, d)
+whose row i is σ_i v_iᵀ (uncentred truncated SVD, Eq. 5), then attends over the r rows of X′ instead of the
+L tokens.
 
 - `method="exact"`: LAPACK/cuSOLVER SVD, the Eckart–Young optimum.
-- `method="approx"`: the paper's Alg. 1 (rank-1 alternating least squares with deflation, `iters` inner steps),
-  matrix products only. Its initialisation is unspecified in the paper; here v⁰ is the residual's largest-norm row
-  (deterministic, already in the row space). The returned U uses û_i = u_i/‖u_i‖ and X′ = ÛᵀX, which holds exactly
-  because Alg. 1's u_i are mutually orthogonal (each inner loop ends with the v-update).
+- `method="approx"`: the paper's Alg. 1 (rank-1 alternating least squares with deflation, `iters` inner
+  steps), matrix products only. The paper leaves its initialisation open; here v⁰ is the residual's
+  largest-norm row (deterministic, already in the row space). The returned U uses û_i = u_i/‖u_i‖ and
+  X′ = ÛᵀX, which holds exactly because Alg. 1's u_i are mutually orthogonal (each inner loop ends with the
+  v-update).
 
 Conventions shared by both methods, and why:
-- components are sorted by σ descending and given a canonical sign (`sign="colsum"`: Σ_l U_{l,i} > 0 as the notes'
-  G7 recommend, ties by the largest-|·| entry of v_i; `"maxabs"`: largest-|·| entry of v_i positive), so outputs do
-  not depend on the solver's arbitrary sign flips;
-- components with σ ≈ 0 (rank-deficient input, r > rank, padding) come back as exact zero columns of U and zero
-  rows of X′ instead of an arbitrary orthonormal complement: deterministic, never NaN, and detectable with
-  `component_mask` so attention can mask them;
+- components are sorted by σ descending and given a canonical sign (`sign="colsum"`: Σ_l U_{l,i} > 0 as the
+  notes' G7 recommend, ties by the largest-|·| entry of v_i; `"maxabs"`: largest-|·| entry of v_i positive),
+  so outputs do not depend on the solver's arbitrary sign flips;
+- components with σ ≈ 0 (rank-deficient input, r > rank, padding) come back as exact zero columns of U and
+  zero rows of X′ instead of an arbitrary orthonormal complement: deterministic, never NaN, and detectable
+  with `component_mask` so attention can mask them;
 - padded rows (mask False) are zeroed before the decomposition and their rows of U are zero.
 """
 
@@ -44,7 +46,7 @@ def resolve_rank(length: int, rank: int | float) -> int:
         raise AttnslimError(f"rank must be an int in [1, {length}] or a fraction in (0, 1], got {rank!r}")
     if isinstance(rank, int):
         if not 1 <= rank <= length:
-            raise AttnslimError(f"rank r={rank} is out of range for sequence length L={length}: need 1 ≤ r ≤ L")
+            raise AttnslimError(f"r={rank} out of range for sequence length L={length}: need 1 ≤ r ≤ L")
         return rank
     if isinstance(rank, float):
         if not 0.0 < rank <= 1.0:
@@ -65,8 +67,10 @@ def _maxabs_sign(xp: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(xp, idx, dim=-1).squeeze(-1).sign()
 
 
-def canonical_signs(u: torch.Tensor, xp: torch.Tensor, sign: SignRule = "colsum") -> tuple[torch.Tensor, torch.Tensor]:
-    """Flip component i of (u (..., L, r), xp (..., r, d)) so the rule's statistic is positive; u @ xp is unchanged.
+def canonical_signs(
+    u: torch.Tensor, xp: torch.Tensor, sign: SignRule = "colsum"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flip components of u (..., L, r), xp (..., r, d) so the rule's statistic is positive; u @ xp unchanged.
 
     Both rules are odd in the component, so flipping any u_i, x′_i pair before the call gives the same result.
     """
@@ -98,24 +102,24 @@ def _alternating(x: torch.Tensor, m: int, iters: int) -> tuple[torch.Tensor, tor
     """ATP Alg. 1 on x (..., L, d): m deflation steps of `iters` alternating rank-1 updates; matmuls only."""
     tiny = torch.finfo(x.dtype).tiny
     res = x.clone()  # (..., L, d) deflated residual
-    cols = []
+    cols, sigmas = [], []
     for _ in range(m):
         idx = res.square().sum(-1).argmax(-1)  # (...,) largest-norm row of the residual
         v = torch.take_along_dim(res, idx[..., None, None], dim=-2).squeeze(-2)  # (..., d)
         u = torch.zeros_like(res[..., 0])  # (..., L)
         for _ in range(iters):
-            u = (res @ v.unsqueeze(-1)).squeeze(-1) / v.square().sum(-1, keepdim=True).clamp_min(tiny)  # (..., L)
-            v = (res.mT @ u.unsqueeze(-1)).squeeze(-1) / u.square().sum(-1, keepdim=True).clamp_min(tiny)  # (..., d)
+            u = (res @ v.unsqueeze(-1)).squeeze(-1)  # (..., L)
+            u = u / v.square().sum(-1, keepdim=True).clamp_min(tiny)
+            v = (res.mT @ u.unsqueeze(-1)).squeeze(-1)  # (..., d)
+            v = v / u.square().sum(-1, keepdim=True).clamp_min(tiny)
         res = res - u.unsqueeze(-1) * v.unsqueeze(-2)
         cols.append(u)
+        sigmas.append(u.norm(dim=-1) * v.norm(dim=-1))  # (...,) norm of the removed rank-1 term
     u = torch.stack(cols, dim=-1)  # (..., L, m)
-    norm = u.norm(dim=-2, keepdim=True)  # (..., 1, m)
-    u = u / norm.clamp_min(tiny)
+    # judge σ on the deflation itself: a unit vector built from a round-off residual is a random direction
+    keep = torch.stack(sigmas, dim=-1) > _tolerance(x)  # (..., m)
+    u = u / u.norm(dim=-2, keepdim=True).clamp_min(tiny) * keep.unsqueeze(-2).to(u.dtype)
     xp = u.mT @ x  # (..., m, d) = ÛᵀX
-    sigma = xp.norm(dim=-1)  # (..., m)
-    keep = sigma > _tolerance(x)
-    u = u * keep.unsqueeze(-2).to(u.dtype)
-    xp = xp * keep.unsqueeze(-1).to(xp.dtype)
     order = torch.argsort(xp.norm(dim=-1), dim=-1, descending=True, stable=True)  # (..., m)
     u = torch.take_along_dim(u, order.unsqueeze(-2), dim=-1)
     xp = torch.take_along_dim(xp, order.unsqueeze(-1), dim=-2)

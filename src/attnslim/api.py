@@ -1,0 +1,99 @@
+"""`compress(model, tokenizer, recipe)`: the one orchestrator. Mutates the model in place."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.bench import kv_bytes_per_token
+from attnslim.data import calib_windows
+from attnslim.pipeline import run_step
+from attnslim.recipe import Recipe, fingerprint, recipe_to_dict
+from attnslim.registry import METHODS, lookup
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class CompressionReport:
+    recipe: dict[str, Any]
+    recipe_fingerprint: str
+    steps: list[dict[str, Any]]  # per step: method, args, layers (candidates), plan
+    calibration: dict[str, Any]
+    params_before: dict[str, int]
+    params_after: dict[str, int]
+    kv_bytes_per_token_before: float
+    kv_bytes_per_token_after: float
+    seconds: float
+    peak_rss_mb: float
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> dict[str, Any]:
+        """The CLI's one-line JSON: sizes before/after, KV bytes, time, memory."""
+        ratio = {
+            k: self.params_after[k] / self.params_before[k]
+            for k in ("attention", "mlp", "total")
+            if self.params_before.get(k)
+        }
+        return {
+            "recipe": self.recipe.get("name"), "params_before": self.params_before,
+            "params_after": self.params_after, "kept_ratio": ratio,
+            "kv_bytes_per_token": {"before": self.kv_bytes_per_token_before, "after": self.kv_bytes_per_token_after},
+            "seconds": round(self.seconds, 1), "peak_rss_mb": round(self.peak_rss_mb, 1),
+        }
+
+
+def library_versions() -> dict[str, str]:
+    import transformers
+
+    import attnslim
+
+    return {"attnslim": attnslim.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) -> CompressionReport:
+    """Apply every step of `recipe` to `model` (in place) and report what changed."""
+    start = time.time()
+    adapter = get_adapter(model)
+    steps = recipe.resolve(adapter.num_layers(), _methods())
+    before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)["total"]
+    cal = recipe.calibration
+    windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
+    done = []
+    for step, layers in steps:
+        method = lookup(METHODS, "method", step.method).from_args(dict(step.args))
+        with torch.no_grad():
+            plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress)
+        done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
+    return CompressionReport(
+        recipe=recipe_to_dict(recipe), recipe_fingerprint=fingerprint(recipe), steps=done,
+        calibration={"description": windows.description, "tokens": windows.n_tokens,
+                     "fingerprint": windows.fingerprint()},
+        params_before=before, params_after=adapter.param_groups(),
+        kv_bytes_per_token_before=kv_before, kv_bytes_per_token_after=kv_bytes_per_token(model)["total"],
+        seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(),
+    )
+
+
+def _methods() -> dict[str, type]:
+    lookup(METHODS, "method", "drop")  # makes sure the registry is populated
+    return dict(METHODS)
+
+
+def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
+    """Re-create the replacement modules named by saved plans (empty weights; loading fills them)."""
+    adapter = get_adapter(model)
+    for step in steps:
+        method = lookup(METHODS, "method", step["method"]).from_args(dict(step["args"]))
+        for key, entry in step["plan"]["layers"].items():
+            method.skeleton(adapter, int(key), entry)

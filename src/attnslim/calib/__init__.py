@@ -1,0 +1,7 @@
+"""Calibration: hooks (context managers), the layer-by-layer runner, streaming statistics."""
+
+from attnslim.calib.hooks import SITES, capture_sites
+from attnslim.calib.runner import LayerRunner
+from attnslim.calib.stats import GramStats, flatten_tokens
+
+__all__ = ["SITES", "GramStats", "LayerRunner", "capture_sites", "flatten_tokens"]

@@ -1,0 +1,92 @@
+"""Layer-by-layer calibration: capture decoder-layer-0 inputs once, then run one layer at a time.
+
+Peak memory is the model plus the hidden states of the calibration windows (n·t·d floats) plus one
+layer's working set; activations of the whole model are never held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from attnslim.calib.hooks import capture_sites
+
+
+class _Captured(Exception):
+    """Raised by the layer-0 hook to stop the forward pass once its inputs are captured."""
+
+
+class LayerRunner:
+    """Holds the current inputs of one decoder layer for every calibration batch."""
+
+    def __init__(self, model: nn.Module, adapter: Any, windows: torch.Tensor, batch_size: int = 4) -> None:
+        self.model, self.adapter = model, adapter
+        self.hidden: list[torch.Tensor] = []  # per batch (b, t, d)
+        # per batch and layer type: mask, positions, rotary (cos, sin) as the model passes them
+        self.kwargs: list[dict[str, dict[str, Any]]] = []
+        self.layer_types = adapter.layer_types()
+        self._capture(windows, batch_size)
+
+    @torch.no_grad()
+    def _capture(self, windows: torch.Tensor, batch_size: int) -> None:
+        """Record layer 0's input, and the call kwargs of the first layer of each layer type (Gemma3 passes
+        different masks and rotary tables to sliding and full layers); stop the forward after the last one."""
+        layers = self.adapter.decoder_layers()
+        device = next(self.model.parameters()).device
+        first = {t: self.layer_types.index(t) for t in dict.fromkeys(self.layer_types)}
+        stop_at = max(first.values())
+        batch_kwargs: dict[str, dict[str, Any]] = {}
+
+        def make_hook(layer_type: str, index: int) -> Any:
+            def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                kw = dict(kwargs)
+                hidden = args[0] if args else kw.pop("hidden_states")
+                if index == 0:
+                    self.hidden.append(hidden.detach())
+                drop = ("past_key_values", "use_cache")
+                batch_kwargs[layer_type] = {k: v for k, v in kw.items() if k not in drop}
+                if index == stop_at:
+                    raise _Captured
+
+            return hook
+
+        handles = [
+            layers[i].register_forward_pre_hook(make_hook(t, i), with_kwargs=True) for t, i in first.items()
+        ]
+        try:
+            for start in range(0, windows.shape[0], batch_size):
+                batch_kwargs = {}
+                try:
+                    self.model(input_ids=windows[start : start + batch_size].to(device), use_cache=False)
+                except _Captured:
+                    pass
+                self.kwargs.append(batch_kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def run_layer(
+        self, layer: int, sites: set[str] = frozenset(),  # type: ignore[assignment]
+        callback: Callable[[str, torch.Tensor], None] | None = None, advance: bool = True,
+    ) -> None:
+        """Run decoder layer `layer` on every batch, feeding site activations to `callback`.
+
+        With advance=True the stored hidden states become the layer's outputs (the next layer's inputs).
+        """
+        module = self.adapter.decoder_layers()[layer]
+        cb = callback or (lambda site, x: None)
+        with capture_sites(self.adapter, layer, set(sites), cb):
+            for b, (hidden, kwargs) in enumerate(zip(self.hidden, self.kwargs, strict=True)):
+                out = module(hidden, **kwargs[self.layer_types[layer]])
+                out = out[0] if isinstance(out, tuple) else out
+                if advance:
+                    self.hidden[b] = out
+
+    def run_all(self, layers: range, desc: str = "calibration") -> None:
+        for i in tqdm(layers, desc=desc, leave=False):
+            self.run_layer(i)

@@ -1,0 +1,94 @@
+"""The method contract: a frozen dataclass of hyperparameters with four verbs.
+
+    collector(adapter, layer) -> Collector     statistics it needs at one layer (streamed)
+    plan(adapter, layers, stats) -> dict       pure, JSON-serialisable decisions (ranks, chosen layers, ...)
+    convert(adapter, layer, entry, stats)      build and install the replacement modules (math in linalg/)
+    skeleton(adapter, layer, entry)            the same modules, empty, so saved weights can load
+
+`sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
+`selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from attnslim.calib.stats import GramStats
+from attnslim.errors import AttnslimError
+
+
+class Collector:
+    """Receives (site, activation) pairs during a layer's forward; `result()` gives the statistics."""
+
+    sites: set[str] = set()
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+
+class GramCollector(Collector):
+    """Input Gram statistics at each requested site: {site: GramStats}."""
+
+    def __init__(self, sites: set[str]) -> None:
+        self.sites = set(sites)
+        self.stats: dict[str, GramStats] = {}
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:
+        self.stats.setdefault(site, GramStats.empty(x.shape[-1])).update(x)
+
+    def result(self) -> dict[str, GramStats]:
+        return self.stats
+
+
+class NoStats(Collector):
+    sites: set[str] = set()
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:
+        pass
+
+    def result(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Method:
+    name: ClassVar[str] = ""
+    sequential: ClassVar[bool] = True
+    selects_layers: ClassVar[bool] = False
+
+    def collector(self, adapter: Any, layer: int) -> Collector:
+        return NoStats()
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        raise NotImplementedError
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> Method:
+        valid = {f.name for f in fields(cls) if f.init}
+        unknown = set(args) - valid
+        if unknown:
+            raise AttnslimError(
+                f"method {cls.name!r}: unknown argument(s) {sorted(unknown)}; valid: {sorted(valid)}"
+            )
+        return cls(**args)
+
+    def args(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def require(cond: bool, method: str, key: str, value: Any, valid: str) -> None:
+    """Validation helper for __post_init__: ValueError naming the key, the value and the valid range."""
+    if not cond:
+        raise AttnslimError(f"method {method!r}: {key}={value!r} is invalid; valid: {valid}")

@@ -1,0 +1,79 @@
+"""`drop`: remove the attention sub-block of chosen layers (LLM-Drop, arXiv 2406.15786).
+
+Selection "similarity" follows LLM-Drop: importance = 1 − mean_tokens cos(h, h + attn(h)) with h the
+residual stream entering the layer; the `count` least important candidate layers are dropped.
+Selection "given" drops every layer of the step's selector. A dropped layer outputs zero, computes no
+Q/K/V and stores no KV cache (a 1-byte/token position marker, see _compat).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnslim.methods.base import Collector, Method, NoStats, require
+from attnslim.modules.dropped import DroppedAttention
+from attnslim.registry import register_method
+
+
+class SimilarityCollector(Collector):
+    """Mean cosine similarity between the residual stream before and after the attention sub-block."""
+
+    sites = {"resid_in", "attn_out"}
+
+    def __init__(self) -> None:
+        self.pending: torch.Tensor | None = None
+        self.total, self.n = 0.0, 0
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:
+        if site == "resid_in":
+            self.pending = x
+            return
+        assert self.pending is not None, "resid_in must be seen before attn_out"
+        h = self.pending.to(torch.float64)
+        cos = F.cosine_similarity(h, h + x.to(torch.float64), dim=-1)  # (b, t)
+        self.total += float(cos.sum())
+        self.n += cos.numel()
+        self.pending = None
+
+    def result(self) -> float:
+        return self.total / max(self.n, 1)
+
+
+@register_method("drop")
+@dataclass(frozen=True)
+class Drop(Method):
+    count: int | None = None
+    select: str = "similarity"
+    sequential = False
+    selects_layers = True
+
+    def __post_init__(self) -> None:
+        require(self.select in ("similarity", "given"), self.name, "select", self.select, "similarity | given")
+        if self.select == "similarity":
+            require(self.count is not None and self.count >= 0, self.name, "count", self.count,
+                    "an integer >= 0 (how many candidate layers to drop)")
+
+    def collector(self, adapter: Any, layer: int) -> Collector:
+        return SimilarityCollector() if self.select == "similarity" else NoStats()
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        if self.select == "given":
+            return {"layers": {str(i): {} for i in layers}}
+        assert self.count is not None
+        require(self.count <= len(layers), self.name, "count", self.count, f"0..{len(layers)} (the candidates)")
+        importance = {i: 1.0 - stats[i] for i in layers}
+        chosen = sorted(sorted(layers, key=lambda i: importance[i])[: self.count])
+        return {
+            "layers": {str(i): {} for i in chosen},
+            "importance": {str(i): round(v, 6) for i, v in importance.items()},
+        }
+
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        self.skeleton(adapter, layer, entry)
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        adapter.replace_attention(layer, DroppedAttention(layer, adapter.config.hidden_size))

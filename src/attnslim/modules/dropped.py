@@ -1,0 +1,31 @@
+"""`DroppedAttention`: the attention sub-block removed (LLM-Drop baseline). Outputs zeros, stores no KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnslim import _compat
+from attnslim.registry import register_module
+
+
+@register_module
+class DroppedAttention(nn.Module):
+    def __init__(self, layer_idx: int, hidden_size: int) -> None:
+        super().__init__()
+        self.layer_idx, self.hidden_size = layer_idx, hidden_size
+
+    def forward(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
+        return torch.zeros_like(hidden_states), None
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "DroppedAttention"}
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx} (attention removed, no KV cache)"

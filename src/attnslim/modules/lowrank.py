@@ -1,0 +1,71 @@
+"""`LowRankLinear`: y = B (A x) + b, optionally with a block-identity A stored as an index + A2.
+
+Block identity (LatentLLM §3.3): A[:, perm[:r]] = I_r, so A x = x[perm[:r]] + A2 x[perm[r:]] and the
+layer stores r(d_out + d_in) − r² weights — the identity block is neither stored nor multiplied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnslim.registry import register_module
+
+
+@register_module
+class LowRankLinear(nn.Module):
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if not 0 < rank <= min(in_features, out_features):
+            raise ValueError(
+                f"rank={rank} out of range for a {out_features}x{in_features} linear; "
+                f"use 1..{min(in_features, out_features)}"
+            )
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.block_identity = block_identity
+        a_cols = in_features - rank if block_identity else in_features
+        self.a = nn.Parameter(torch.zeros(rank, a_cols, dtype=dtype))  # (r, d_in [- r])
+        self.b = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype))  # (d_out, r)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        # perm[:r] = identity columns, perm[r:] = columns multiplied by A2 (stored, not trained)
+        self.register_buffer("perm", torch.arange(in_features) if block_identity else None)
+
+    @classmethod
+    def from_factors(cls, factors: Any, dtype: torch.dtype) -> LowRankLinear:
+        """Build from `attnslim.linalg.lowrank.LowRankFactors` (B, A, bias, perm)."""
+        d_out, r = factors.B.shape
+        d_in = factors.A.shape[1]
+        mod = cls(d_in, d_out, r, factors.bias is not None, factors.perm is not None, dtype)
+        with torch.no_grad():
+            mod.b.copy_(factors.B)
+            mod.a.copy_(factors.a2 if factors.perm is not None else factors.A)
+            if factors.bias is not None and mod.bias is not None:
+                mod.bias.copy_(factors.bias)
+            if factors.perm is not None:
+                mod.perm.copy_(factors.perm)
+        return mod
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d_in) -> (..., r) = A x."""
+        if not self.block_identity:
+            return F.linear(x, self.a)
+        r = self.rank
+        return x.index_select(-1, self.perm[:r]) + F.linear(x.index_select(-1, self.perm[r:]), self.a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.latent(x), self.b, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """(d_out, d_in) B A, for tests and analysis."""
+        eye = torch.eye(self.in_features, dtype=self.b.dtype, device=self.b.device)
+        return self.forward(eye).T - (0 if self.bias is None else self.bias[:, None])
+
+    def extra_repr(self) -> str:
+        kind = "block-identity" if self.block_identity else "dense factors"
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, {kind}"

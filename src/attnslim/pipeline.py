@@ -1,0 +1,81 @@
+"""Runs one method step over a model: statistics layer by layer, plan, convert (one-shot or sequential)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm import tqdm
+
+from attnslim.calib.runner import LayerRunner
+from attnslim.methods.base import Method
+
+
+def _merge(plan: dict[str, Any], part: dict[str, Any], layer: int) -> None:
+    for key, value in part.items():
+        if key == "layers":
+            plan["layers"].update(value)
+        else:
+            plan.setdefault(key, {})[str(layer)] = value
+
+
+def _collect(runner: LayerRunner, method: Method, adapter: Any, layer: int, advance: bool) -> Any:
+    collector = method.collector(adapter, layer)
+    runner.run_layer(layer, collector.sites, collector, advance=advance)
+    return collector.result()
+
+
+def run_step(
+    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan."""
+    needs_stats = bool(method.collector(adapter, layers[0]).sites)
+    if not needs_stats:
+        plan = method.plan(adapter, layers, {})
+        for key, entry in plan["layers"].items():
+            method.convert(adapter, int(key), entry, None)
+        return plan
+    if method.selects_layers:
+        return _run_selecting(model, adapter, method, layers, windows, batch_size, progress)
+    plan: dict[str, Any] = {"layers": {}}
+    runner = LayerRunner(model, adapter, windows, batch_size)
+    chosen = set(layers)
+    for i in tqdm(range(max(layers) + 1), desc=f"{method.name}", disable=not progress, leave=False):
+        if i not in chosen:
+            runner.run_layer(i)
+            continue
+        stats = _collect(runner, method, adapter, i, advance=not method.sequential)
+        part = method.plan(adapter, [i], {i: stats})
+        _merge(plan, part, i)
+        method.convert(adapter, i, part["layers"][str(i)], stats)
+        if method.sequential:
+            runner.run_layer(i)  # propagate through the converted layer
+    return plan
+
+
+def _run_selecting(
+    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool
+) -> dict[str, Any]:
+    """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""
+    runner = LayerRunner(model, adapter, windows, batch_size)
+    stats: dict[int, Any] = {}
+    for i in tqdm(range(max(layers) + 1), desc=f"{method.name} stats", disable=not progress, leave=False):
+        if i in layers:
+            stats[i] = _collect(runner, method, adapter, i, advance=True)
+        else:
+            runner.run_layer(i)
+    plan = method.plan(adapter, layers, stats)
+    chosen = sorted(int(k) for k in plan["layers"])
+    if not chosen:
+        return plan
+    if not method.sequential:
+        for i in chosen:
+            method.convert(adapter, i, plan["layers"][str(i)], stats[i])
+        return plan
+    runner = LayerRunner(model, adapter, windows, batch_size)  # refit on the already-converted upstream
+    for i in tqdm(range(max(chosen) + 1), desc=f"{method.name} fit", disable=not progress, leave=False):
+        if i in chosen:
+            fresh = _collect(runner, method, adapter, i, advance=False)
+            method.convert(adapter, i, plan["layers"][str(i)], fresh)
+        runner.run_layer(i)
+    return plan
