@@ -16,6 +16,25 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("compress", help="compress a model with a recipe and save it")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--recipe", default="default", help="a recipe name in recipes/ or a YAML path")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("generate", help="greedy generation with the KV cache")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+
+    p = sub.add_parser("demo", help="compress the default model with recipes/default.yaml and compare")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--recipe", default="default")
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--tokens", type=int, default=4096)
+
     p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
@@ -60,3 +79,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(info)
     return 0
+
+
+@command("compress")
+def cmd_compress(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnslim.api import compress
+    from attnslim.errors import AttnslimError
+    from attnslim.io import save
+    from attnslim.models import load_model
+    from attnslim.recipe import apply_overrides, load_recipe
+
+    recipe = apply_overrides(load_recipe(args.recipe), args.set)
+    if Path(args.out).exists() and not args.overwrite:  # refuse before spending minutes compressing
+        raise AttnslimError(f"output directory {args.out} exists; choose another --out or pass --overwrite")
+    model, tokenizer = load_model(args.model)
+    report = compress(model, tokenizer, recipe)
+    save(model, tokenizer, args.out, report.to_json(), overwrite=args.overwrite)
+    summary = report.summary()
+    for group, ratio in summary["kept_ratio"].items():
+        print(f"{group:>9}: {report.params_before[group]:>12,} -> {report.params_after[group]:>12,}  ({ratio:.3f})")
+    kv = summary["kv_bytes_per_token"]
+    print(f"KV cache: {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token; {summary['seconds']} s; "
+          f"peak RSS {summary['peak_rss_mb']} MB; saved to {args.out}")
+    if args.json:
+        emit_json({"out": args.out, **summary})
+    return 0
+
+
+@command("generate")
+def cmd_generate(args: argparse.Namespace) -> int:
+    from attnslim.generate import generate_text
+    from attnslim.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens))
+    return 0
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from attnslim.demo import run_demo
+
+    return run_demo(args.model, args.recipe, args.out, args.tokens)

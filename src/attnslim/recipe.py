@@ -1,0 +1,247 @@
+"""Recipes: calibration data plus ordered steps (one method on a layer selector each); YAML I/O; pure.
+
+YAML is read with a loader that keeps "4:28" a string (YAML 1.1 would read it as the base-60 int 268).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from attnslim.errors import AttnslimError
+
+RECIPES_DIR = Path(__file__).parents[2] / "recipes"
+SOURCES = ("wiki", "ptb", "c4", "tiny")
+SELECTOR_FORMS = '"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, or a list of ints'
+LayerSelector = str | int | tuple[int, ...]
+_SLICE = re.compile(r"^\s*(-?\d+)?\s*:\s*(-?\d+)?\s*$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1 sexagesimal ints, so `layers: 4:28` stays the string "4:28"."""
+
+    yaml_implicit_resolvers = {
+        ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:int"]
+        for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+
+_INT = r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
+
+
+def _check_int(where: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise AttnslimError(f"{where} must be an int, got {type(value).__name__} {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise AttnslimError(f"{where} must be {rng}, got {value}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration data: `windows` token windows of `seq_len` tokens from `source`, shuffled by `seed`."""
+
+    source: str = "wiki"
+    windows: int = 32
+    seq_len: int = 512
+    seed: int = 0
+    batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if not isinstance(src, str) or not (src in SOURCES or (src.startswith("file:") and len(src) > 5)):
+            raise AttnslimError(f"calibration.source must be a str in {SOURCES} or 'file:PATH', got {src!r}")
+        _check_int("calibration.windows", self.windows, 1)
+        _check_int("calibration.seq_len", self.seq_len, 2, 32768)
+        _check_int("calibration.seed", self.seed)
+        _check_int("calibration.batch_size", self.batch_size, 1)
+
+
+def _check_selector(where: str, sel: object) -> LayerSelector:
+    if (isinstance(sel, int) and not isinstance(sel, bool)) or (isinstance(sel, str) and _SLICE.match(sel)):
+        return sel
+    if sel == "all":
+        return "all"
+    if isinstance(sel, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in sel):
+        return tuple(sel)
+    hint = ' (quote slices in YAML: layers: "-6:")' if isinstance(sel, dict) else ""
+    raise AttnslimError(f"{where} = {sel!r} is not a layer selector; valid forms: {SELECTOR_FORMS}{hint}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One method applied to a set of layers with its hyperparameters (`args`, validated by the method)."""
+
+    method: str
+    layers: str | int | Sequence[int] = "all"
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise AttnslimError(f"method must be a non-empty str (method name), got {self.method!r}")
+        object.__setattr__(self, "layers", _check_selector("layers", self.layers))
+        try:  # a JSON round trip copies args and keeps them plain data for compression.json and fingerprints
+            if not isinstance(self.args, dict):
+                raise TypeError(f"got {type(self.args).__name__}, expected a mapping of hyperparameters")
+            object.__setattr__(self, "args", json.loads(json.dumps(self.args)))
+        except (TypeError, ValueError) as e:
+            raise AttnslimError(f"args of {self.method!r} must be str/number/bool/list/dict data: {e}") from e
+
+
+def resolve_layers(selector: str | int | Sequence[int], n_layers: int) -> list[int]:
+    """Sorted unique layer indices that `selector` picks among `n_layers` layers; errors if out of range."""
+    _check_int("n_layers", n_layers, 1)
+
+    def bad(why: str) -> AttnslimError:
+        return AttnslimError(f"layer selector {selector!r} {why} for a model with n_layers={n_layers}; valid "
+                             f"forms: {SELECTOR_FORMS}, indices in [-{n_layers}, {n_layers - 1}]")
+
+    sel = _check_selector("layer selector", selector)
+    if sel == "all":
+        return list(range(n_layers))
+    if isinstance(sel, str):
+        ends = [int(g) if g is not None else None for g in _SLICE.match(sel).groups()]  # type: ignore[union-attr]
+        if any(e is not None and not -n_layers <= e <= n_layers for e in ends):
+            raise bad("is out of range")
+        out = list(range(n_layers))[slice(*ends)]
+    else:
+        idx = [sel] if isinstance(sel, int) else list(sel)
+        if any(not -n_layers <= i < n_layers for i in idx):
+            raise bad("is out of range")
+        out = sorted({i % n_layers for i in idx})
+    if not out:
+        raise bad("selects no layers")
+    return out
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named, ordered list of steps with the calibration data they share."""
+
+    name: str
+    calibration: Calibration = field(default_factory=Calibration)
+    steps: tuple[Step, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise AttnslimError(f"name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
+        if not isinstance(self.description, str):
+            raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
+        object.__setattr__(self, "steps", tuple(self.steps))
+        if not self.steps:
+            raise AttnslimError(f"recipe {self.name!r} has no steps; add at least one under 'steps:'")
+
+    def resolve(self, n_layers: int, methods: Mapping[str, type]) -> list[tuple[Step, list[int]]]:
+        """Each step with its concrete layers; errors on unknown methods and on layers claimed twice."""
+        out: list[tuple[Step, list[int]]] = []
+        for i, step in enumerate(self.steps):
+            if step.method not in methods:
+                raise AttnslimError(f"recipe {self.name!r} step {i} uses unknown method {step.method!r}; "
+                                    f"valid methods: {', '.join(sorted(methods)) or '(none)'}")
+            layers = resolve_layers(step.layers, n_layers)
+            for j, (prev, prev_layers) in enumerate(out):
+                if shared := sorted(set(prev_layers) & set(layers)):
+                    a, b = f"{prev.method}, layers {prev.layers!r}", f"{step.method}, layers {step.layers!r}"
+                    raise AttnslimError(f"recipe {self.name!r}: step {j} ({a}) and step {i} ({b}) both claim "
+                                        f"layers {shared}; give each step disjoint layers")
+            out.append((step, layers))
+        return out
+
+
+def _keys(where: str, d: object, valid: Sequence[str], required: Sequence[str] = ()) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise AttnslimError(f"{where} must be a mapping, got {type(d).__name__} {d!r}")
+    if unknown := sorted(str(k) for k in d if k not in valid):
+        raise AttnslimError(f"{where} has unknown key(s) {unknown}; valid keys: {', '.join(valid)}")
+    if missing := [k for k in required if k not in d]:
+        raise AttnslimError(f"{where} is missing required key(s) {missing}")
+    return d
+
+
+def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
+    """Build and validate a Recipe from plain data (as read from YAML)."""
+    d = _keys("recipe", d, ("name", "description", "calibration", "steps"), ("name", "steps"))
+    cal = _keys("calibration", d.get("calibration") or {}, tuple(f.name for f in fields(Calibration)))
+    if not isinstance(d["steps"], list):
+        raise AttnslimError(f"steps must be a list of steps, got {type(d['steps']).__name__} {d['steps']!r}")
+    steps = []
+    for i, s in enumerate(d["steps"]):
+        s = _keys(f"steps[{i}]", s, ("method", "layers", "args"), ("method",))
+        try:
+            steps.append(Step(s["method"], s.get("layers", "all"), s.get("args") or {}))
+        except AttnslimError as e:
+            raise AttnslimError(f"steps[{i}]: {e}") from e
+    return Recipe(d["name"], Calibration(**cal), tuple(steps), d.get("description") or "")
+
+
+def recipe_to_dict(r: Recipe) -> dict[str, Any]:
+    """Plain data (JSON/YAML-ready) that `recipe_from_dict` turns back into an equal Recipe."""
+    steps = [{"method": s.method, "layers": list(s.layers) if isinstance(s.layers, tuple) else s.layers,
+              "args": json.loads(json.dumps(s.args))} for s in r.steps]
+    cal = {f.name: getattr(r.calibration, f.name) for f in fields(Calibration)}
+    return {"name": r.name, "description": r.description, "calibration": cal, "steps": steps}
+
+
+def load_recipe(path_or_name: str | Path) -> Recipe:
+    """A recipe from a YAML path or a packaged name ("default" -> recipes/default.yaml)."""
+    s = str(path_or_name)
+    is_path = isinstance(path_or_name, Path) or s.endswith((".yaml", ".yml")) or "/" in s or "\\" in s
+    path = Path(s).expanduser() if is_path else RECIPES_DIR / f"{s}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise AttnslimError(f"recipe {s!r} not found ({path}); give a YAML path or a packaged name: {names}")
+    try:
+        return recipe_from_dict(yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader))
+    except yaml.YAMLError as e:
+        raise AttnslimError(f"recipe file {path} is not valid YAML (quote slices like \"-6:\"): {e}") from e
+    except AttnslimError as e:
+        raise AttnslimError(f"{path}: {e}") from e
+
+
+def dump_recipe(r: Recipe, path: str | Path) -> None:
+    """Write `r` as YAML that `load_recipe` reads back into an equal Recipe."""
+    text = yaml.safe_dump(recipe_to_dict(r), sort_keys=False, default_flow_style=None, width=110)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
+    """Apply CLI `--set key=value` overrides (e.g. `steps.0.args.ratio=0.5`); values are parsed as YAML."""
+    d: Any = recipe_to_dict(recipe)
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise AttnslimError(f"override {item!r} must look like key=value, e.g. calibration.windows=64")
+        parts = key.split(".")
+        is_slice = parts[-1] == "layers" and _SLICE.match(raw)
+        value = raw.strip() if is_slice else yaml.load(raw, Loader=_Loader)
+        node = d
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+                idx: Any = int(part)
+            elif isinstance(node, dict) and (part in node or (last and parts[depth - 1 : depth] == ["args"])):
+                idx = part  # a new key is allowed only directly under args (the method validates it)
+            else:
+                valid = (f"indices 0..{len(node) - 1}" if isinstance(node, list) else ", ".join(node)
+                         if isinstance(node, dict) else "nothing, it is a value")
+                raise AttnslimError(f"override path {key!r}: no {part!r} under "
+                                    f"{'.'.join(parts[:depth]) or 'the top level'}; valid: {valid}")
+            if last:
+                node[idx] = value
+            node = node[idx]
+    return recipe_from_dict(d)
+
+
+def fingerprint(recipe: Recipe) -> str:
+    """First 16 hex chars of the sha256 of the recipe's canonical JSON (sorted keys, no spaces)."""
+    canon = json.dumps(recipe_to_dict(recipe), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,28 @@
+"""Test helpers: a tokenizer stand-in for tiny models and a one-step recipe builder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnslim.recipe import Recipe, recipe_from_dict
+
+
+class ByteTokenizer:
+    """Maps characters to ids < vocab: enough for calibration windows on tiny random models."""
+
+    def __init__(self, vocab: int = 128) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text: str, **kw: Any) -> dict[str, list[int]]:
+        return {"input_ids": [(ord(c) * 7) % self.vocab for c in text[:20000]]}
+
+    def save_pretrained(self, directory: Any) -> None:
+        pass
+
+
+def one_step(method: str, args: dict[str, Any], layers: Any = "all", windows: int = 4, seq_len: int = 32) -> Recipe:
+    return recipe_from_dict({
+        "name": f"test-{method}",
+        "calibration": {"source": "tiny", "windows": windows, "seq_len": seq_len, "seed": 0, "batch_size": 2},
+        "steps": [{"method": method, "layers": layers, "args": args}],
+    })

@@ -1,0 +1,166 @@
+"""Compression pipeline on tiny random models: baselines, statistics, save/load, generation, bad input."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from helpers import ByteTokenizer, one_step
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.calib import GramStats
+from attnslim.errors import AttnslimError
+from attnslim.io import load, save
+from attnslim.methods.lowrank_baselines import rank_for_ratio
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _compress(model, method, args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
+        return compress(model, ByteTokenizer(), one_step(method, args, **kw), progress=False)
+
+
+@pytest.mark.parametrize("method", ["svd", "asvd", "svdllm"])
+def test_full_rank_reproduces_dense_logits(llama, method):
+    ref = llama(input_ids=IDS).logits
+    _compress(llama, method, {"rank": 32, "ratio": None, "linears": ["k", "v"]})
+    assert torch.allclose(llama(input_ids=IDS).logits, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["svd", "svdllm"])
+def test_error_falls_as_rank_grows(method):
+    from conftest import tiny_llama
+
+    ref = tiny_llama()(input_ids=IDS).logits
+    errors = []
+    for rank in (2, 8, 16, 32):
+        model = tiny_llama()
+        _compress(model, method, {"rank": rank, "ratio": None, "linears": ["k", "v"]})
+        errors.append(float((model(input_ids=IDS).logits - ref).pow(2).mean()))
+    assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert errors[-1] < 1e-8
+
+
+def test_ratio_gives_real_parameter_count(llama):
+    report = _compress(llama, "svdllm", {"ratio": 0.5})
+    d, kv = 64, 32
+    expected = sum(rank_for_ratio(o, i, 0.5) * (o + i) for o, i in [(d, d), (kv, d), (kv, d), (d, d)]) * 4
+    assert report.params_after["attention"] == expected
+    assert report.params_after["attention"] <= 0.5 * report.params_before["attention"]
+
+
+def test_drop_removes_kv_cache_and_selects_by_similarity(llama):
+    report = _compress(llama, "drop", {"count": 2})
+    plan = report.steps[0]["plan"]
+    assert len(plan["layers"]) == 2 and len(plan["importance"]) == 4
+    chosen = sorted(int(k) for k in plan["layers"])
+    least = sorted(plan["importance"], key=plan["importance"].get)[:2]
+    assert chosen == sorted(int(k) for k in least)
+    per_layer = _compat.cache_bytes_per_layer(_run_cache(llama))
+    for i in range(4):
+        assert (per_layer[i] < 100) == (i in chosen)  # the marker only: 1 byte/token
+
+
+def _run_cache(model):
+    cache = _compat.new_cache(model.config)
+    model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("method,args", [("svdllm", {"ratio": 0.5}), ("drop", {"count": 2})])
+def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args):
+    from transformers import AutoModelForCausalLM
+
+    report = _compress(llama, method, args)
+    ref = llama(input_ids=IDS).logits
+    tok = _SavingTokenizer()
+    out = save(llama, tok, tmp_path / "m", report.to_json())
+    loaded, _ = load(out)
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)
+    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    cached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False)
+    uncached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+class _SavingTokenizer(ByteTokenizer):
+    def save_pretrained(self, directory):
+        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer, models
+
+        vocab = {chr(65 + i): i for i in range(26)} | {"<unk>": 26}
+        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+        fast.save_pretrained(directory)
+
+
+def test_chunked_statistics_equal_one_batch():
+    x = torch.randn(6, 10, 8)
+    mask = torch.rand(6, 10) > 0.3
+    whole = GramStats.empty(8)
+    whole.update(x, mask)
+    parts = GramStats.empty(8)
+    for i in range(0, 6, 2):
+        chunk = GramStats.empty(8)
+        chunk.update(x[i : i + 2], mask[i : i + 2])
+        parts = parts.merge(chunk)
+    assert parts.n == whole.n == int(mask.sum())
+    assert torch.allclose(parts.sxx, whole.sxx) and torch.allclose(parts.ax, whole.ax)
+
+
+def test_nan_statistics_name_the_site():
+    g = GramStats.empty(4)
+    g.update(torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
+    with pytest.raises(AttnslimError, match="layer 3 q"):
+        g.check("layer 3 q")
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [({"ratio": 1.5}, "ratio"), ({"ratio": 0.0}, "ratio"), ({"ratio": None, "rank": 0}, "rank"),
+     ({"ratio": None, "rank": 99}, "exceeds"), ({"linears": ["q", "x"]}, "linears"), ({"bogus": 1}, "bogus")],
+)
+def test_bad_lowrank_arguments(llama, args, match):
+    with pytest.raises(AttnslimError, match=match):
+        _compress(llama, "svd", args)
+
+
+def test_bad_layers_and_methods(llama):
+    with pytest.raises(AttnslimError, match="out of range|layer"):
+        _compress(llama, "svd", {"ratio": 0.5}, layers=[0, 9])
+    with pytest.raises(AttnslimError, match="unknown method|valid"):
+        _compress(llama, "nope", {})
+
+
+def test_calibration_shorter_than_requested(llama):
+    with pytest.raises(AttnslimError, match="too short|tokens"):
+        _compress(llama, "svdllm", {"ratio": 0.5}, seq_len=60000 // 2)
+
+
+def test_save_refuses_existing_dir_and_unknown_format(llama, tmp_path):
+    report = _compress(llama, "drop", {"count": 1})
+    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    with pytest.raises(AttnslimError, match="exists"):
+        save(llama, _SavingTokenizer(), out, report.to_json())
+    info = json.loads((out / "compression.json").read_text())
+    info["format_version"] = 99
+    (out / "compression.json").write_text(json.dumps(info))
+    with pytest.raises(AttnslimError, match="format_version"):
+        load(out)
+    info["format_version"] = 1
+    info["steps"][0]["method"] = "warp"
+    (out / "compression.json").write_text(json.dumps(info))
+    with pytest.raises(AttnslimError, match="unknown method"):
+        load(out)
+    assert not list(tmp_path.glob(".m-*")), "no temporary directory left behind"
+
+
+def test_adapter_param_groups_match_model(llama):
+    groups = get_adapter(llama).param_groups()
+    assert groups["total"] == sum(p.numel() for p in llama.parameters())
