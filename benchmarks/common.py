@@ -1,0 +1,103 @@
+"""Shared benchmark harness: the same evaluation windows for every variant, results saved incrementally.
+
+Each variant = one recipe applied to a fresh copy of the model; results are appended to a JSON file under
+benchmarks/results/ as soon as they exist, so an interrupted run resumes where it stopped (variants whose
+recipe fingerprint is already recorded are skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.api import compress, library_versions
+from attnslim.bench import kv_bytes_per_token
+from attnslim.data import eval_windows
+from attnslim.eval import perplexity
+from attnslim.models import load_model
+from attnslim.recipe import Recipe, fingerprint, recipe_from_dict
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    return {
+        **library_versions(), "python": platform.python_version(), "device": "cpu",
+        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    }
+
+
+class Harness:
+    def __init__(self, name: str, model: str = "smollm2-135m", sources: tuple[str, ...] = ("wiki", "ptb", "c4"),
+                 tokens: int = 8192, seq_len: int = 512) -> None:
+        self.path = RESULTS / f"{name}.json"
+        self.model_name, self.sources, self.tokens, self.seq_len = model, sources, tokens, seq_len
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.data.setdefault("variants", {})
+        self.data.update({
+            "model": model, "eval": {"sources": list(sources), "tokens": tokens, "seq_len": seq_len},
+            "environment": environment(),
+        })
+        self._windows: dict[str, Any] = {}
+
+    def windows(self, tokenizer: Any) -> dict[str, Any]:
+        if not self._windows:
+            self._windows = {s: eval_windows(s, tokenizer, self.tokens, self.seq_len) for s in self.sources}
+            self.data["eval"]["descriptions"] = {s: w.description for s, w in self._windows.items()}
+        return self._windows
+
+    def evaluate(self, model: Any, tokenizer: Any, label: str) -> dict[str, Any]:
+        ppl = {s: perplexity(model, w, label=f"{label}:{s}").ppl for s, w in self.windows(tokenizer).items()}
+        return {"ppl": ppl, "params": get_adapter(model).param_groups(),
+                "kv_bytes_per_token": kv_bytes_per_token(model)["total"]}
+
+    def dense(self) -> dict[str, Any]:
+        if "dense" not in self.data:
+            model, tokenizer = load_model(self.model_name)
+            self.data["dense"] = self.evaluate(model, tokenizer, "dense")
+            self.save()
+        return dict(self.data["dense"])
+
+    def run(self, key: str, recipe: Recipe | dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        recipe = recipe if isinstance(recipe, Recipe) else recipe_from_dict(recipe)
+        done = self.data["variants"].get(key)
+        if done and done.get("recipe_fingerprint") == fingerprint(recipe):
+            print(f"[skip] {key}: already measured", flush=True)
+            return dict(done)
+        dense = self.dense()
+        model, tokenizer = load_model(self.model_name)
+        start = time.time()
+        report = compress(model, tokenizer, recipe)
+        result = self.evaluate(model, tokenizer, key)
+        result.update({
+            "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
+            "plans": [{"method": s["method"], "plan": s["plan"]} for s in report.steps],
+            "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
+            "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),
+            "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in self.sources},
+            "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
+            **(extra or {}),
+        })
+        self.data["variants"][key] = result
+        self.save()
+        ratios = ", ".join(f"{s} {v:.3f}x" for s, v in result["ppl_ratio"].items())
+        print(f"[done] {key}: {ratios}; kept attention {result['kept']['attention']:.3f}", flush=True)
+        return result
+
+    def save(self) -> None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=float))
+        tmp.replace(self.path)
+
+
+def calibration(windows: int = 32, seq_len: int = 512, source: str = "wiki") -> dict[str, Any]:
+    return {"source": source, "windows": windows, "seq_len": seq_len, "seed": 0, "batch_size": 4}

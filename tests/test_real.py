@@ -1,0 +1,90 @@
+"""Checks on the packaged SmolLM2-135M (marked `real`; part of `make test`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnslim.cli import main as cli_main
+from attnslim.data import calib_windows, eval_windows
+from attnslim.errors import AttnslimError
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from attnslim.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def test_loads_as_gqa_llama(smol):
+    model, tokenizer = smol
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "llama", 30, 9, 3)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert tokenizer("Hello world").input_ids == [19556, 905]
+
+
+def test_short_perplexity_in_sane_band(smol):
+    from attnslim.eval import perplexity
+
+    model, tokenizer = smol
+    result = perplexity(model, eval_windows("wiki", tokenizer, tokens=256, seq_len=256), progress=False)
+    assert 3.0 < result.ppl < 30.0, result.ppl  # dense wiki ppl at 8192 tokens is 9.16
+    assert result.predicted_tokens == 255
+
+
+def test_inspect_cli_reports_groups_and_kv(capsys):
+    assert cli_main(["inspect", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "total 134,515,008" in out
+    assert "46,080 bytes/token" in out  # 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 4 bytes
+    assert out.count("LlamaAttention") == 30
+
+
+def test_unknown_model_lists_known_names(capsys):
+    assert cli_main(["eval", "no-such-model", "--data", "wiki"]) == 2
+    assert "smollm2-135m" in capsys.readouterr().err
+
+
+def test_bad_lengths_and_sources(smol):
+    _, tokenizer = smol
+    with pytest.raises(AttnslimError, match="smaller than one window"):
+        eval_windows("wiki", tokenizer, tokens=100, seq_len=512)
+    with pytest.raises(AttnslimError, match="lower --tokens"):
+        eval_windows("tiny", tokenizer, tokens=8192, seq_len=512)
+    with pytest.raises(AttnslimError, match="seq_len"):
+        eval_windows("wiki", tokenizer, tokens=8192, seq_len=1)
+    with pytest.raises(AttnslimError, match="valid"):
+        calib_windows("nope", tokenizer, 2, 64)
+
+
+def test_svdllm_on_real_model_save_load(smol, tmp_path):
+    """SVD-LLM at 80% on three layers: modest loss, identical logits after save/load, cached = uncached."""
+    from attnslim.api import compress
+    from attnslim.io import load, save
+    from attnslim.models import load_model
+    from attnslim.recipe import recipe_from_dict
+
+    model, tokenizer = load_model("smollm2-135m")
+    _, ref_tok = smol
+    ids = eval_windows("wiki", tokenizer, tokens=128, seq_len=128).ids
+    dense = model(input_ids=ids).logits
+    recipe = recipe_from_dict({
+        "name": "t", "calibration": {"source": "wiki", "windows": 4, "seq_len": 128},
+        "steps": [{"method": "svdllm", "layers": [10, 11, 12], "args": {"ratio": 0.8}}],
+    })
+    report = compress(model, tokenizer, recipe, progress=False)
+    logits = model(input_ids=ids).logits
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), dense.log_softmax(-1), log_target=True,
+                                    reduction="batchmean") / ids.shape[1]
+    assert 0 < float(kl) < 0.05, float(kl)
+    assert report.params_after["attention"] < report.params_before["attention"]
+    loaded, _ = load(save(model, tokenizer, tmp_path / "m", report.to_json()))
+    assert torch.equal(loaded(input_ids=ids).logits, logits)
+    prompt = ids[:, :12]
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=5, do_sample=False),
+                       loaded.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=False))
