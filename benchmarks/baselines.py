@@ -23,7 +23,8 @@ def main() -> None:
         for ratio in (0.8, 0.5):
             variants[f"{method}-attn-{int(ratio * 100)}"] = {
                 "name": f"{method}-attn-{int(ratio * 100)}", "calibration": calibration(),
-                "steps": [{"method": method, "layers": "all", "args": {"ratio": ratio, "linears": ["q", "k", "v", "o"]}}],
+                "steps": [{"method": method, "layers": "all",
+                           "args": {"ratio": ratio, "linears": ["q", "k", "v", "o"]}}],
             }
     for count in (3, 6, 9):
         variants[f"drop-{count}"] = {

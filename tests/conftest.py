@@ -22,3 +22,92 @@ def tiny_llama(**overrides):
 @pytest.fixture
 def llama():
     return tiny_llama()
+
+
+def _perturb_biases_and_norms(model, seed: int):
+    """HF initialises biases to 0 and norm gains to 1 (Gemma: 0 for a (1 + w) gain); randomise them so
+    the tests notice a dropped bias or norm. Returns the model in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def _tiny(config_cls, model_cls, base: dict, overrides: dict, seed: int = 0):
+    cfg = {**base, **overrides}
+    torch.manual_seed(seed)
+    return _perturb_biases_and_norms(model_cls(config_cls(**cfg)), seed)
+
+
+_COMMON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    max_position_embeddings=256, initializer_range=0.1, attn_implementation="sdpa",
+)
+
+
+def tiny_qwen2(**overrides):
+    """Qwen2: GQA, q/k/v biases, sliding window (4) in layers >= 2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    base = dict(
+        _COMMON, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
+        use_sliding_window=True, sliding_window=4, max_window_layers=2,
+    )
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, base, overrides)
+
+
+def tiny_mistral(**overrides):
+    """Mistral: GQA, untied head, sliding window (4) in every layer (no `layer_types` in its config)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    base = dict(
+        _COMMON, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False,
+        sliding_window=4,
+    )
+    return _tiny(MistralConfig, MistralForCausalLM, base, overrides)
+
+
+def tiny_gemma3(**overrides):
+    """Gemma3 text: MQA, QK-norm, sliding (window 4) and full layers with different RoPE thetas,
+    scaling from query_pre_attn_scalar (24, deliberately != head_dim)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    base = dict(
+        _COMMON, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return _tiny(Gemma3TextConfig, Gemma3ForCausalLM, base, overrides)
+
+
+def tiny_opt(**overrides):
+    """OPT: MHA with q/k/v/out biases, learned positions, ReLU fc1/fc2 MLP, pre-norm."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    base = dict(
+        _COMMON, ffn_dim=96, enable_bias=True, do_layer_norm_before=True, word_embed_proj_dim=64,
+        tie_word_embeddings=True, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+    )
+    base.pop("intermediate_size")
+    return _tiny(OPTConfig, OPTForCausalLM, base, overrides)
+
+
+TINY_BUILDERS = {
+    "llama": tiny_llama,
+    "qwen2": tiny_qwen2,
+    "mistral": tiny_mistral,
+    "gemma3": tiny_gemma3,
+    "opt": tiny_opt,
+}
+
+
+@pytest.fixture(params=sorted(TINY_BUILDERS))
+def tiny_model(request):
+    """Each supported family's tiny model in turn."""
+    return TINY_BUILDERS[request.param]()

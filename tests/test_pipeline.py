@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-from helpers import ByteTokenizer, one_step
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
@@ -16,6 +15,7 @@ from attnslim.calib import GramStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.methods.lowrank_baselines import rank_for_ratio
+from helpers import ByteTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -92,8 +92,8 @@ def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args
 
 class _SavingTokenizer(ByteTokenizer):
     def save_pretrained(self, directory):
-        from transformers import PreTrainedTokenizerFast
         from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
 
         vocab = {chr(65 + i): i for i in range(26)} | {"<unk>": 26}
         fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))

@@ -86,8 +86,14 @@ def new_cache(config: Any) -> Any:
 def rotary_cos_sin(
     rotary: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) each (b, t, d_rot) from the model's rotary module (Gemma3 takes a layer type)."""
-    if layer_type is not None and "layer_type" in rotary.forward.__code__.co_varnames:
+    """(cos, sin) each (b, t, d_rot) from the model's rotary module (Gemma3 takes a layer type).
+
+    HF wraps `forward` in decorators (`torch.no_grad`, `dynamic_rope_update`), so the wrapper's own
+    `__code__` only shows (*args, **kwargs); `inspect.signature` follows `__wrapped__` to the real one.
+    """
+    import inspect
+
+    if layer_type is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
         cos, sin = rotary(x, position_ids, layer_type)
     else:
         cos, sin = rotary(x, position_ids)

@@ -35,6 +35,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--out", default="out/demo")
     p.add_argument("--tokens", type=int, default=4096)
 
+    p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--what", required=True, help="linearity (NBL CCA bounds); more as methods land")
+    p.add_argument("--m", type=int, default=6, help="linearity: how many layers to select")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--source", default="wiki")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
@@ -123,3 +132,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from attnslim.demo import run_demo
 
     return run_demo(args.model, args.recipe, args.out, args.tokens)
+
+
+ANALYSES = ("linearity",)
+
+
+@command("analyze")
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from attnslim.errors import AttnslimError
+    from attnslim.models import load_model
+
+    if args.what not in ANALYSES:
+        raise AttnslimError(f"unknown analysis {args.what!r}; valid: {', '.join(ANALYSES)}")
+    model, tokenizer = load_model(args.model)
+    calibration = {"source": args.source, "windows": args.windows, "seq_len": args.seq_len, "seed": 0}
+    from attnslim.analysis.linearity import format_linearity, linearity_report
+
+    report = linearity_report(model, tokenizer, calibration, args.m)
+    print(format_linearity(report))
+    if args.json:
+        emit_json(report)
+    return 0

@@ -18,7 +18,7 @@ def describe_attention(module: Any) -> dict[str, Any]:
         info["heads"] = cfg.num_attention_heads
         info["kv_heads"] = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     ranks = {
-        name: getattr(sub, "rank")
+        name: sub.rank
         for name, sub in module.named_children()
         if hasattr(sub, "rank")
     }

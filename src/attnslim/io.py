@@ -78,7 +78,7 @@ def load(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any
     del config.auto_map
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     apply_skeletons(model, info["steps"])
-    for name, module in model.named_modules():
+    for module in model.modules():
         kind = type(module)
         if kind.__module__.startswith("attnslim.") and kind.__name__ not in MODULES:
             lookup(MODULES, "module", kind.__name__)  # raises naming the unknown module

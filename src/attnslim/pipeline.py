@@ -31,10 +31,10 @@ def run_step(
     """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan."""
     needs_stats = bool(method.collector(adapter, layers[0]).sites)
     if not needs_stats:
-        plan = method.plan(adapter, layers, {})
-        for key, entry in plan["layers"].items():
+        direct = method.plan(adapter, layers, {})
+        for key, entry in direct["layers"].items():
             method.convert(adapter, int(key), entry, None)
-        return plan
+        return direct
     if method.selects_layers:
         return _run_selecting(model, adapter, method, layers, windows, batch_size, progress)
     plan: dict[str, Any] = {"layers": {}}

@@ -89,7 +89,7 @@ class Adapter:
     model_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # an HF PreTrainedModel; its submodules are reached by attribute
         self.config: Any = model.config
 
     # --- structure -------------------------------------------------------------------------
@@ -115,18 +115,37 @@ class Adapter:
         setattr(parent, self._attn_name(), module)
         return old
 
+    def replace_attention_norm(self, i: int, module: nn.Module) -> nn.Module:
+        """Install `module` (e.g. nn.Identity) as layer i's pre-attention norm; returns the one replaced.
+
+        Generic: finds the direct child of the decoder layer that `attention_norm(i)` returns.
+        """
+        layer, norm = self.decoder_layers()[self._check_layer(i)], self.attention_norm(i)
+        for name, child in layer.named_children():
+            if child is norm:
+                setattr(layer, name, module)
+                return norm
+        raise AttnslimError(
+            f"layer {i}: the pre-attention norm {type(norm).__name__} is not a direct child of the decoder "
+            f"layer in {type(self).__name__}; override replace_attention_norm for this family"
+        )
+
     def linear(self, i: int, name: str) -> nn.Module:
         """The module behind a canonical linear name (q, k, v, o, gate, up, down) of layer i."""
+        return self.decoder_layers()[self._check_layer(i)].get_submodule(self._linear_path(i, name))
+
+    def _linear_path(self, i: int, name: str) -> str:
         path = self.linear_paths().get(name)
         if path is None:
             raise AttnslimError(
                 f"layer {i}: linear {name!r} does not exist in {type(self).__name__}; "
                 f"valid names: {sorted(self.linear_paths())}"
             )
-        return self.decoder_layers()[self._check_layer(i)].get_submodule(path)
+        return path
 
     def replace_linear(self, i: int, name: str, module: nn.Module) -> None:
-        path = self.linear_paths()[name]
+        """Install `module` in place of layer i's canonical linear `name`."""
+        path = self._linear_path(i, name)
         parent_path, _, attr = path.rpartition(".")
         layer = self.decoder_layers()[self._check_layer(i)]
         setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, module)
@@ -145,17 +164,31 @@ class Adapter:
         """The norm applied to the residual stream right before attention."""
         raise NotImplementedError
 
+    def attention_output_norm(self, i: int) -> nn.Module | None:
+        """Norm applied to the attention output before the residual add (Gemma3), else None."""
+        return None
+
     def rotary_embedding(self, layer_type: str = "full_attention") -> nn.Module | None:
         """The model's rotary module producing (cos, sin) for position ids, or None."""
         return None
 
     def layer_types(self) -> list[str]:
-        """Per-layer attention type ("full_attention" / "sliding_attention")."""
+        """Per-layer attention type ("full_attention" / "sliding_attention").
+
+        Without `config.layer_types`, a config with a `sliding_window` (Mistral) slides in every layer.
+        """
         types = getattr(self.config, "layer_types", None)
-        return list(types) if types else ["full_attention"] * self.num_layers()
+        if types:
+            return list(types)
+        uniform = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        return [uniform] * self.num_layers()
 
     def embed_tokens(self) -> nn.Module:
         raise NotImplementedError
+
+    def embeddings(self) -> list[nn.Module]:
+        """Modules counted as the "embedding" parameter group (token and learned position tables)."""
+        return [self.embed_tokens()]
 
     def _check_layer(self, i: int) -> int:
         n = self.num_layers()
@@ -168,12 +201,14 @@ class Adapter:
         """Parameter counts per group, from the real tensors (tied weights counted once)."""
         seen: set[int] = set()
         groups = {"attention": 0, "mlp": 0, "embedding": 0, "other": 0}
-        attn_ids = set()
-        mlp_ids = set()
+        attn_ids: set[int] = set()
+        mlp_ids: set[int] = set()
+        mlp_names = [name for name in MLP_LINEARS if name in self.linear_paths()]
         for i in range(self.num_layers()):
             attn_ids |= {id(p) for p in self.attention(i).parameters()}
-            mlp_ids |= {id(p) for p in self.mlp(i).parameters()}
-        embed_ids = {id(p) for p in self.embed_tokens().parameters()}
+            # via the canonical linears, so MLPs without a container module (OPT's fc1/fc2) count too
+            mlp_ids |= {id(p) for name in mlp_names for p in self.linear(i, name).parameters()}
+        embed_ids = {id(p) for m in self.embeddings() for p in m.parameters()}
         for p in self.model.parameters():
             if id(p) in seen:
                 continue
@@ -188,4 +223,36 @@ class Adapter:
         return groups
 
     def mlp(self, i: int) -> nn.Module:
+        """Layer i's MLP container module (families without one raise)."""
         return self.decoder_layers()[self._check_layer(i)].get_submodule("mlp")
+
+    # --- spec builders shared by adapters ------------------------------------------------------
+    def _linear_weights(self, i: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [out, in], bias or None) of canonical linear `name`, detached."""
+        lin = self.linear(i, name)
+        weight, bias = getattr(lin, "weight", None), getattr(lin, "bias", None)
+        if not isinstance(weight, torch.Tensor):
+            raise AttnslimError(
+                f"layer {i}: linear {name!r} is a {type(lin).__name__} without a dense weight; "
+                "read specs before replacing linears"
+            )
+        return weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None
+
+    def _attention_spec_from_linears(self, i: int, **fields: Any) -> AttentionSpec:
+        """AttentionSpec with q/k/v/o weights/biases from the canonical linears; `fields` gives the rest."""
+        tensors: dict[str, Any] = {}
+        for name in ATTENTION_LINEARS:
+            tensors[name], tensors[f"{name}_bias"] = self._linear_weights(i, name)
+        return AttentionSpec(layer=i, hidden_size=self.config.hidden_size, **tensors, **fields)
+
+    def _mlp_spec_from_linears(
+        self, i: int, activation: str, act_fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> MLPSpec:
+        """MLPSpec from the canonical linears; `gate` is None when the family has no gate linear."""
+        up, up_bias = self._linear_weights(i, "up")
+        down, down_bias = self._linear_weights(i, "down")
+        gate, gate_bias = self._linear_weights(i, "gate") if "gate" in self.linear_paths() else (None, None)
+        return MLPSpec(
+            layer=i, up=up, down=down, gate=gate, up_bias=up_bias, down_bias=down_bias,
+            gate_bias=gate_bias, activation=activation, act_fn=act_fn,
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RopeSpec
@@ -18,10 +20,6 @@ _PATHS = {
 }
 
 
-def _bias(linear: nn.Module):
-    return None if getattr(linear, "bias", None) is None else linear.bias.detach()
-
-
 @register_adapter
 class LlamaAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2")
@@ -36,7 +34,10 @@ class LlamaAdapter(Adapter):
         return self.model.model.embed_tokens
 
     def attention_norm(self, i: int) -> nn.Module:
-        return self.decoder_layers()[self._check_layer(i)].input_layernorm
+        return self._layer(i).input_layernorm
+
+    def _layer(self, i: int) -> Any:
+        return self.decoder_layers()[self._check_layer(i)]
 
     def rotary_embedding(self, layer_type: str = "full_attention") -> nn.Module | None:
         return self.model.model.rotary_emb
@@ -52,39 +53,17 @@ class LlamaAdapter(Adapter):
         cfg = self.config
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        lin = {name: self.linear(i, name) for name in ("q", "k", "v", "o")}
-        layer_type = self.layer_types()[i]
+        layer_type = self.layer_types()[self._check_layer(i)]
         window = getattr(cfg, "sliding_window", None) if layer_type == "sliding_attention" else None
-        return AttentionSpec(
-            layer=i,
-            hidden_size=cfg.hidden_size,
+        return self._attention_spec_from_linears(
+            i,
             n_heads=n_heads,
             n_kv_heads=cfg.num_key_value_heads,
             head_dim=head_dim,
-            q=lin["q"].weight.detach(),
-            k=lin["k"].weight.detach(),
-            v=lin["v"].weight.detach(),
-            o=lin["o"].weight.detach(),
-            q_bias=_bias(lin["q"]),
-            k_bias=_bias(lin["k"]),
-            v_bias=_bias(lin["v"]),
-            o_bias=_bias(lin["o"]),
             scaling=head_dim**-0.5,
             rope=self._rope(head_dim, layer_type),
             sliding_window=window,
         )
 
     def mlp_spec(self, i: int) -> MLPSpec:
-        lin = {name: self.linear(i, name) for name in ("gate", "up", "down")}
-        mlp = self.mlp(i)
-        return MLPSpec(
-            layer=i,
-            up=lin["up"].weight.detach(),
-            down=lin["down"].weight.detach(),
-            gate=lin["gate"].weight.detach(),
-            up_bias=_bias(lin["up"]),
-            down_bias=_bias(lin["down"]),
-            gate_bias=_bias(lin["gate"]),
-            activation=str(self.config.hidden_act),
-            act_fn=mlp.act_fn,
-        )
+        return self._mlp_spec_from_linears(i, str(self.config.hidden_act), self._layer(i).mlp.act_fn)

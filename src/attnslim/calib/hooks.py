@@ -41,7 +41,7 @@ def site_module(adapter: Any, layer: int, site: str) -> tuple[nn.Module, bool]:
     if site == "o_in":
         return adapter.linear(layer, "o"), True
     if site == "mlp_in":
-        return adapter.mlp(layer), True
+        return adapter.linear(layer, "up"), True
     if site == "down_in":
         return adapter.linear(layer, "down"), True
     if site == "resid_in":

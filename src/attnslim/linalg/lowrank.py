@@ -168,14 +168,15 @@ def factorize(
         raise ValueError(
             f"{label}: center/update_bias need a bias; pass b = zeros(d_out) to add one, or center=False"
         )
-    w64 = w.to(_F64)
+    dev = stats.sxx.device  # all math runs where the statistics live
+    w64 = w.to(dev, _F64)
     pc = preconditioner(stats, precond, damp=damp, alpha=alpha, center=center, label=label)
     u, s, vh = torch.linalg.svd(pc.right(w64), full_matrices=False)  # (d_out, k) (k,) (k, d_in)
     u, s, vh = u[:, :rank], s[:rank], vh[:rank]
     big_b, a, perm = _apply_junction(u, s, pc.right_inv(vh), junction)
-    bias = None if b is None else b.to(_F64)
+    bias = None if b is None else b.to(dev, _F64)
     if update_bias and bias is not None:
-        bias = bias + (w64 - big_b @ a) @ stats.mean.to(w64.device)
+        bias = bias + (w64 - big_b @ a) @ stats.mean
     return LowRankFactors(big_b, a, bias, perm)
 
 
@@ -206,9 +207,10 @@ def rrr(
         )
     check_rank(rank, min(n_out, n_in), "rank", label)
     n = s_stats.n
-    mu_s, mu_t = s_stats.mean, st.to(_F64) / n
+    dev = s_stats.sxx.device
+    mu_s, mu_t = s_stats.mean, st.to(dev, _F64) / n
     c = s_stats.centred_cov if fit_bias else s_stats.corr  # (n_in, n_in)
-    k = sts.to(_F64) / n  # (n_out, n_in)
+    k = sts.to(dev, _F64) / n  # (n_out, n_in)
     if fit_bias:
         k = k - torch.outer(mu_t, mu_s)
     e, q, _ = damped_eigh(c, damp, label=label, n=n)

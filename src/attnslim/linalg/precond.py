@@ -202,7 +202,7 @@ def _diag_precond(kind: str, p: torch.Tensor, damp: float, label: str) -> Precon
     if bool(dead.any()):
         floor = damp * float(p.mean())
         if floor <= 0.0:
-            raise ValueError(f"{label}: precond {kind!r} is zero on every input channel; the input is all zeros")
+            raise ValueError(f"{label}: precond {kind!r} is zero on every input channel (all-zero input)")
         warnings.warn(
             f"{label}: {int(dead.sum())} of {p.numel()} input channels are never active; "
             f"precond {kind!r} floors them at {floor:.3g} (damp = {damp})",

@@ -17,6 +17,8 @@ from attnslim.registry import register_module
 
 @register_module
 class LowRankLinear(nn.Module):
+    perm: torch.Tensor  # (d_in,) long; only meaningful with block_identity
+
     def __init__(
         self, in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
         dtype: torch.dtype = torch.float32,
