@@ -44,6 +44,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--source", default="wiki")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("bench", help="params, KV bytes, FLOPs, prefill/decode speed (interleaved vs --vs)")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--vs", default=None, help="reference model (default: none; ratios need one)")
+    p.add_argument("--contexts", default="512,2048")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
@@ -152,4 +160,21 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     print(format_linearity(report))
     if args.json:
         emit_json(report)
+    return 0
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    from attnslim.bench.report import bench_models, format_bench
+    from attnslim.models import load_model
+
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    models = {}
+    if args.vs:
+        models[args.vs] = load_model(args.vs)
+    models[args.model] = load_model(args.model)
+    result = bench_models(models, contexts, args.new_tokens, args.repeats)
+    print(format_bench(result))
+    if args.json:
+        emit_json(result)
     return 0

@@ -1,0 +1,43 @@
+"""FLOPs per generated token at a given context length, counted from the real modules.
+
+Linear layers cost 2 FLOPs per weight (LowRankLinear's real parameter count is used, so the block-identity
+saving shows). The attention core (scores + weighted values) costs 4·context·n_heads·head_dim for standard
+attention; replacement modules report their own through `attention_flops(context)` (0 for dropped or
+linearized layers). Embedding lookups are free; the LM head is counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from attnslim.adapters import get_adapter
+
+
+def _linear_weights(module: nn.Module) -> int:
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            total += sub.weight.numel()
+        elif type(sub).__name__ == "LowRankLinear":
+            total += sum(p.numel() for name, p in sub.named_parameters() if name in ("a", "b"))
+    return total
+
+
+def flops_per_token(model: Any, context: int) -> dict[str, float]:
+    adapter = get_adapter(model)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    core = 0.0
+    for i in range(adapter.num_layers()):
+        attn: Any = adapter.attention(i)
+        if hasattr(attn, "attention_flops"):
+            core += float(attn.attention_flops(context))
+        elif not list(attn.parameters()):  # dropped: no attention core
+            continue
+        else:
+            core += 4.0 * context * cfg.num_attention_heads * head_dim
+    layers = sum(2.0 * _linear_weights(layer) for layer in adapter.decoder_layers())
+    head = 2.0 * sum(p.numel() for p in model.get_output_embeddings().parameters())
+    return {"linear": layers, "attention_core": core, "lm_head": head, "total": layers + core + head}

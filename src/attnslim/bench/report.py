@@ -1,0 +1,61 @@
+"""`attnslim bench`: sizes, KV bytes, FLOPs and speed of one or more models, interleaved in one run."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.bench.flops import flops_per_token
+from attnslim.bench.kv import kv_bytes_per_token
+from attnslim.bench.speed import interleaved
+from attnslim.errors import AttnslimError
+
+PROBE = "The quick brown fox jumps over the lazy dog. 1234 résumé naïve"
+
+
+def check_same_tokenizer(tokenizers: dict[str, Any]) -> None:
+    names = list(tokenizers)
+    ref = tokenizers[names[0]](PROBE).input_ids
+    for name in names[1:]:
+        if tokenizers[name](PROBE).input_ids != ref or len(tokenizers[name]) != len(tokenizers[names[0]]):
+            raise AttnslimError(
+                f"{name} and {names[0]} use different tokenizers; speed and perplexity comparisons need the "
+                "same tokenizer: compare a compressed model with the model it was compressed from"
+            )
+
+
+def bench_models(models: dict[str, tuple[Any, Any]], contexts: list[int], new_tokens: int = 32,
+                 repeats: int = 5) -> dict[str, Any]:
+    check_same_tokenizer({n: tok for n, (_, tok) in models.items()})
+    out: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu",
+                           "threads": torch.get_num_threads(), "sizes": {}}
+    for name, (model, _) in models.items():
+        out["sizes"][name] = {
+            "params": get_adapter(model).param_groups(),
+            "kv_bytes_per_token": kv_bytes_per_token(model)["total"],
+            "flops_per_token": {str(c): flops_per_token(model, c)["total"] for c in contexts},
+        }
+    out["speed"] = interleaved({n: m for n, (m, _) in models.items()}, contexts, new_tokens, repeats)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    speed = result["speed"]
+    lines = [f"device: {result['device']} ({result['threads']} threads); medians of {speed['repeats']} "
+             f"interleaved repetitions; ratios vs {speed['reference']}"]
+    for name, size in result["sizes"].items():
+        p = size["params"]
+        lines.append(f"{name}: params total {p['total']:,} (attention {p['attention']:,}, mlp {p['mlp']:,}); "
+                     f"KV {size['kv_bytes_per_token']:,.0f} B/token")
+        for ctx, row in speed["models"][name].items():
+            lines.append(
+                f"  context {ctx:>5}: prefill {row['prefill_s'] * 1000:8.1f} ms ({row['prefill_ratio']:.2f}x)  "
+                f"decode {row['decode_tok_s']:7.1f} tok/s ({row['decode_ratio']:.2f}x)  "
+                f"FLOPs/token {size['flops_per_token'][ctx]:.3g}"
+            )
+    lines.append(f"peak RSS {result['peak_rss_mb']:.0f} MB")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Prefill latency and decode speed, measured for several models interleaved in one run (medians, ratios).
+
+Timing discipline (gpt-fast style): warm-up runs first; each repetition times every model once, in turn,
+so machine noise hits all models alike; we report medians and the ratio to the first (reference) model.
+Decode is a manual greedy loop over the model's KV cache (what generate() does, minus sampling logic).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnslim import _compat
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) for one prompt ids (1, L)."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    cache = _compat.new_cache(model.config)
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    token = out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return prefill, (time.perf_counter() - start) / max(new_tokens, 1)
+
+
+def interleaved(
+    models: dict[str, Any], contexts: list[int], new_tokens: int = 32, repeats: int = 5, warmup: int = 1,
+    prompt: Callable[[int], torch.Tensor] | None = None, progress: bool = True,
+) -> dict[str, Any]:
+    """Median prefill latency / decode tokens per second per model and context, plus ratios to the first model."""
+    names = list(models)
+    make = prompt or (lambda n: torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)))
+    device = next(models[names[0]].parameters()).device
+    result: dict[str, Any] = {"device": str(device), "contexts": contexts, "new_tokens": new_tokens,
+                              "repeats": repeats, "reference": names[0], "models": {n: {} for n in names}}
+    for ctx in contexts:
+        ids = make(ctx)
+        samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        for rep in range(warmup + repeats):
+            for name in names:
+                t = time_prefill_decode(models[name], ids, new_tokens)
+                if rep >= warmup:
+                    samples[name].append(t)
+            if progress:
+                print(f"  context {ctx}: repetition {rep + 1}/{warmup + repeats}", flush=True)
+        for name in names:
+            prefill = statistics.median(s[0] for s in samples[name])
+            per_token = statistics.median(s[1] for s in samples[name])
+            result["models"][name][str(ctx)] = {"prefill_s": prefill, "decode_tok_s": 1.0 / per_token}
+    ref = result["models"][names[0]]
+    for name in names:
+        for ctx in contexts:
+            row = result["models"][name][str(ctx)]
+            row["prefill_ratio"] = row["prefill_s"] / ref[str(ctx)]["prefill_s"]
+            row["decode_ratio"] = row["decode_tok_s"] / ref[str(ctx)]["decode_tok_s"]
+    return result
