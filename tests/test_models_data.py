@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from helpers import ByteTokenizer
 
 from attnslim.data import calib_windows, eval_windows, load_text
 from attnslim.errors import AttnslimError
 from attnslim.models import load as load_mod
 from attnslim.models import zoo
+from helpers import ByteTokenizer
 
 
 def _fake_entry(tmp_path, monkeypatch):

@@ -164,3 +164,16 @@ def test_save_refuses_existing_dir_and_unknown_format(llama, tmp_path):
 def test_adapter_param_groups_match_model(llama):
     groups = get_adapter(llama).param_groups()
     assert groups["total"] == sum(p.numel() for p in llama.parameters())
+
+
+def test_report_renders_plan_and_sizes(llama, tmp_path):
+    from attnslim.report import write_report
+
+    report = _compress(llama, "drop", {"count": 1})
+    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    html_path, md_path = write_report(out)
+    html, md = html_path.read_text(), md_path.read_text()
+    assert html.startswith("<!doctype html>") and "<svg" in html and "KV bytes/token" in html
+    assert "Step 1: drop" in md and f"{report.params_after['total']:,}" in md
+    with pytest.raises(AttnslimError, match="not a compressed model"):
+        write_report(tmp_path)

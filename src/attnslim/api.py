@@ -31,6 +31,8 @@ class CompressionReport:
     params_after: dict[str, int]
     kv_bytes_per_token_before: float
     kv_bytes_per_token_after: float
+    kv_bytes_per_layer_dense: list[float]
+    kv_bytes_per_layer_after: list[float]
     seconds: float
     peak_rss_mb: float
     versions: dict[str, str] = field(default_factory=dict)
@@ -66,7 +68,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     start = time.time()
     adapter = get_adapter(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
-    before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)["total"]
+    before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done = []
@@ -75,12 +77,14 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         with torch.no_grad():
             plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress)
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
+    kv_after = kv_bytes_per_token(model)
     return CompressionReport(
         recipe=recipe_to_dict(recipe), recipe_fingerprint=fingerprint(recipe), steps=done,
         calibration={"description": windows.description, "tokens": windows.n_tokens,
                      "fingerprint": windows.fingerprint()},
         params_before=before, params_after=adapter.param_groups(),
-        kv_bytes_per_token_before=kv_before, kv_bytes_per_token_after=kv_bytes_per_token(model)["total"],
+        kv_bytes_per_token_before=kv_before["total"], kv_bytes_per_token_after=kv_after["total"],
+        kv_bytes_per_layer_dense=kv_before["per_layer"], kv_bytes_per_layer_after=kv_after["per_layer"],
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(),
     )
 

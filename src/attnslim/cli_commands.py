@@ -52,6 +52,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("report", help="write report.html and report.md into a compressed directory")
+    p.add_argument("directory")
+
     p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
@@ -177,4 +180,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_bench(result))
     if args.json:
         emit_json(result)
+    return 0
+
+
+@command("report")
+def cmd_report(args: argparse.Namespace) -> int:
+    from attnslim.report import write_report
+
+    html, md = write_report(args.directory)
+    print(f"wrote {html} and {md}")
     return 0

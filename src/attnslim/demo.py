@@ -9,6 +9,8 @@ from attnslim.bench import kv_bytes_per_token
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
 from attnslim.generate import generate_text
+from attnslim.io import COMPRESSION_JSON
+from attnslim.report import write_report
 
 SOURCES = ("wiki", "ptb", "c4")
 PROMPT = "The history of the city begins"
@@ -31,6 +33,18 @@ def format_table(before: dict[str, Any], after: dict[str, Any], tokens: int) -> 
     return "\n".join(rows)
 
 
+def record_metrics(out: str, before: dict[str, Any], after: dict[str, Any], tokens: int) -> None:
+    """Add the measured before/after perplexities to compression.json (the report reads them)."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / COMPRESSION_JSON
+    info = json.loads(path.read_text())
+    info["metrics"] = {f"{s} ppl": {"before": before["ppl"][s], "after": after["ppl"][s]} for s in SOURCES}
+    info["metrics_description"] = f"first {tokens} tokens of each evaluation split, 512-token windows"
+    path.write_text(json.dumps(info, indent=1))
+
+
 def run_demo(model_name: str, recipe_name: str, out: str, tokens: int) -> int:
     from attnslim.api import compress
     from attnslim.io import load, save
@@ -44,11 +58,15 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int) -> int:
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
     report = compress(model, tokenizer, recipe)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
-    save(model, tokenizer, out, report.to_json(), overwrite=True)
+    info = report.to_json()
+    save(model, tokenizer, out, info, overwrite=True)
     del model
     model, tokenizer = load(out)
     after = measure(model, tokenizer, tokens)
     print(format_table(before, after, tokens))
+    record_metrics(out, before, after, tokens)
+    html, _ = write_report(out)
+    print(f"report: {html}")
     print(f"\nprompt: {PROMPT!r}\n  dense     : {dense_text!r}")
     print(f"  compressed: {generate_text(model, tokenizer, PROMPT, 30)!r}")
     return 0
