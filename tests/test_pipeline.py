@@ -177,3 +177,19 @@ def test_report_renders_plan_and_sizes(llama, tmp_path):
     assert "Step 1: drop" in md and f"{report.params_after['total']:,}" in md
     with pytest.raises(AttnslimError, match="not a compressed model"):
         write_report(tmp_path)
+
+
+@pytest.mark.parametrize("method,args", [("svdllm", {"ratio": 0.6}), ("drop", {"count": 2})])
+def test_every_family_compresses_saves_and_generates(tiny_model, tmp_path, method, args):
+    """Baselines on each family: logits change, save/load is exact, cached generation equals uncached."""
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    dense = tiny_model(input_ids=ids).logits
+    report = _compress(tiny_model, method, args)
+    logits = tiny_model(input_ids=ids).logits
+    assert not torch.allclose(logits, dense) and torch.isfinite(logits).all()
+    assert report.params_after["attention"] < report.params_before["attention"]
+    loaded, _ = load(save(tiny_model, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    assert torch.equal(loaded(input_ids=ids).logits, logits)
+    cached = loaded.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    uncached = loaded.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(cached, uncached)
