@@ -1,6 +1,13 @@
 """Replacement nn.Modules (registered by class name: the load allowlist)."""
 
+from attnslim.modules import principal, principal_serving  # noqa: F401
 from attnslim.modules.dropped import DroppedAttention
+from attnslim.modules.latent import LatentAttention
+from attnslim.modules.linearized import LinearizedAttention
 from attnslim.modules.lowrank import LowRankLinear
+from attnslim.modules.shared import DonorAttention, SharedAttention
 
-__all__ = ["DroppedAttention", "LowRankLinear"]
+__all__ = [
+    "DonorAttention", "DroppedAttention", "LatentAttention", "LinearizedAttention", "LowRankLinear",
+    "SharedAttention",
+]

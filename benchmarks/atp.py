@@ -1,0 +1,321 @@
+"""ATP measurements of issue 7 on smollm2-135m → benchmarks/results/atp.json (+ BENCHMARKS.md via make_report).
+
+Groups (--groups, comma-separated; default all four):
+  lowrank   the paper's Fig. 1/5 on the real model: ⌈2^μ⌉/L and the energy kept by the top ⌈f·L⌉ components of
+            the embeddings and of every attention layer's input, over --lowrank-n sequences of each length
+  serving   continuation perplexity of the serving form: --n sequences of --context + --continuation tokens
+            from wiki and c4; the context is compressed at --context (r = f·context, f = 1/2, 1/4, 1/8, exact
+            recent --window) and the continuation is scored; against the full cache (dense) and the equal-
+            budget baselines (recent window; sink + recent), plus ablations at f = 1/4 (the paper's orthonormal
+            principal keys "principal-mix", and principal without the merged mass). KV bytes/token are read
+            from a real cache after prefilling one context.
+  choice    prompt-level multiple-choice accuracy (eval/choice.py: next-word items, answer read at the last
+            position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
+            recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
+            interrupted run resumes); dense zero-shot and dense + the same LoRA recipe as references
+  speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
+            attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
+            core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
+
+    .venv/bin/python benchmarks/atp.py                                   # everything (many hours on a 2-core CPU)
+    .venv/bin/python benchmarks/atp.py --groups serving --n 4 --context 256 --continuation 64 --name atp-small
+    .venv/bin/python benchmarks/make_report.py
+Results are saved after every variant; a rerun skips what its JSON already holds (same settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, environment
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.analysis.lowrank import format_lowrank, lowrank_report
+from attnslim.data import eval_windows
+from attnslim.eval.choice import choice_accuracy, choice_items
+from attnslim.linalg.attention import repeat_kv, softmax_attention
+from attnslim.methods.atp import Atp
+from attnslim.models import load_model
+from attnslim.modules.principal import PrincipalKeyAttention
+from attnslim.modules.principal_serving import continuation_nll
+from attnslim.train.lora import LoraRecipe, recover_with_lora
+
+FRACTIONS = {"1/2": 0.5, "1/4": 0.25, "1/8": 0.125}
+PAPER_FRACTIONS = {"1/2": 0.5, "1/3": 1 / 3, "1/4": 0.25}
+
+
+class Store:
+    """The results JSON in make_report's schema (eval/dense/variants/notes) plus raw per-group data."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.path = RESULTS / f"{name}.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        setting = {"context": args.context, "continuation": args.continuation, "n": args.n, "window": args.window}
+        if self.data.get("setting") != setting:  # serving numbers of other settings are not comparable
+            self.data.update({"dense": {}, "variants": {}, "setting": setting})
+        self.data.setdefault("groups", {})
+        self.data.update({"model": args.model, "environment": environment(), "eval": {
+            "sources": args.sources, "tokens": args.n * (args.context + args.continuation),
+            "seq_len": args.context + args.continuation,
+            "descriptions": self.data.get("eval", {}).get("descriptions", {}),
+        }})
+
+    def save(self) -> None:
+        self.data["notes"] = notes(self.data)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=float))
+        tmp.replace(self.path)
+
+
+def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None) -> Any:
+    """Restore the dense attention modules, then (if args) apply atp with `args` to every layer."""
+    adapter = get_adapter(model)
+    for i, module in dense.items():
+        adapter.replace_attention(i, module)
+    if args is not None:
+        method = Atp(**args)
+        for i in dense:
+            method.convert(adapter, i, {}, None)
+    return model
+
+
+# --- serving ----------------------------------------------------------------------------------------------------
+
+def serving_variants(window: int) -> dict[str, dict[str, Any] | None]:
+    out: dict[str, dict[str, Any] | None] = {}
+    for label, f in FRACTIONS.items():
+        for compress in ("principal", "recent", "sink"):
+            out[f"{compress} r={label}"] = {"rank": f, "form": "serving", "window": window, "compress": compress}
+    out["principal-mix r=1/4"] = {"rank": 0.25, "form": "serving", "window": window, "compress": "principal-mix"}
+    out["principal no-mass r=1/4"] = {"rank": 0.25, "form": "serving", "window": window, "mass": False}
+    return out
+
+
+def kv_bytes_per_token(model: Any, ids: torch.Tensor) -> float:
+    """Bytes the cache really holds after prefilling one context, per context token."""
+    cache = _compat.new_cache(model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return sum(_compat.cache_bytes_per_layer(cache)) / ids.shape[1]
+
+
+def run_serving(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], args: argparse.Namespace) -> None:
+    seq = args.context + args.continuation
+    windows = {s: eval_windows(s, tokenizer, tokens=args.n * seq, seq_len=seq) for s in args.sources}
+    store.data["eval"]["descriptions"] = {
+        s: f"{w.description}; ppl of the last {args.continuation} tokens after {args.context} context tokens"
+        for s, w in windows.items()
+    }
+    variants: dict[str, dict[str, Any] | None] = {"dense": None, **serving_variants(args.window)}
+    for key, atp_args in variants.items():
+        done = store.data["dense"] if key == "dense" else store.data["variants"].get(key)
+        if done:
+            print(f"[skip] {key}", flush=True)
+            continue
+        install(model, dense, atp_args)
+        start, ppl = time.time(), {}
+        for source, w in windows.items():
+            total, count = 0.0, 0
+            for row in w.ids:
+                nll, n = continuation_nll(model, row[None], args.context)
+                total, count = total + nll, count + n
+            ppl[source] = math.exp(total / count)
+        probe = windows[args.sources[0]].ids[:1, : args.context]
+        result = {"ppl": ppl, "kv_bytes_per_token": kv_bytes_per_token(model, probe),
+                  "seconds": round(time.time() - start, 1)}
+        if key == "dense":
+            store.data["dense"] = result
+        else:
+            dense_ppl = store.data["dense"]["ppl"]
+            result.update({"args": atp_args, "ppl_ratio": {s: ppl[s] / dense_ppl[s] for s in ppl},
+                           "kept": {"attention": 1.0, "total": 1.0}, "compress_seconds": "–"})
+            store.data["variants"][key] = result
+        store.save()
+        print(f"[done] {key}: " + ", ".join(f"{s} {v:.3f}" for s, v in ppl.items()), flush=True)
+
+
+# --- choice -----------------------------------------------------------------------------------------------------
+
+def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], args: argparse.Namespace) -> None:
+    group = store.data["groups"].setdefault("choice", {"results": {}})
+    items = choice_items("wiki", tokenizer, n=args.choice_n, context=args.choice_context)
+    recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch)
+    group.update({"items": items.description, "lora": {**vars(recipe), "targets": list(recipe.targets)},
+                  "lora_source": "wiki calibration split (first 90% of documents)"})
+    variants: dict[str, dict[str, Any] | None] = {"dense": None}
+    variants |= {f"atp {label}": {"rank": f, "form": "paper"} for label, f in PAPER_FRACTIONS.items()}
+    for key, atp_args in variants.items():
+        for lora in (False, True):
+            name = f"{key} + LoRA" if lora else key
+            if name in group["results"] or (lora and args.lora_steps == 0):
+                continue
+            install(model, dense, atp_args)
+            state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
+            log: dict[str, Any] = {}
+            if lora:
+                work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-")
+                model, log = recover_with_lora(model, tokenizer, recipe, work, stop_after=args.lora_stop_after)
+                if log["step"] < recipe.steps:
+                    print(f"[paused] {name} at step {log['step']}/{recipe.steps}; rerun to continue", flush=True)
+                    model.load_state_dict(state)
+                    continue
+            res = choice_accuracy(model, items)
+            group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
+                                      "lora_seconds": round(log.get("seconds", 0.0), 1),
+                                      "lora_final_loss": log["losses"][-1] if log else None}
+            if state is not None:
+                model.load_state_dict(state)  # merged LoRA weights out again before the next variant
+            store.save()
+            print(f"[done] {name}: acc {res.acc:.3f} acc_norm {res.acc_norm:.3f}", flush=True)
+
+
+# --- speed -------------------------------------------------------------------------------------------------------
+
+def standard_attention(module: PrincipalKeyAttention, x: torch.Tensor, cos_sin: Any) -> torch.Tensor:
+    """The same layer as dense causal attention (projections, RoPE, SDPA over L keys, o_proj)."""
+    q, k = module.qk_post(module.heads(module.q_proj(x)), module.heads(module.k_proj(x)), cos_sin)
+    assert q is not None and k is not None
+    v, groups = module.heads(module.v_proj(x)), module.n_heads // module.n_kv_heads
+    out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups),
+                                                           is_causal=True, scale=module.scaling)
+    return module.merge(out)
+
+
+def time_length(layers: dict[str, PrincipalKeyAttention], rotary: Any, hidden: int, length: int,
+                args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of each variant at one sequence length, timed interleaved after warm-up."""
+    ref, r = layers["exact"], args.speed_rank
+    hd, groups = ref.head_dim, ref.n_heads // ref.n_kv_heads
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(1, length, hidden, generator=gen)
+    cos_sin = _compat.rotary_cos_sin(rotary, x, torch.arange(length)[None], None)
+    q = torch.randn(1, ref.n_heads, length, hd, generator=gen)
+    kv = repeat_kv(torch.randn(1, ref.n_kv_heads, length, hd, generator=gen), groups)
+    kp, keep = kv[:, :, :r], torch.ones(1, 1, 1, r, dtype=torch.bool)
+    fns = {
+        "standard layer (SDPA, causal)": lambda: standard_attention(ref, x, cos_sin),
+        f"principal layer r={r} (exact SVD)": lambda: layers["exact"](x, cos_sin)[0],
+        f"principal layer r={r} (Alg. 1)": lambda: layers["approx"](x, cos_sin)[0],
+        "standard core (SDPA over L keys)": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, kv, kv, is_causal=True, scale=ref.scaling),
+        f"principal core (over r={r} keys)": lambda: softmax_attention(q, kp, kp, keep, ref.scaling),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.no_grad():
+        for rep in range(args.speed_warmup + args.speed_repeats):
+            for key, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if rep >= args.speed_warmup:
+                    samples[key].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def run_speed(store: Store, model: Any, args: argparse.Namespace) -> None:
+    adapter = get_adapter(model)
+    spec = adapter.attention_spec(0)
+    layers = {svd: PrincipalKeyAttention(spec, args.speed_rank, svd) for svd in ("exact", "approx")}  # type: ignore[arg-type]
+    rows: dict[str, dict[str, float]] = {}
+    for length in args.lengths:
+        rows[str(length)] = time_length(layers, adapter.rotary_embedding(), spec.hidden_size, length, args)
+        print(f"[speed] L={length}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rows[str(length)].items()),
+              flush=True)
+    store.data["groups"]["speed"] = {"rank": args.speed_rank, "repeats": args.speed_repeats,
+                                     "threads": torch.get_num_threads(), "seconds": rows}
+    store.save()
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+def notes(data: dict[str, Any]) -> list[str]:
+    """Markdown for the groups make_report's perplexity table does not cover."""
+    out: list[str] = []
+    setting = data.get("setting", {})
+    if data.get("variants"):
+        out += [f"Serving form: r = fraction × {setting.get('context')}-token context, exact window "
+                f"{setting.get('window')}, 4 sink tokens (principal, sink); KV B/token = bytes held after prefilling "
+                "one context ÷ context length (dense 1.0×). The perplexity is of the continuation only.", ""]
+    groups = data.get("groups", {})
+    if "lowrank" in groups:
+        out += ["### Low-rankness of layer inputs (paper Fig. 1/5)", "", *groups["lowrank"]["table"].splitlines(), ""]
+    if "choice" in groups:
+        ch = groups["choice"]
+        out += ["### Prompt-level multiple choice, paper layer (non-causal)", "", f"Items: {ch['items']}.  ",
+                f"LoRA: rank {ch['lora']['rank']} on q/k/v, {ch['lora']['steps']} steps × batch "
+                f"{ch['lora']['batch_size']}, lr {ch['lora']['lr']}, on {ch['lora_source']}.", "",
+                "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
+        for key, v in ch["results"].items():
+            out.append(f"| {key} | {v['acc']:.3f} | {v['acc_norm']:.3f} | {v['lora_seconds']} | "
+                       f"{v['lora_final_loss'] if v['lora_final_loss'] is not None else '–'} |")
+        out.append("")
+    if "speed" in groups:
+        sp = groups["speed"]["seconds"]
+        lengths = list(sp)
+        keys = list(sp[lengths[0]])
+        out += [f"### One attention layer against sequence length (ms, median of {groups['speed']['repeats']}; "
+                f"{groups['speed']['threads']} threads)", "",
+                "| variant | " + " | ".join(f"L={n}" for n in lengths) + f" | growth {lengths[0]}→{lengths[-1]} |",
+                "|---|" + "---|" * (len(lengths) + 1)]
+        for key in keys:
+            cells = " | ".join(f"{sp[n][key] * 1e3:.1f}" for n in lengths)
+            out.append(f"| {key} | {cells} | {sp[lengths[-1]][key] / sp[lengths[0]][key]:.1f}× |")
+        out.append("")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--groups", default="lowrank,serving,choice,speed")
+    p.add_argument("--name", default="atp")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--sources", default="wiki,c4")
+    p.add_argument("--n", type=int, default=8, help="sequences per source (serving)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--lowrank-n", type=int, default=8)
+    p.add_argument("--lowrank-lengths", default="128,256,512,1024")
+    p.add_argument("--choice-n", type=int, default=200)
+    p.add_argument("--choice-context", type=int, default=256)
+    p.add_argument("--lora-steps", type=int, default=300)
+    p.add_argument("--lora-batch", type=int, default=4)
+    p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")
+    p.add_argument("--lora-dir", default="runs/atp_lora")
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: sequence lengths")
+    p.add_argument("--speed-rank", type=int, default=128)
+    p.add_argument("--speed-repeats", type=int, default=5)
+    p.add_argument("--speed-warmup", type=int, default=1)
+    args = p.parse_args()
+    args.sources = args.sources.split(",")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    groups = set(args.groups.split(","))
+    store = Store(args.name, args)
+    model, tokenizer = load_model(args.model)
+    adapter = get_adapter(model)
+    dense = {i: adapter.attention(i) for i in range(adapter.num_layers())}
+    if "lowrank" in groups and "lowrank" not in store.data["groups"]:
+        lengths = [int(x) for x in args.lowrank_lengths.split(",")]
+        report = lowrank_report(model, tokenizer, "wiki", lengths=lengths, n=args.lowrank_n)
+        store.data["groups"]["lowrank"] = {"report": report, "table": format_lowrank(report)}
+        store.save()
+        print(format_lowrank(report), flush=True)
+    if "serving" in groups:
+        run_serving(store, model, tokenizer, dense, args)
+    if "choice" in groups:
+        run_choice(store, model, tokenizer, dense, args)
+    if "speed" in groups:
+        run_speed(store, install(model, dense, None), args)
+    store.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""LatentLLM measurements of issue 4 on smollm2-135m, every variant in the same harness (benchmarks/common.py).
+
+Groups (--groups, comma-separated; default all):
+  attn       attention-only (q, k, v, o) at 80% and 50% kept attention parameters: svd, asvd, svdllm, local
+             root-covariance with dense factors and with block identity, LatentLLM (joint QK + separate V/O)
+             with the paper's uniform ranks and with the default spectrum allocation, joint V/O (Remark 11),
+             RoPE-aware joint QK (8-offset window)
+  precond    joint QK (+ V/O) with each pre-conditioner of Table 1, at 80%, uniform ranks
+  whole      attention + MLP at 90/80/70% of all parameters: LatentLLM (joint UD), local MLP, SVD-LLM
+  kv         KV bytes/token against perplexity: LatentLLM at more ratios, and kv_ratio sweeps (q, o full rank)
+  speed      decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved)
+
+    .venv/bin/python benchmarks/latentllm.py                         # the full run (hours on a 2-core CPU)
+    .venv/bin/python benchmarks/latentllm.py --groups whole --only latentllm-total-80   # alone: honest peak RSS
+    .venv/bin/python benchmarks/latentllm.py --name latentllm-small --tokens 2048 --windows 16 --groups attn
+    .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
+
+Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from typing import Any
+
+from common import Harness, calibration
+
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.bench import interleaved
+from attnslim.methods.latentllm_ranks import ATTENTION, MLP, kappa_for_total
+from attnslim.models import load_model
+from attnslim.recipe import recipe_from_dict
+
+ALL_LINEARS = [*ATTENTION, *MLP]
+PRECONDS = ("identity", "hessian", "l1", "l2", "cov", "rootcov")
+
+
+def step(method: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"method": method, "layers": "all", "args": args}
+
+
+def attention_variants(ratio: float) -> dict[str, list[dict[str, Any]]]:
+    p = int(round(ratio * 100))
+    qkvo = ["q", "k", "v", "o"]
+    uni = {"ratio": ratio, "alloc": "uniform"}  # the notes' per-matrix rule (the paper's)
+    out = {f"{m}-attn-{p}": [step(m, {"ratio": ratio, "linears": qkvo})] for m in ("svd", "asvd", "svdllm")}
+    out |= {
+        f"local-rootcov-dense-{p}": [step("latentllm", {**uni, "qk": "split", "junction": "left"})],
+        f"local-rootcov-blockid-{p}": [step("latentllm", {**uni, "qk": "split"})],
+        f"latentllm-uniform-{p}": [step("latentllm", uni)],
+        f"latentllm-vojoint-uniform-{p}": [step("latentllm", {**uni, "vo": "joint"})],
+        f"local-rootcov-blockid-spectrum-{p}": [step("latentllm", {"ratio": ratio, "qk": "split"})],
+        f"latentllm-{p}": [step("latentllm", {"ratio": ratio})],  # defaults: joint QK, alloc spectrum
+        f"latentllm-rope8-{p}": [step("latentllm", {"ratio": ratio, "rope_window": 8})],
+    }
+    return out
+
+
+def precond_variants() -> dict[str, list[dict[str, Any]]]:
+    """Table 1 ablation with the paper's uniform ranks, so only the pre-conditioner changes."""
+    return {f"jointqk-{pc}-uniform-80": [step("latentllm", {"ratio": 0.8, "alloc": "uniform", "precond": pc})]
+            for pc in PRECONDS}
+
+
+def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for ratio in (0.9, 0.8, 0.7):
+        p = int(round(ratio * 100))
+        out[f"latentllm-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio, "mlp": "joint_ud"})]
+        out[f"latentllm-localmlp-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
+                                                                   "mlp": "local"})]
+        kappa = kappa_for_total(shapes, n_layers, total, ratio, "left")  # the same total with dense factors
+        out[f"svdllm-total-{p}"] = [step("svdllm", {"ratio": round(kappa, 6), "linears": ALL_LINEARS})]
+    return out
+
+
+def kv_variants() -> dict[str, list[dict[str, Any]]]:
+    out = {f"latentllm-{int(r * 100)}": [step("latentllm", {"ratio": r})] for r in (0.9, 0.7, 0.6)}
+    for kv in (0.75, 0.6, 0.5, 0.4):  # q and o at full rank: only the cached projections are cut
+        out[f"latentllm-kvonly-{int(kv * 100)}"] = [step("latentllm", {"ratio": 1.0, "kv_ratio": kv})]
+    out["latentllm-80-kv50"] = [step("latentllm", {"ratio": 0.8, "kv_ratio": 0.5})]
+    return out
+
+
+def model_shapes(model_name: str) -> tuple[dict[str, tuple[int, int]], int, int]:
+    model, _ = load_model(model_name)
+    adapter = get_adapter(model)
+    shapes = {n: tuple(adapter.linear(0, n).weight.shape) for n in ALL_LINEARS}
+    return shapes, adapter.num_layers(), adapter.param_groups()["total"]  # type: ignore[return-value]
+
+
+def speed(h: Harness, keys: list[str], recipes: dict[str, dict[str, Any]], contexts: list[int],
+          new_tokens: int, repeats: int) -> None:
+    """Decode tokens/s and prefill time of dense and each variant, interleaved in one run (ratios to dense)."""
+    models: dict[str, Any] = {}
+    dense, tokenizer = load_model(h.model_name)
+    models["dense"] = dense.eval()
+    for key in keys:
+        model, _ = load_model(h.model_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compress(model, tokenizer, recipe_from_dict(recipes[key]), progress=False)
+        models[key] = model.eval()
+    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
+    h.data["speed"] = result
+    h.save()
+    lines = ["Decode speed (greedy, HF DynamicCache, float32; medians of interleaved repetitions, ratio to dense):", "",
+             "| model | " + " | ".join(f"decode tok/s @{c} (×dense) | prefill ms @{c}" for c in contexts) + " |",
+             "|---|" + "---|---|" * len(contexts)]
+    for name, rows in result["models"].items():
+        cells = " | ".join(f"{rows[str(c)]['decode_tok_s']:.1f} ({rows[str(c)]['decode_ratio']:.2f}×) | "
+                           f"{rows[str(c)]['prefill_s'] * 1000:.0f}" for c in contexts)
+        lines.append(f"| {name} | {cells} |")
+    h.data["notes"] = lines
+    h.save()
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="latentllm", help="results file benchmarks/results/NAME.json")
+    parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per source")
+    parser.add_argument("--sources", default="wiki,ptb,c4")
+    parser.add_argument("--windows", type=int, default=32, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
+    parser.add_argument("--groups", default="attn,precond,whole,kv,speed")
+    parser.add_argument("--only", default="", help="comma-separated variant keys to run")
+    parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument("--speed-variants", default="latentllm-80,latentllm-densecache-80,svdllm-attn-80")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
+    cal = calibration(args.windows, args.seq_len)
+    groups = set(args.groups.split(","))
+    variants: dict[str, list[dict[str, Any]]] = {}
+    if "attn" in groups:
+        variants |= attention_variants(0.8) | attention_variants(0.5)
+    if "precond" in groups:
+        variants |= precond_variants()
+    if "whole" in groups:
+        variants |= whole_variants(*model_shapes(h.model_name))
+    if "kv" in groups:
+        variants |= kv_variants()
+    recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
+    recipes["latentllm-80"] = {"name": "latentllm-80", "calibration": cal, "steps": [step("latentllm", {"ratio": 0.8})]}
+    recipes["latentllm-densecache-80"] = {"name": "latentllm-densecache-80", "calibration": cal,
+                                          "steps": [step("latentllm", {"ratio": 0.8, "cache": "dense"})]}
+    recipes["svdllm-attn-80"] = {"name": "svdllm-attn-80", "calibration": cal,
+                                 "steps": [step("svdllm", {"ratio": 0.8, "linears": ["q", "k", "v", "o"]})]}
+    only = {k for k in args.only.split(",") if k}
+    h.dense()
+    for key in variants:
+        if not only or key in only:
+            start = time.time()
+            h.run(key, recipes[key])
+            print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+    if "speed" in groups:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        speed(h, args.speed_variants.split(","), recipes, contexts, args.new_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""LISA (issue 6) on smollm2-135m: the paper's analyses, LISA on ~50% / ~70% of the layers after a CPU
+distillation budget, `ds` on the same layers, the Table-8 ablation (+Align / +Diff.), K-cache bytes per
+token and decode speed against the dense model in the same run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py                 # full: results/lisa.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --small --out /tmp/lisa_small.json
+    .venv/bin/python benchmarks/make_report.py                            # regenerates BENCHMARKS.md
+
+Layers: `select_layers(30, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity
+sweep (never the first 3 layers nor the last). Training: `train/distill.py` with the budget of --steps x
+--batch x --seq-len tokens from the wiki calibration split, teacher = the dense model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import Harness
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.analysis.similarity import (
+    format_sensitivity,
+    format_similarity,
+    sensitivity_cost,
+    sensitivity_report,
+    similarity_report,
+)
+from attnslim.api import compress
+from attnslim.bench import interleaved
+from attnslim.methods.lisa import select_layers
+from attnslim.models import load_model
+from attnslim.recipe import recipe_from_dict
+from attnslim.train.distill import DistillConfig, distill
+
+ABLATIONS = {"align-only": {"compensate": False}, "diff-only": {"align": False, "integrate": "add"}}
+
+
+def key_cache_bytes(model: Any, tokens: int = 64) -> list[float]:
+    """Bytes per token of the *keys* each layer's cache holds (K, K_LR, or the 1-byte DS marker)."""
+    ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = _compat.new_cache(model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [layer.keys.numel() * layer.keys.element_size() / tokens for layer in cache.layers]
+
+
+def recipe(name: str, method: str, layers: list[int], args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "calibration": {"source": "wiki", "windows": 1, "seq_len": 64, "seed": 0},
+            "steps": [{"method": method, "layers": layers, "args": args}]}
+
+
+class LisaBench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.h = Harness("lisa", tokens=args.tokens, seq_len=args.eval_seq_len)
+        if args.out:  # another results file: start from its own contents, not from lisa.json's
+            self.h.path = Path(args.out)
+            old = json.loads(self.h.path.read_text()) if self.h.path.exists() else {"variants": {}}
+            self.h.data = {**old, **{k: self.h.data[k] for k in ("model", "eval", "environment")}}
+        self.dense, self.tokenizer = load_model("smollm2-135m")
+        self.h.data["dense_key_cache_bytes_per_token"] = key_cache_bytes(self.dense)
+        self.train = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr)
+
+    def analyses(self) -> dict[int, float] | None:
+        a = self.args
+        if a.skip_analysis:
+            return None
+        if "analysis" not in self.h.data:
+            start = time.time()
+            sim = similarity_report(self.dense, self.tokenizer, "wiki", a.sim_windows, a.analysis_seq_len)
+            sens = sensitivity_report(self.dense, self.tokenizer, "wiki", a.sens_windows, a.analysis_seq_len,
+                                      sweeps=tuple(a.sweeps.split(",")))
+            self.h.data["analysis"] = {"similarity": sim, "sensitivity": sens, "seconds": round(time.time() - start)}
+            self.h.save()
+            text = format_similarity(sim) + "\n\n" + format_sensitivity(sens) + "\n"
+            self.h.path.with_suffix(".txt").write_text(text)
+            print(text, flush=True)
+        return sensitivity_cost(self.h.data["analysis"]["sensitivity"])
+
+    def variant(self, key: str, method: str, layers: list[int], args: dict[str, Any], train: bool) -> None:
+        if key in self.h.data["variants"]:
+            print(f"[skip] {key}", flush=True)
+            return
+        dense = self.h.dense()
+        model, tokenizer = load_model("smollm2-135m")
+        teacher = copy.deepcopy(model) if train else None
+        start = time.time()
+        report = compress(model, tokenizer, recipe_from_dict(recipe(key, method, layers, args)), progress=False)
+        training = distill(model, teacher, tokenizer, self.train) if teacher is not None else {"trained": False}
+        result = self.h.evaluate(model, tokenizer, key)
+        keys = key_cache_bytes(model)
+        speed = interleaved({"dense": self.dense, key: model}, [self.args.context], new_tokens=self.args.new_tokens,
+                            repeats=self.args.repeats, progress=False)
+        result.update({
+            "layers": layers, "method": method, "args": args, "plans": [s["plan"] for s in report.steps],
+            "training": {k: v for k, v in training.items() if k != "history"},
+            "loss_curve": [h["loss"] for h in training.get("history", [])],
+            "key_cache_bytes_per_token": keys, "speed": speed["models"][key][str(self.args.context)],
+            "wall_seconds": round(time.time() - start, 1),
+            "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in self.h.sources},
+            "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
+        })
+        self.h.data["variants"][key] = result
+        self.h.data["notes"] = notes(self.h.data, self.train, self.args)
+        self.h.save()
+        ratios = ", ".join(f"{s} {v:.3f}x" for s, v in result["ppl_ratio"].items())
+        print(f"[done] {key}: {ratios}; decode x{result['speed']['decode_ratio']:.2f}", flush=True)
+
+
+def notes(data: dict[str, Any], train: DistillConfig, args: argparse.Namespace) -> list[str]:
+    out = [f"Training budget per LISA variant: {train.steps} steps x {train.batch_size} x {train.seq_len} tokens "
+           f"= {train.steps * train.batch_size * train.seq_len:,} wiki calibration tokens (lr {train.lr}, "
+           f"beta {train.beta}); decode speed: context {args.context}, {args.new_tokens} new tokens, "
+           f"median of {args.repeats}, interleaved with the dense model.", "",
+           "| variant | layers | train s | loss first→last | K B/token (shared layers) | decode tok/s (×dense) |",
+           "|---|---|---|---|---|---|"]
+    for key, v in data["variants"].items():
+        layers = v["layers"]
+        k = sum(v["key_cache_bytes_per_token"][i] for i in layers) / len(layers)
+        dense_k = sum(data["dense_key_cache_bytes_per_token"][i] for i in layers) / len(layers)
+        t = v["training"]
+        loss = f"{t['first']['loss']:.3f}→{t['last']['loss']:.3f}" if t.get("trained") else "–"
+        out.append(f"| {key} | {len(layers)}: {layers} | {t.get('seconds', '–')} | {loss} | {k:.0f} "
+                   f"({dense_k / k:.1f}× smaller) | {v['speed']['decode_tok_s']:.1f} "
+                   f"(×{v['speed']['decode_ratio']:.2f}) |")
+    analysis = data.get("analysis")
+    if analysis:
+        s = analysis["similarity"]["summary"]
+        sens = analysis["sensitivity"]
+        single = sens.get("single", {}).get("ds", {})
+        worst = sorted(single, key=lambda k: -single[k])[:3]
+        out += ["", f"Analyses ({analysis['similarity']['description']}; sensitivity: {sens['description']}): "
+                f"adjacent-layer JS {s['adjacent_js_mean']:.4f} vs |i−j|≥4 {s['distant_js_mean']:.4f}; "
+                f"most dissimilar layer {s['most_dissimilar_layer']}; per-head JS " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in s["head_js_mean"].items()) + "; adjacent cosine " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in s["cosine_mean"].items()) + f"; layers most sensitive to DS: {worst}."]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--small", action="store_true", help="50 steps, 2048 eval tokens, LISA/ds at 50%% only")
+    p.add_argument("--out", default="", help="results JSON path (default benchmarks/results/lisa.json)")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument("--fractions", default="0.5,0.7")
+    p.add_argument("--ablation-fraction", type=float, default=0.5)
+    p.add_argument("--skip-analysis", action="store_true")
+    p.add_argument("--sim-windows", type=int, default=8)
+    p.add_argument("--sens-windows", type=int, default=2)
+    p.add_argument("--analysis-seq-len", type=int, default=256)
+    p.add_argument("--sweeps", default="single,suffix")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", default="", help="comma-separated variant keys")
+    args = p.parse_args()
+    if args.small:
+        args.steps, args.tokens, args.fractions, args.sim_windows, args.sens_windows = 50, 2048, "0.5", 2, 1
+        args.ablation_fraction, args.new_tokens, args.repeats = 0.0, 16, 2
+    bench = LisaBench(args)
+    cost = bench.analyses()
+    n_layers = get_adapter(bench.dense).num_layers()
+    only = {k for k in args.only.split(",") if k}
+    jobs: list[tuple[str, str, list[int], dict[str, Any], bool]] = []
+    for frac in (float(f) for f in args.fractions.split(",") if f):
+        layers = select_layers(n_layers, frac, cost)
+        pct = round(100 * frac)
+        jobs += [(f"ds-{pct}", "ds", layers, {}, False), (f"lisa-{pct}", "lisa", layers, {}, True)]
+    if args.ablation_fraction:
+        layers = select_layers(n_layers, args.ablation_fraction, cost)
+        pct = round(100 * args.ablation_fraction)
+        jobs += [(f"{k}-{pct}", "lisa", layers, a, True) for k, a in ABLATIONS.items()]
+    for key, method, layers, margs, train in jobs:
+        if not only or key in only:
+            bench.variant(key, method, layers, margs, train)
+
+
+if __name__ == "__main__":
+    main()

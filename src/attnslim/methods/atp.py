@@ -1,0 +1,99 @@
+"""`atp`: attention on top-r principal keys (ATP, Niu, Prakash, Avestimehr; seed 004, notes methods/atp.md).
+
+What is approximated: each attention layer's softmax over the L tokens of a sequence.
+  form="paper"    `PrincipalKeyAttention`: per sequence X ≈ U·X′ (rank r, exact SVD or Alg. 1); all L queries
+                  attend to the r principal keys K′ = Uᵀ·RoPE(K) and values V′ = UᵀV. NOT causal: for
+                  prompt-level scoring at the last position (the paper's MMLU/BoolQ protocol), never generation.
+  form="serving"  `PrincipalCacheAttention`: exact causal prefill, then the prompt's K/V are compressed to r
+                  entries (+ an exact recent `window`) that generated tokens attend to. `compress` picks the
+                  compression: "principal" (`sinks` first tokens + the top principal subspace of the layer
+                  input in its interpolative basis: the keys/values of the tokens that span it, with the dropped
+                  tokens' softmax mass merged into the most similar kept key when `mass`), "principal-mix" (the
+                  paper's UᵀK, UᵀV), and the equal-budget baselines "recent" and "sink".
+Statistics needed: none (decompositions are per sequence, online). Weights stay the original q/k/v/o.
+Cost: parameters unchanged. Paper form: attention O(L·r·d′) + SVD per layer per sequence; no decoding.
+  Serving form: KV cache min(r, P − window) + window + generated entries per layer instead of P + generated,
+  each 2·n_kv·head_dim values; compression costs one SVD (n × d) + r pivot steps per layer at the prompt's end.
+Deviations from the paper, and why:
+  - the serving form is not in the paper (it never generates); its default basis is interpolative because
+    softmax is not rotation-invariant (see modules/principal_serving.py);
+  - r = ⌈f·L⌉ uses the real (unpadded) length; fractions of the prompt length P in the serving form;
+  - layers with sliding windows or soft-capping are refused (the paper's models have neither);
+  - `value_scale="inv_sqrt_len"` (V′/√L, notes G8) is an ablation the paper does not have (default off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from attnslim.methods.base import Method, require
+from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
+from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
+from attnslim.registry import register_method
+
+FORMS = ("paper", "serving")
+
+
+@register_method("atp")
+@dataclass(frozen=True)
+class Atp(Method):
+    rank: int | float = 0.5  # an int r ≥ 1, or a fraction of the sequence (paper) / prompt (serving) length
+    form: str = "paper"
+    svd: str = "exact"  # exact | approx (the paper's Alg. 1)
+    iters: int = 2  # Alg. 1 inner iterations (paper: 2)
+    query: str = "lowrank"  # paper form: lowrank (Q = U·X′W_q, paper) | full
+    key_path: str = "cheap"  # paper form: cheap (RoPE(U·X′W_k)) | full (RoPE(X W_k)), both projected by Uᵀ
+    value_scale: str = "none"  # paper form: none (paper) | inv_sqrt_len (notes G8 ablation: V′ / √L)
+    window: int = 32  # serving form: exact recent tokens kept beside the compressed prompt
+    compress: str = "principal"  # serving form: principal | principal-mix | recent | sink
+    sinks: int = 4  # serving form: first real tokens always kept exactly (attention sinks); not for "recent"
+    mass: bool = True  # serving form, compress=principal: dropped tokens' softmax mass moves to the nearest key
+    sequential = False
+
+    def __post_init__(self) -> None:
+        name = "atp"
+        rank_ok = not isinstance(self.rank, bool) and (
+            (isinstance(self.rank, int) and self.rank >= 1) or (isinstance(self.rank, float) and 0.0 < self.rank <= 1.0)
+        )
+        require(rank_ok, name, "rank", self.rank, "an int r >= 1 or a fraction in (0, 1] of the sequence length")
+        require(self.form in FORMS, name, "form", self.form, " | ".join(FORMS))
+        require(self.svd in ("exact", "approx"), name, "svd", self.svd, "exact | approx")
+        require(isinstance(self.iters, int) and self.iters >= 1, name, "iters", self.iters, "an int >= 1")
+        require(self.query in QUERY_MODES, name, "query", self.query, " | ".join(QUERY_MODES))
+        require(self.key_path in KEY_PATHS, name, "key_path", self.key_path, " | ".join(KEY_PATHS))
+        require(self.value_scale in VALUE_SCALES, name, "value_scale", self.value_scale, " | ".join(VALUE_SCALES))
+        require(isinstance(self.window, int) and self.window >= 0, name, "window", self.window, "an int >= 0")
+        require(self.compress in COMPRESSORS, name, "compress", self.compress, " | ".join(COMPRESSORS))
+        require(isinstance(self.sinks, int) and self.sinks >= 0, name, "sinks", self.sinks, "an int >= 0")
+        require(isinstance(self.mass, bool), name, "mass", self.mass, "true | false")
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        entries = {}
+        for i in layers:
+            spec = adapter.attention_spec(i)
+            require(spec.sliding_window is None and spec.softcap is None, "atp", "layers", i,
+                    "full-attention layers without soft-capping (this one slides or soft-caps)")
+            entries[str(i)] = {"module": self._module_name(), "rank": self.rank}
+        return {"layers": entries}
+
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        self.skeleton(adapter, layer, entry)  # the module copies the original weights from the spec
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        adapter.replace_attention(layer, self.build(adapter.attention_spec(layer)))
+
+    def build(self, spec: Any) -> nn.Module:
+        """The replacement module for one AttentionSpec (weights copied from the spec)."""
+        if self.form == "paper":
+            return PrincipalKeyAttention(
+                spec, self.rank, self.svd, self.iters, self.query, self.key_path, self.value_scale  # type: ignore[arg-type]
+            )
+        return PrincipalCacheAttention(
+            spec, self.rank, self.window, self.compress, self.sinks, self.mass, self.svd, self.iters  # type: ignore[arg-type]
+        )
+
+    def _module_name(self) -> str:
+        return "PrincipalKeyAttention" if self.form == "paper" else "PrincipalCacheAttention"

@@ -1,0 +1,407 @@
+"""`latentllm`: LatentLLM — attention-aware joint tensor compression (Koike-Akino et al., MERL 2025; seed 001).
+
+Approximates, per layer, without training:
+  q/k  qk=joint (default): the pre-softmax logits of every head by shared latents A_q x, A_k x and per-head
+       decompressions (Tucker/HOSVD of the whitened per-head bilinear forms, Alg. 1; linalg/tucker.joint_qk),
+       which turns MHA/GQA into multi-head latent attention (`LatentAttention`, latent key cache).
+       qk=split: each of W_q, W_k locally by activation-aware SVD (same module, same cache).
+  v/o  vo=separate (default, the paper's final choice, Remark 11): local activation-aware SVD of each;
+       vo=joint: the attention-agnostic joint V/O of App. G.0/G.1 (linalg/vo); vo=none keeps them dense.
+  mlp  mlp=local: local SVD of gate/up/down; mlp=joint_ud: SparseLLM-style alternating up/down fit (§4.3,
+       App. H; linalg/joint_ud). Exact for ReLU (OPT): the z', z updates are closed form. Gated MLPs
+       (SwiGLU, GeGLU): z', z and all refits are exact, the gate pre-activation takes safeguarded
+       Gauss-Newton steps (no closed form). Un-gated GELU and other activations are refused.
+Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the attention input (q/k/v), the o input, the MLP and
+down inputs (those that are compressed locally or ranked by spectrum); joint_ud holds a seeded reservoir
+sample of `ud_tokens` MLP-input tokens (default 4096) and fits on that sample only.
+Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block-identity
+junction (default), r(d_out + d_in) with dense factors. KV cache per token and layer: r_k + r_v values
+(cache=latent) instead of 2·n_kv·d_h; cache=dense stores rotated keys and values (dense-size cache, no
+per-step key decompression: see modules/latent.py for the decode cost of each).
+Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (and MLP, or `mlp_ratio`) weights;
+`total_ratio` = kept fraction of all model parameters, one fraction for every compressed linear; `ranks` =
+explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
+alloc=uniform is the notes' rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
+group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
+per weight (each matrix's energy normalised to 1). kv_ratio bounds r_k + r_v by a kept fraction of the dense
+KV cache, split between k and v by spectrum energy per cached value (q/o then share the rest of the budget).
+Deviations from the paper, and why:
+- alloc=spectrum by default: on SmolLM2-135M at 80% kept attention the uniform rule costs 1.35x dense wiki
+  ppl, almost all of it from V (whitened spectrum nearly flat; V/O alone at 80%: 1.36x, Q/K alone: 1.01x);
+  spectrum allocation keeps V near full rank and gives 1.01x at the same parameter count.
+- RoPE models: decompress, then rotate (App. F.3) with RoPE-unaware HOSVD by default (rope_window=1);
+  rope_window=w > 1 uses the RoPE-aware slices Θ_δ, δ = 0..−(w−1). The per-head junction J_i (d_h² per
+  head) is not implemented: B_q, B_k stay dense (it is incompatible with RoPE anyway, notes §12 #23).
+- GQA: ranks are per matrix (r_k from the k_proj shape), not r_q = r_k: the notes' rule assumes MHA.
+  Joint QK refuses r_q or r_k below head_dim (the issue's rule), which rules out compressing MQA keys.
+- joint QK with a pre-conditioner other than rootcov (Table 1 ablation) runs the same HOSVD with P in place
+  of C^{1/2}; rootcov uses the bias-aware form (§3.7) when q and k have biases.
+- joint_ud keeps the iterate with the lowest output error on its calibration sample (ud_keep_best, default
+  true) instead of the last one: the alternating scheme does not guarantee improvement (notes §13.6), and
+  this way it is never worse than local compression on that sample. Its work dtype is float32.
+- Statistics are collected sequentially (layer i sees compressed layers < i), one forward per layer with
+  the original layer i (SparseLLM order, notes §8); q/k/v/o/MLP of a layer share that pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnslim.calib.stats import GramStats
+from attnslim.errors import AttnslimError
+from attnslim.linalg.joint_ud import joint_ud
+from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
+from attnslim.linalg.precond import PRECOND_KINDS, InputStats, preconditioner
+from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
+from attnslim.linalg.vo import joint_vo
+from attnslim.methods import latentllm_ranks as rk
+from attnslim.methods.base import Collector, Method, require
+from attnslim.methods.lowrank_baselines import to_input_stats
+from attnslim.modules.latent import CACHE_MODES, LatentAttention
+from attnslim.modules.lowrank import LowRankLinear
+from attnslim.registry import register_method
+
+QK_MODES = ("joint", "split")
+VO_MODES = ("separate", "joint", "none")
+MLP_MODES = ("none", "local", "joint_ud")
+ALLOCS = ("uniform", "spectrum")
+SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": "mlp_in", "up": "mlp_in",
+           "down": "down_in"}
+# HF activation name -> joint_ud's name; un-gated MLPs need ReLU (closed-form z update)
+UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                  "gelu_new": "gelu_tanh"}
+
+
+class Reservoir:
+    """A seeded uniform sample of at most `cap` rows (tokens) of a stream (Algorithm R), float32 on the CPU."""
+
+    def __init__(self, cap: int, seed: int) -> None:
+        self.cap, self.seen = cap, 0
+        self.buf: torch.Tensor | None = None  # (cap, d)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def add(self, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).to("cpu", torch.float32)  # (N, d)
+        if self.buf is None:
+            self.buf = torch.empty(self.cap, rows.shape[1])
+        fill = max(0, min(self.cap - self.seen, rows.shape[0]))
+        self.buf[self.seen : self.seen + fill] = rows[:fill]
+        rest = rows[fill:]
+        if rest.shape[0]:
+            pos = self.seen + fill + torch.arange(rest.shape[0], dtype=torch.float64)  # global indices
+            slot = (torch.rand(rest.shape[0], generator=self.gen, dtype=torch.float64) * (pos + 1)).long()
+            hit = torch.nonzero(slot < self.cap).flatten()
+            if hit.numel():  # a slot hit twice keeps the later token, as the sequential algorithm would
+                uniq, inv = torch.unique(slot[hit], return_inverse=True)
+                last = torch.full((uniq.numel(),), -1, dtype=torch.long).scatter_reduce(0, inv, hit, "amax")
+                self.buf[uniq] = rest[last]
+        self.seen += rows.shape[0]
+
+    def tokens(self) -> torch.Tensor:
+        if self.buf is None:
+            raise AttnslimError("latentllm joint_ud: no MLP-input tokens reached this layer; check the calibration")
+        return self.buf[: min(self.seen, self.cap)]
+
+
+@dataclass
+class LayerStats:
+    grams: dict[str, GramStats]
+    tokens: torch.Tensor | None  # (N, d) MLP-input sample for joint_ud
+
+
+class LatentCollector(Collector):
+    def __init__(self, gram_sites: set[str], ud_tokens: int, seed: int) -> None:
+        self.gram_sites = set(gram_sites)
+        self.sites = self.gram_sites | ({"mlp_in"} if ud_tokens else set())
+        self.grams: dict[str, GramStats] = {}
+        self.reservoir = Reservoir(ud_tokens, seed) if ud_tokens else None
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:
+        if site in self.gram_sites:
+            self.grams.setdefault(site, GramStats.empty(x.shape[-1])).update(x.to("cpu"))
+        if site == "mlp_in" and self.reservoir is not None:
+            self.reservoir.add(x)
+
+    def result(self) -> LayerStats:
+        return LayerStats(self.grams, None if self.reservoir is None else self.reservoir.tokens())
+
+
+def _whitening_stats(st: InputStats, p: torch.Tensor) -> InputStats:
+    """Statistics whose (undamped) root correlation is the given pre-conditioner p (d, d) or (d,): joint_qk
+    then runs its HOSVD in P-coordinates. The mean (for the b̂ correction) is kept."""
+    p2 = torch.diag(p * p) if p.ndim == 1 else p @ p
+    return InputStats(sxx=st.n * 0.5 * (p2 + p2.T), sx=st.sx, ax=st.ax, n=st.n)
+
+
+@register_method("latentllm")
+@dataclass(frozen=True)
+class LatentLLM(Method):
+    ratio: float | None = 0.8  # kept fraction of each attention matrix (and MLP matrix, unless mlp_ratio)
+    mlp_ratio: float | None = None
+    total_ratio: float | None = None  # kept fraction of all model parameters, one κ for every compressed linear
+    ranks: dict[str, int] | None = None  # explicit ranks per linear name, the same in every layer
+    cap_ranks: bool = False  # explicit ranks that would increase parameters: cap (warn) instead of refusing
+    alloc: str = "spectrum"  # or "uniform" (the paper's rule): see the module docstring
+    kv_ratio: float | None = None  # kept fraction of the KV cache: r_k + r_v per layer, split by spectrum
+    qk: str = "joint"
+    vo: str = "separate"
+    mlp: str = "none"
+    precond: str = "rootcov"
+    junction: str = "block_identity"
+    rope_window: int = 1
+    cache: str = "latent"
+    damp: float = 1e-2
+    alpha: float = 0.5
+    qk_iter: int = 8
+    vo_iter: int = 8
+    ud_iter: int = 4
+    ud_tokens: int = 4096
+    ud_keep_best: bool = True
+    seed: int = 0
+    sequential: bool = True  # type: ignore[misc]
+    _kappa: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.name
+        given = [k for k in ("ratio", "total_ratio", "ranks") if getattr(self, k) is not None]
+        require(len(given) == 1, n, "ratio/total_ratio/ranks", given, "exactly one of ratio, total_ratio or ranks")
+        for key in ("ratio", "mlp_ratio", "total_ratio", "kv_ratio"):
+            v = getattr(self, key)
+            require(v is None or (isinstance(v, int | float) and 0 < v <= 1), n, key, v,
+                    "(0, 1]: a kept fraction; above 1 the factors would hold more parameters than the dense layer")
+        require(self.mlp_ratio is None or self.ratio is not None, n, "mlp_ratio", self.mlp_ratio, "only with ratio")
+        require(self.kv_ratio is None or self.ranks is None, n, "kv_ratio", self.kv_ratio,
+                "only with ratio or total_ratio (explicit ranks fix r_k and r_v; alloc does not apply to them)")
+        require(self.ranks is None or isinstance(self.ranks, dict), n, "ranks", self.ranks,
+                "a mapping like {q: 128, k: 64, v: 64, o: 128}")
+        for key, valid in (("alloc", ALLOCS), ("qk", QK_MODES), ("vo", VO_MODES), ("mlp", MLP_MODES),
+                           ("precond", PRECOND_KINDS), ("junction", JUNCTIONS), ("cache", CACHE_MODES)):
+            require(getattr(self, key) in valid, n, key, getattr(self, key), " | ".join(valid))
+        for key, low in (("rope_window", 1), ("qk_iter", 1), ("vo_iter", 1), ("ud_iter", 1), ("ud_tokens", 16)):
+            v = getattr(self, key)
+            require(isinstance(v, int) and not isinstance(v, bool) and v >= low, n, key, v, f"an integer >= {low}")
+        require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp >= 0, n, "damp",
+                self.damp, ">= 0 (relative to mean(diag C); 1e-2 default)")
+        require(0 < self.alpha <= 2, n, "alpha", self.alpha, "(0, 2]")
+
+    @property
+    def block_identity(self) -> bool:
+        return self.junction == "block_identity"
+
+    # --- statistics and plan ----------------------------------------------------------------------
+    def collector(self, adapter: Any, layer: int) -> Collector:
+        o_in = self.vo == "separate" or (self.vo == "joint" and self.alloc == "spectrum")
+        sites = {"attn_in"} | ({"o_in"} if o_in else set())
+        if self.mlp == "local" or (self.mlp != "none" and self.alloc == "spectrum"):
+            sites |= {"mlp_in", "down_in"}
+        return LatentCollector(sites, self.ud_tokens if self.mlp == "joint_ud" else 0, self.seed + layer)
+
+    def _shapes(self, adapter: Any, layer: int) -> dict[str, tuple[int, int]]:
+        spec = adapter.attention_spec(layer)
+        names = ("q", "k") if self.vo == "none" else rk.ATTENTION
+        shapes = {n: tuple(spec.weight(n).shape) for n in names}
+        if self.mlp != "none":
+            mspec = adapter.mlp_spec(layer)
+            self._check_activation(mspec, layer)
+            shapes |= {n: tuple(w.shape) for n in rk.MLP if (w := getattr(mspec, n)) is not None}
+        return shapes  # type: ignore[return-value]
+
+    def _check_activation(self, mspec: Any, layer: int) -> None:
+        if self.mlp != "joint_ud":
+            return
+        act, gated = UD_ACTIVATIONS.get(mspec.activation), mspec.gate is not None
+        if act is None or (not gated and act != "relu"):
+            valid = sorted(UD_ACTIVATIONS) if gated else ["relu"]
+            raise AttnslimError(
+                f"latentllm: layer {layer}: mlp=joint_ud does not support the {'gated' if gated else 'un-gated'} "
+                f"activation {mspec.activation!r} (valid: {valid}); it has no closed-form update. Use mlp: local"
+            )
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        out = {}
+        for i in layers:
+            shapes = self._shapes(adapter, i)
+            ranks = self._ranks(adapter, i, shapes)
+            if self.ranks is None and (self.alloc == "spectrum" or self.kv_ratio is not None):
+                ranks = self._allocate(adapter, i, shapes, ranks, stats[i])
+            if self.qk == "joint":
+                rk.check_joint_qk(ranks, adapter.attention_spec(i).head_dim, i)
+            jn = self.junction
+            weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks, jn)] for g, s in rk.groups(shapes).items()}
+            out[str(i)] = {"ranks": ranks, "weights": weights}  # weights: [dense, kept] per group
+        return {"layers": out}
+
+    def _ranks(self, adapter: Any, layer: int, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+        if self.ranks is not None:
+            return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer)
+        if self.total_ratio is not None:
+            key = id(adapter.model)
+            if key not in self._kappa:  # once per step, from the model as it enters the step
+                self._kappa[key] = rk.kappa_for_total(
+                    shapes, adapter.num_layers(), adapter.param_groups()["total"], self.total_ratio, self.junction)
+            kappa = dict.fromkeys(shapes, self._kappa[key])
+        else:
+            assert self.ratio is not None
+            mlp = self.ratio if self.mlp_ratio is None else self.mlp_ratio
+            kappa = {n: mlp if n in rk.MLP else self.ratio for n in shapes}
+        return rk.uniform_ranks(shapes, kappa, self.junction)
+
+    def _allocate(self, adapter: Any, layer: int, shapes: dict[str, tuple[int, int]], ranks: dict[str, int],
+                  stats: Any) -> dict[str, int]:
+        spec = adapter.attention_spec(layer)
+        floors = {n: spec.head_dim for n in ("q", "k") if self.qk == "joint"}
+        return rk.allocate(
+            shapes, ranks, lambda names: self._spectra(adapter, layer, names, stats), alloc=self.alloc,
+            kv_ratio=self.kv_ratio, kv_full=spec.n_kv_heads * spec.head_dim, junction=self.junction, floors=floors)
+
+    def _spectra(self, adapter: Any, layer: int, names: list[str], stats: Any) -> dict[str, torch.Tensor]:
+        """Singular values of W P (the local activation-aware spectrum) of each named linear."""
+        attn = adapter.attention_spec(layer)
+        mlp = adapter.mlp_spec(layer) if any(n in rk.MLP for n in names) else None
+        out = {}
+        for n in names:
+            spec = attn if n in rk.ATTENTION else mlp
+            w, b = getattr(spec, n), getattr(spec, f"{n}_bias")
+            center = b is not None and self.precond in ("rootcov", "cov")
+            pc = preconditioner(_stats(stats, SITE_OF[n], layer), self.precond, damp=self.damp, alpha=self.alpha,
+                                center=center, label=f"layer {layer} {n}")
+            out[n] = torch.linalg.svdvals(pc.right(w.to(torch.float64)))
+        return out
+
+    # --- conversion -----------------------------------------------------------------------------------
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        """Fit and install; records fit diagnostics in entry["fit"]."""
+        spec = adapter.attention_spec(layer)
+        ranks, fit = entry["ranks"], {}
+        st = _stats(stats, "attn_in", layer)
+        fq, fk, fit["qk"] = self._qk(spec, st, ranks, layer)
+        v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
+        dtype, device = spec.q.dtype, spec.q.device
+        q_mod, k_mod = (LowRankLinear.from_factors(f, dtype) for f in (fq, fk))
+        self._install(adapter, layer, spec, q_mod, k_mod, v, o).to(device)
+        if self.mlp != "none":
+            fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
+        entry["fit"] = {k: val for k, val in fit.items() if val}
+
+    def _qk(self, spec: Any, st: InputStats, ranks: dict[str, int], layer: int) -> tuple[Any, Any, dict[str, Any]]:
+        if self.qk == "split":
+            fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
+            return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
+        rope = None
+        if spec.rope is not None and self.rope_window > 1:
+            rope = rope_rotations(spec.head_dim, causal_offsets(self.rope_window), spec.rope.theta,
+                                  spec.rope.rotary_dims)
+        qk_stats, damp, bias_aware = st, self.damp, None
+        if self.precond != "rootcov":  # Table-1 ablation: the HOSVD in P-coordinates of another P
+            center = self.precond == "cov" and spec.q_bias is not None
+            pc = preconditioner(st, self.precond, damp=self.damp, alpha=self.alpha, center=center,
+                                label=f"layer {layer} q/k")
+            qk_stats, damp, bias_aware = _whitening_stats(st, pc.p), 0.0, False
+        f = joint_qk(
+            spec.q, spec.k, qk_stats, ranks["q"], ranks["k"], n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+            b_q=spec.q_bias, b_k=spec.k_bias, bias_aware=bias_aware, rope=rope, n_iter=self.qk_iter, damp=damp,
+            junction="block_identity" if self.block_identity else "none", label=f"layer {layer} q/k",
+        )
+        fq = LowRankFactors(f.b_q.flatten(0, 1), f.a_q, f.bias_q, f.perm_q)
+        fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
+        return fq, fk, {"hosvd_loss": [f.loss_history[0], f.loss_history[-1]]}
+
+    def _vo(self, adapter: Any, spec: Any, stats: Any, ranks: dict[str, int], layer: int
+            ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
+        if self.vo == "none":
+            return adapter.linear(layer, "v"), adapter.linear(layer, "o"), {}
+        st_v = _stats(stats, "attn_in", layer)
+        if self.vo == "separate":
+            fv = self._local(spec.v, spec.v_bias, st_v, ranks["v"], f"layer {layer} v")
+            fo = self._local(spec.o, spec.o_bias, _stats(stats, "o_in", layer), ranks["o"], f"layer {layer} o")
+            info: dict[str, Any] = {}
+        else:
+            f = joint_vo(spec.v, spec.o, st_v, ranks["v"], ranks["o"], n_heads=spec.n_heads,
+                         n_kv_heads=spec.n_kv_heads, b_v=spec.v_bias, b_o=spec.o_bias, n_iter=self.vo_iter,
+                         damp=self.damp, junction="none", label=f"layer {layer} v/o")
+            r_o = ranks["o"]
+            a_o = f.a_o.permute(1, 0, 2).reshape(r_o, -1)  # (r_o, h·d_h): Ŵ_o = B_o A_o
+            fv, fo = self._gauge(f.b_v.flatten(0, 1), f.a_v, f.bias_v), self._gauge(f.b_o, a_o, f.bias_o)
+            info = {"vo_loss": [f.loss_history[0], f.loss_history[-1]]}
+        dtype = spec.v.dtype
+        return LowRankLinear.from_factors(fv, dtype), LowRankLinear.from_factors(fo, dtype), info
+
+    def _local(self, w: torch.Tensor, b: torch.Tensor | None, st: InputStats, rank: int, label: str) -> LowRankFactors:
+        """Local activation-aware factorisation with this step's pre-conditioner, junction and damping."""
+        return factorize(w, b, st, rank, precond=self.precond, junction=self.junction, damp=self.damp,
+                         alpha=self.alpha, label=label)
+
+    def _gauge(self, b: torch.Tensor, a: torch.Tensor, bias: torch.Tensor | None) -> LowRankFactors:
+        """Joint V/O factors in the module's form: the identity block (if any) in A's columns."""
+        if not self.block_identity:
+            return LowRankFactors(b, a, bias, None)
+        b2, a2, perm = block_identity(b, a)
+        return LowRankFactors(b2, a2, bias, perm)
+
+    def _mlp(self, adapter: Any, layer: int, stats: Any, ranks: dict[str, int]) -> dict[str, Any]:
+        spec = adapter.mlp_spec(layer)
+        names = [n for n in rk.MLP if getattr(spec, n) is not None]
+        info: dict[str, Any] = {}
+        if self.mlp == "local":
+            site = {"gate": "mlp_in", "up": "mlp_in", "down": "down_in"}
+            factors = {n: self._local(getattr(spec, n), getattr(spec, f"{n}_bias"), _stats(stats, site[n], layer),
+                                      ranks[n], f"layer {layer} {n}") for n in names}
+        else:
+            res = joint_ud(
+                stats.tokens, spec.up, spec.up_bias, spec.down, spec.down_bias, ranks["up"], ranks["down"],
+                activation=UD_ACTIVATIONS[spec.activation], w_g=spec.gate, b_g=spec.gate_bias, rank_g=ranks.get("gate"),
+                n_iter=self.ud_iter, damp=self.damp, junction="left" if self.block_identity else self.junction,
+                keep_best=self.ud_keep_best, dtype=torch.float32, label=f"layer {layer} mlp",
+            )  # the junction only re-gauges B A: pivot once, on the factors kept, not on every iterate
+            chosen = {"up": res.up, "down": res.down, **({"gate": res.gate} if res.gate is not None else {})}
+            factors = {n: self._gauge(f.B, f.A, f.bias) if self.block_identity else f for n, f in chosen.items()}
+            info = {"ud_tokens": int(stats.tokens.shape[0]), "ud_output_error": [round(e, 6) for e in res.output_error]}
+        for n, f in factors.items():
+            adapter.replace_linear(layer, n, LowRankLinear.from_factors(f, spec.up.dtype).to(spec.up.device))
+        return info
+
+    # --- modules ----------------------------------------------------------------------------------------
+    def _install(self, adapter: Any, layer: int, spec: Any, q: nn.Module, k: LowRankLinear, v: nn.Module,
+                 o: nn.Module) -> LatentAttention:
+        rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
+        module = LatentAttention(
+            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, q_proj=q, k_proj=k, v_proj=v,
+            o_proj=o, q_norm=spec.q_norm, k_norm=spec.k_norm, rotary=rotary,
+            layer_type=spec.rope.layer_type if spec.rope is not None else None,
+            sliding_window=spec.sliding_window, softcap=spec.softcap, cache=self.cache,
+        )
+        adapter.replace_attention(layer, module)
+        return module
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        spec = adapter.attention_spec(layer)
+        ranks, dtype, device = entry["ranks"], spec.q.dtype, spec.q.device
+
+        def empty(name: str, w: torch.Tensor, bias: torch.Tensor | None) -> LowRankLinear:
+            d_out, d_in = w.shape
+            return LowRankLinear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype)
+
+        q, k = empty("q", spec.q, spec.q_bias), empty("k", spec.k, spec.k_bias)
+        if self.vo == "none":
+            v, o = adapter.linear(layer, "v"), adapter.linear(layer, "o")
+        else:
+            v, o = empty("v", spec.v, spec.v_bias), empty("o", spec.o, spec.o_bias)
+        if self.mlp != "none":
+            mspec = adapter.mlp_spec(layer)
+            for n in rk.MLP:
+                if (w := getattr(mspec, n)) is not None:
+                    adapter.replace_linear(layer, n, empty(n, w, getattr(mspec, f"{n}_bias")).to(device))
+        self._install(adapter, layer, spec, q, k, v, o).to(device)
+
+
+def _stats(stats: Any, site: str, layer: int) -> InputStats:
+    g = stats.grams.get(site)
+    if g is None:
+        raise AttnslimError(f"latentllm: layer {layer}: no statistics at {site}; the calibration did not reach it")
+    g.check(f"layer {layer} {site}")
+    return to_input_stats(g)

@@ -1,0 +1,293 @@
+"""`nbl`: Neural Block Linearization (Erdogan, Tonin, Cevher 2025, arXiv 2505.21077; seed 003).
+
+Approximates: the attention sub-block output Y of m chosen layers by one affine map Ŷ = W X + b, fitted in
+closed form (LMMSE: W (C_XX + δI) = C_YX, b = E[Y] − W E[X]; linalg/cca.lmmse_map). The layer then computes
+h + W X + b: no Q/K/V, no softmax, no KV cache.
+Statistics per candidate layer, streamed in float64 (linalg/cca.JointStats): E[X], E[Y], C_XX, C_YX, C_YY of
+the fit pair (X, Y); the same of (h, Y) for the paper's CCA bound when X ≠ h; LLM-Drop's mean cos(h, h + Y).
+Cost: a linearized layer holds d² + d parameters (instead of q/k/v/o) and 1 byte/token of cache (the position
+marker), so KV bytes/token fall by ≈ m/L; its decode work is one (d, d) matvec.
+
+Selection (`criterion`, lower = linearize first):
+  cca         the paper's bound Σ_i (1 − ρ_i²), ρ = canonical correlations of (Y + h, h), X = h as in the paper
+  nmse        the in-sample fit error E‖Y − Ŷ‖² / tr(C_YY) that the bound bounds
+  resid       E‖Y − Ŷ‖² / E‖h + Y‖²: the fit error as a fraction of the residual stream it is added to
+  similarity  LLM-Drop's 1 − mean cos(h, h + Y) (which layers change the stream least)
+  random      seeded;  highest: the highest cca bound;  given: every candidate layer (m not used)
+
+Deviations from the paper / reference implementation, and why:
+- default criterion `resid`, not `cca`: on SmolLM2 the bound ranks layers by how well the residual h predicts
+  Y + h, which is dominated by the scale of h, not by whether Y is linear; it is also scale-free per canonical
+  direction, so 500+ low-variance directions outweigh the few that carry Y's energy. `resid` measures what a
+  linearization changes — the error the next norm sees relative to the stream. Measured in benchmarks/nbl.py.
+- default input "normed" (X = norm(h), the attention's own input) instead of the raw residual h: a linear map
+  of h cannot represent the norm's per-token 1/rms(h), which dominates the error; input="residual" is the
+  reference's choice (the pre-attention norm is then replaced by an identity).
+- stable solve with a relative ridge, never an explicit inverse (the reference uses inv(C_XX)).
+- `sequential=True` refits each chosen layer on the already-linearized upstream model (selection still uses
+  the dense statistics); the paper fits all layers one-shot from the dense model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnslim.errors import AttnslimError
+from attnslim.linalg.cca import JointStats, LmmseInfo, cca_bound, lmmse_map
+from attnslim.methods.base import Collector, Method, require
+from attnslim.modules.linearized import INPUTS, LinearizedAttention
+from attnslim.registry import register_method
+
+SCORES = ("cca", "nmse", "resid", "similarity")  # computed for every candidate layer, recorded in the plan
+CRITERIA = (*SCORES, "random", "highest", "given")
+DEFAULT_CRITERION = "resid"
+
+
+@dataclass
+class LayerFit:
+    """One layer's LMMSE map and selection scores (all that is kept of its statistics)."""
+
+    layer: int
+    weight: torch.Tensor  # (d, d) float32
+    bias: torch.Tensor  # (d,) float32
+    scores: dict[str, float]
+    info: LmmseInfo
+
+    def summary(self) -> dict[str, Any]:
+        i = self.info
+        return {"nmse": round(i.nmse, 6), "cond": float(f"{i.cond:.4g}"), "cond_ridged": float(f"{i.cond_ridged:.4g}"),
+                "ridge_abs": float(f"{i.ridge_abs:.4g}"), "tokens": i.n_tokens}
+
+
+@dataclass
+class RelativeMoments:
+    """Token-weighted moments for the error relative to the residual stream, ω_t = 1 / ‖h_t + y_t‖².
+
+    With xa = [x, 1]: s_xx = Σ ω xa xaᵀ (d+1, d+1), s_yx = Σ ω y xaᵀ (d, d+1), s_yy = Σ ω ‖y‖², n tokens.
+    The next norm divides each token by its own rms, so what a linearization changes downstream is the
+    per-token relative error — a ratio of means would be dominated by the few attention-sink tokens whose
+    residual norm is 100× the median (SmolLM2, layers 12+).
+    """
+
+    s_xx: torch.Tensor
+    s_yx: torch.Tensor
+    s_yy: float = 0.0
+    n: int = 0
+
+    @classmethod
+    def zeros(cls, d: int, device: torch.device | str | None = None) -> RelativeMoments:
+        f64 = torch.float64
+        return cls(torch.zeros(d + 1, d + 1, dtype=f64, device=device), torch.zeros(d, d + 1, dtype=f64, device=device))
+
+    def update(self, x: torch.Tensor, y: torch.Tensor, h_out: torch.Tensor) -> None:
+        """x, y, h_out (..., d): fit input, attention output, residual stream after the add."""
+        d = y.shape[-1]
+        dev = self.s_xx.device
+        x2 = x.reshape(-1, x.shape[-1]).to(dev, torch.float64)  # (N, d)
+        y2 = y.reshape(-1, d).to(dev, torch.float64)  # (N, d)
+        root = h_out.reshape(-1, d).to(dev, torch.float64).norm(dim=-1).clamp_min(1e-30).reciprocal()  # (N,) √ω
+        xa = torch.cat([x2, torch.ones_like(x2[:, :1])], dim=1) * root[:, None]  # (N, d+1)
+        ya = y2 * root[:, None]  # (N, d)
+        self.s_xx.addmm_(xa.T, xa)
+        self.s_yx.addmm_(ya.T, xa)
+        self.s_yy += float(ya.square().sum())
+        self.n += int(x2.shape[0])
+
+    def error(self, w: torch.Tensor, b: torch.Tensor) -> float:
+        """Mean over tokens of ‖y − W x − b‖² / ‖h + y‖², in closed form from the moments."""
+        wa = torch.cat([w, b[:, None]], dim=1).to(self.s_xx)  # (d, d+1)
+        sse = self.s_yy - 2.0 * float((wa * self.s_yx).sum()) + float(((wa @ self.s_xx) * wa).sum())
+        return max(sse, 0.0) / max(self.n, 1)
+
+    def solve(self, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted least squares [W, b] = s_yx (s_xx + δ I_x)⁻¹ (ridge on W only, relative to the mean eigenvalue)."""
+        d = self.s_yx.shape[0]
+        reg = torch.zeros(d + 1, dtype=torch.float64, device=self.s_xx.device)
+        reg[:d] = ridge * float(torch.diagonal(self.s_xx)[:d].mean())
+        chol, info = torch.linalg.cholesky_ex(self.s_xx + torch.diag(reg))
+        if int(info) != 0:
+            raise AttnslimError(f"weighted normal equations are not positive definite (ridge={ridge}); raise ridge")
+        wa = torch.cholesky_solve(self.s_yx.T.contiguous(), chol).T  # (d, d+1)
+        return wa[:, :d].contiguous(), wa[:, d].contiguous()
+
+
+class LinearityCollector(Collector):
+    """Streams (X, Y) and (h, Y) statistics of one layer; `result()` fits the map and scores the layer."""
+
+    def __init__(self, layer: int, input: str, ridge: float) -> None:
+        self.layer, self.input, self.ridge = layer, input, ridge
+        self.sites = {"resid_in", "attn_out"} | ({"attn_in"} if input == "normed" else set())
+        self.h: torch.Tensor | None = None  # (b, t, d) residual stream of the running batch
+        self.x: torch.Tensor | None = None  # (b, t, d) normed input of the running batch
+        self.fit: JointStats | None = None  # (X, Y)
+        self.res: JointStats | None = None  # (h, Y); the same object as `fit` when X = h
+        self.rel: RelativeMoments | None = None
+        self.cos_sum, self.seq_len = 0.0, 0
+
+    def __call__(self, site: str, x: torch.Tensor) -> None:
+        if site == "resid_in":
+            self.h = x
+            return
+        if site == "attn_in":
+            self.x = x
+            return
+        assert self.h is not None, "resid_in must be seen before attn_out"
+        h, y = self.h, x  # (b, t, d) each
+        if self.fit is None:
+            d = h.shape[-1]
+            self.res = JointStats.zeros(d, d, device=h.device)
+            self.fit = self.res if self.input == "residual" else JointStats.zeros(d, d, device=h.device)
+            self.rel = RelativeMoments.zeros(d, device=h.device)
+        assert self.res is not None and self.rel is not None
+        self.res.update(h, y)
+        x_fit = h
+        if self.fit is not self.res:
+            assert self.x is not None, "attn_in must be seen before attn_out"
+            x_fit = self.x
+            self.fit.update(x_fit, y)
+        h64 = h.to(torch.float64)
+        h_out = h64 + y.to(torch.float64)  # (b, t, d) residual stream after the add
+        self.rel.update(x_fit, y, h_out)
+        self.cos_sum += float(F.cosine_similarity(h64, h_out, dim=-1).sum())
+        self.seq_len = int(h.shape[1])
+        self.h = self.x = None
+
+    def _check(self) -> tuple[JointStats, JointStats]:
+        fit, res = self.fit, self.res
+        if fit is None or res is None:
+            raise AttnslimError(f"layer {self.layer}: no calibration tokens reached the attention block")
+        for name, stats in (("fit", fit), ("residual", res)):
+            for key in ("sum_x", "sum_y", "sum_xx", "sum_yx", "sum_yy"):
+                if not bool(torch.isfinite(getattr(stats, key)).all()):
+                    raise AttnslimError(
+                        f"layer {self.layer}: NaN/Inf in the NBL {name} statistics ({key}) after {stats.n} "
+                        "tokens: the model's activations overflow here; compress in float32 and check the inputs"
+                    )
+        need = fit.d_x + 1
+        if fit.n < need:
+            windows = math.ceil(need / max(self.seq_len, 1))
+            raise AttnslimError(
+                f"layer {self.layer}: {fit.n} calibration tokens are too few for NBL's {fit.d_x}x{fit.d_x} "
+                f"covariance: it needs at least {need} tokens (e.g. calibration.windows >= {windows} at "
+                f"seq_len {self.seq_len}); raise calibration.windows or seq_len"
+            )
+        return fit, res
+
+    def result(self) -> LayerFit:
+        fit, res = self._check()
+        try:
+            w, b, info = lmmse_map(fit, ridge=self.ridge)
+        except AttnslimError as e:  # add the layer to the solver's message
+            raise AttnslimError(f"layer {self.layer}: {e}") from e
+        mse = info.nmse * float(torch.trace(fit.cov_yy))  # E‖Y − Ŷ‖² (the error has zero mean)
+        stream = float(torch.trace(res.sum_xx + res.sum_yx + res.sum_yx.T + res.sum_yy)) / res.n  # E‖h + Y‖²
+        assert self.rel is not None
+        scores = {
+            "cca": cca_bound(res, residual=True),
+            "nmse": info.nmse,
+            "resid_mean": mse / stream,
+            "resid": self.rel.error(w, b),
+            "similarity": 1.0 - self.cos_sum / res.n,
+        }
+        return LayerFit(self.layer, w.float(), b.float(), scores, info)
+
+
+@register_method("nbl")
+@dataclass(frozen=True)
+class Nbl(Method):
+    m: int | None = None
+    fraction: float | None = None
+    criterion: str = DEFAULT_CRITERION
+    input: str = "normed"
+    # An argument here, not a class constant: one-shot (dense statistics) or sequential refit. The pipeline
+    # reads `method.sequential`; mypy objects to a field shadowing Method's ClassVar, which is intended here.
+    sequential: bool = False  # type: ignore[misc]
+    ridge: float = 1e-6
+    seed: int = 0
+    selects_layers = True
+
+    def __post_init__(self) -> None:
+        name = self.name
+        require(self.criterion in CRITERIA, name, "criterion", self.criterion, " | ".join(CRITERIA))
+        require(self.input in INPUTS, name, "input", self.input, " | ".join(INPUTS))
+        require(isinstance(self.sequential, bool), name, "sequential", self.sequential, "true | false")
+        require(isinstance(self.ridge, int | float) and math.isfinite(self.ridge) and self.ridge >= 0,
+                name, "ridge", self.ridge, "a finite number >= 0 (relative to the mean eigenvalue of C_XX)")
+        require(isinstance(self.seed, int), name, "seed", self.seed, "an integer")
+        if self.criterion == "given":
+            require(self.m is None and self.fraction is None, name, "m/fraction", (self.m, self.fraction),
+                    "unset with criterion 'given' (every candidate layer is linearized)")
+            return
+        require((self.m is None) != (self.fraction is None), name, "m/fraction", (self.m, self.fraction),
+                "exactly one of m (a layer count) or fraction (of the candidate layers)")
+        if self.m is not None:
+            require(isinstance(self.m, int) and not isinstance(self.m, bool) and self.m >= 0, name, "m", self.m,
+                    "an integer >= 0 (how many candidate layers to linearize)")
+        else:
+            frac = self.fraction
+            require(isinstance(frac, int | float) and 0.0 <= frac <= 1.0,
+                    name, "fraction", self.fraction, "a number in [0, 1] (of the candidate layers)")
+
+    def count(self, candidates: int) -> int:
+        """How many of `candidates` layers to linearize."""
+        if self.criterion == "given":
+            return candidates
+        if self.m is not None:
+            require(self.m <= candidates, self.name, "m", self.m, f"0..{candidates} (the candidate layers)")
+            return self.m
+        assert self.fraction is not None
+        return round(self.fraction * candidates)
+
+    def collector(self, adapter: Any, layer: int) -> Collector:
+        if self.m is not None and self.m > adapter.num_layers():  # fail before any statistics are collected
+            self.count(adapter.num_layers())
+        return LinearityCollector(layer, self.input, self.ridge)
+
+    def select(self, scores: dict[int, dict[str, float]], count: int) -> list[int]:
+        """The `count` layers to linearize under `criterion`, sorted; `scores` maps layer -> SCORES."""
+        layers = sorted(scores)
+        if self.criterion == "given":
+            return layers
+        if self.criterion == "random":
+            perm = torch.randperm(len(layers), generator=torch.Generator().manual_seed(self.seed))
+            return sorted(layers[int(j)] for j in perm[:count])
+        if self.criterion == "highest":
+            return sorted(sorted(layers, key=lambda i: -scores[i]["cca"])[:count])
+        return sorted(sorted(layers, key=lambda i: scores[i][self.criterion])[:count])
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        count = self.count(len(layers))
+        scores = {i: stats[i].scores for i in layers}
+        chosen = self.select(scores, count)
+        return {
+            "layers": {str(i): {"input": self.input} for i in chosen},
+            "criterion": self.criterion,
+            "chosen": chosen,
+            "scores": {s: {str(i): float(f"{scores[i][s]:.6g}") for i in layers} for s in SCORES},
+            "fit_dense": {str(i): stats[i].summary() for i in layers},
+        }
+
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        """Install the fitted map; records the installed fit's diagnostics in `entry["fit"]`."""
+        fit: LayerFit = stats
+        self._install(adapter, layer, entry).set_map(fit.weight, fit.bias)
+        entry["fit"] = fit.summary()
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        self._install(adapter, layer, entry)
+
+    def _install(self, adapter: Any, layer: int, entry: dict[str, Any]) -> LinearizedAttention:
+        ref = next(iter(adapter.attention(layer).parameters()), None)
+        if ref is None:
+            ref = adapter.embed_tokens().weight
+        module = LinearizedAttention(layer, adapter.config.hidden_size, entry["input"], ref.dtype, ref.device)
+        adapter.replace_attention(layer, module)
+        if entry["input"] == "residual":  # the map reads the raw residual stream h, as NBL's reference
+            adapter.replace_attention_norm(layer, nn.Identity())
+        return module

@@ -1,0 +1,223 @@
+"""`LatentAttention`: multi-head latent attention from low-rank Q/K/V/O factors (LatentLLM, MLA-style).
+
+    q = RoPE(norm(B_q A_q x + b_q))          A_q (r_q, d) shared by all query heads, B_q (h·d_h, r_q)
+    c_k = A_k x  (r_k per token, cached)     k = RoPE(norm(B_k c_k + b_k)), B_k (n_kv·d_h, r_k) per KV head
+    c_v = A_v x  (r_v per token, cached)     v = B_v c_v + b_v
+    y = o_proj(softmax(q kᵀ · scaling) v)    o_proj: LowRankLinear or the original nn.Linear
+
+RoPE is applied after decompression (the rotation cannot be folded into B_k), so with a latent cache every
+step decompresses all cached keys: T·r_k·n_kv·d_h MACs per token and layer. Values never need that: the
+attention weights act on the latents and B_v is applied once per query (absorption). Without RoPE and
+QK-norm (OPT) keys are absorbed too: q̃ = B_kᵀ q scores the latents directly (q·b_k is the same for every
+key, so softmax ignores it). Each call picks the cheaper of "decompress" and "absorb" from the MAC counts
+in `_costs`; both give the same result.
+
+cache="latent" stores (b, 1, t, r_k) key latents and (b, 1, t, r_v) value latents in HF's cache (a value
+path left dense stores (b, n_kv, t, d_h)); cache="dense" stores rotated keys and values like HF attention.
+RoPE tables come from the model's own rotary module (so scaled RoPE variants stay exact) at the absolute
+cache positions: key j of a cache holding `total` tokens sits at total − kv_len + j (also for sliding-window
+caches, which keep only the last window). Left padding shifts every position of a row by the same amount,
+which RoPE logits do not see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnslim import _compat
+from attnslim.linalg.attention import repeat_kv, sliding_keep, softmax_attention
+from attnslim.linalg.rope import apply_rope
+from attnslim.modules.lowrank import LowRankLinear
+from attnslim.registry import register_module
+
+CACHE_MODES = ("latent", "dense")
+
+
+def _rank(module: nn.Module) -> int | None:
+    return module.rank if isinstance(module, LowRankLinear) else None
+
+
+@register_module
+class LatentAttention(nn.Module):
+    def __init__(
+        self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *,
+        q_proj: nn.Module, k_proj: LowRankLinear, v_proj: nn.Module, o_proj: nn.Module,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, rotary: nn.Module | None = None,
+        layer_type: str | None = None, sliding_window: int | None = None, softcap: float | None = None,
+        cache: str = "latent",
+    ) -> None:
+        super().__init__()
+        if cache not in CACHE_MODES:
+            raise ValueError(f"layer {layer_idx}: LatentAttention cache={cache!r} is invalid; valid: {CACHE_MODES}")
+        if not isinstance(k_proj, LowRankLinear):
+            raise ValueError(f"layer {layer_idx}: LatentAttention needs a LowRankLinear k_proj (the key latent)")
+        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, n_heads, n_kv_heads, head_dim
+        self.scaling, self.sliding_window, self.softcap, self.cache = scaling, sliding_window, softcap, cache
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        # A plain tuple, not a submodule: the model owns the rotary module (and its buffers)
+        self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)
+        self.layer_type = layer_type
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rot) cos and sin
+
+    # --- RoPE ------------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate x (b, n, t, d_h) as positions start .. start + t − 1."""
+        if not self._rotary:
+            return x
+        end = start + x.shape[-2]
+        cos, sin = self._cos_sin(end, x)
+        return apply_rope(x, cos[:, start:end], sin[:, start:end])
+
+    def _cos_sin(self, end: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table
+        if table is None or table[0].shape[1] < end or table[0].device != x.device or table[0].dtype != x.dtype:
+            cap = max(256, 1 << (end - 1).bit_length())  # grow geometrically: O(1) amortised per token
+            pos = torch.arange(cap, device=x.device)[None]  # (1, cap)
+            table = _compat.rotary_cos_sin(self._rotary[0], x, pos, self.layer_type)
+            self._table = table
+        return table
+
+    # --- projections ------------------------------------------------------------------------------
+    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        """(b, t, n·d_h) -> (b, n, t, d_h)."""
+        return y.view(*y.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def _keys(self, c_k: torch.Tensor, start: int) -> torch.Tensor:
+        """Key latents (b, T, r_k) -> rotated keys (b, n_kv, T, d_h) at positions start.. ."""
+        k = self._heads(F.linear(c_k, self.k_proj.b, self.k_proj.bias), self.n_kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self._rope(k, start)
+
+    def _latent_v(self) -> LowRankLinear | None:
+        """v_proj when values are cached as latents, else None."""
+        v = self.v_proj
+        return v if self.cache == "latent" and isinstance(v, LowRankLinear) else None
+
+    def _absorbable_k(self) -> bool:
+        """Keys can be scored in latent space: no rotation or norm after B_k, and a softcap would not
+        commute with dropping the per-query constant q·b_k."""
+        softcap_bias = self.softcap is not None and self.k_proj.bias is not None
+        return self.cache == "latent" and not self._rotary and self.k_norm is None and not softcap_bias
+
+    def _costs(self, t: int, kv: int) -> dict[str, int]:
+        """MACs of the attention core for t queries over kv keys, per path (see the module docstring)."""
+        h, n_kv, d_h = self.n_heads, self.n_kv_heads, self.head_dim
+        core = h * t * kv * d_h  # scores (or weighted values) at head_dim
+        r_k = self.k_proj.rank
+        out = {"k_dense": core, "v_dense": core}
+        if self.cache == "latent":
+            out["k_decompress"] = kv * r_k * n_kv * d_h + core
+            if self._absorbable_k():
+                out["k_absorb"] = h * t * d_h * r_k + h * t * kv * r_k
+        if (lv := self._latent_v()) is not None:
+            r_v = lv.rank
+            out["v_decompress"] = kv * r_v * n_kv * d_h + core
+            out["v_absorb"] = h * t * kv * r_v + h * t * r_v * d_h
+        return out
+
+    def _paths(self, t: int, kv: int) -> tuple[str, str]:
+        c = self._costs(t, kv)
+        key = "dense" if self.cache == "dense" else min(
+            (p for p in ("decompress", "absorb") if f"k_{p}" in c), key=lambda p: c[f"k_{p}"])
+        value = "dense" if self._latent_v() is None else min(("decompress", "absorb"), key=lambda p: c[f"v_{p}"])
+        return key, value
+
+    # --- forward -----------------------------------------------------------------------------------
+    def forward(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        x = hidden_states  # (b, t, d)
+        b, t, _ = x.shape
+        h, n_kv = self.n_heads, self.n_kv_heads
+        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
+        q = self._heads(self.q_proj(x), h)  # (b, h, t, d_h)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = self._rope(q, past)
+        c_k = self.k_proj.latent(x)  # (b, t, r_k)
+        if self.cache == "dense":
+            k_new, v_new = self._keys(c_k, past), self._heads(self.v_proj(x), n_kv)
+            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, k_new, v_new)
+        else:
+            lv = self._latent_v()
+            v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
+            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, c_k[:, None], v_new)
+        kv = k_store.shape[-2]
+        keep = sliding_keep(_compat.keep_mask(attention_mask, t, kv, x.device), self.sliding_window)
+        key_path, value_path = self._paths(t, kv)
+        if key_path == "absorb":  # (b, h, t, r_k) queries against (b, 1, kv, r_k) latents
+            bk = self.k_proj.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
+            q = (q.view(b, n_kv, h // n_kv, t, self.head_dim) @ bk[:, None]).reshape(b, h, t, -1)
+            k = k_store.expand(b, n_kv, kv, k_store.shape[-1])
+        elif key_path == "decompress":
+            k = self._keys(k_store[:, 0], past + t - kv)  # (b, n_kv, kv, d_h)
+        else:
+            k = k_store
+        out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
+        out = out.transpose(1, 2).reshape(b, t, h * self.head_dim)  # (b, t, h·d_h)
+        return self.o_proj(out), None
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor, path: str
+                ) -> torch.Tensor:
+        """q (b, h, t, ·), k (b, n_kv | h, kv, ·) and the cached values (latent (b, 1, kv, r_v) or
+        (b, n_kv, kv, d_h)) -> (b, h, t, d_h)."""
+        b, h, t, _ = q.shape
+        n_kv, g = self.n_kv_heads, self.n_heads // self.n_kv_heads
+        lv = self._latent_v()
+        if lv is None or path == "dense":
+            return self._sdpa(q, k, v_store, keep)
+        if path == "decompress":
+            v = self._heads(F.linear(v_store[:, 0], lv.b, lv.bias), n_kv)  # (b, n_kv, kv, d_h)
+            return self._sdpa(q, k, v, keep)
+        lat = self._sdpa(q, k, v_store.expand(b, k.shape[1], *v_store.shape[2:]), keep)  # (b, h, t, r_v)
+        bv = lv.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_v)
+        out = (lat.view(b, n_kv, g, t, -1) @ bv[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
+        if lv.bias is not None:  # softmax rows sum to one: the value bias passes through unchanged
+            out = out + self._heads(lv.bias.expand(1, 1, -1), n_kv).repeat_interleave(g, 1)
+        return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """q (b, h, t, e), k (b, n, kv, e), v (b, n, kv, e_v), n | h: grouped heads without copies."""
+        g = q.shape[1] // k.shape[1]
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scaling, enable_gqa=g > 1)
+        return softmax_attention(q, repeat_kv(k, g), repeat_kv(v, g), keep, self.scaling, self.softcap)
+
+    # --- reporting ---------------------------------------------------------------------------------
+    def kv_cache_bytes_per_token(self) -> int:
+        size = self.k_proj.b.element_size()
+        full = self.n_kv_heads * self.head_dim
+        if self.cache == "dense":
+            return 2 * full * size
+        lv = self._latent_v()
+        return (self.k_proj.rank + (full if lv is None else lv.rank)) * size
+
+    def attention_flops(self, context: int) -> float:
+        """FLOPs (2 per MAC) of the attention core for one new token at `context` tokens, cheaper paths."""
+        c = self._costs(1, context)
+        key, value = self._paths(1, context)
+        return 2.0 * (c[f"k_{key}"] + c[f"v_{value}"])
+
+    def ranks(self) -> dict[str, int | None]:
+        return {"q": _rank(self.q_proj), "k": self.k_proj.rank, "v": _rank(self.v_proj), "o": _rank(self.o_proj)}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "LatentAttention", "heads": self.n_heads, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+            "ranks": self.ranks(), "cache": self.cache, "rope": bool(self._rotary),
+            "kv_bytes_per_token": self.kv_cache_bytes_per_token(),
+            "params": sum(p.numel() for p in self.parameters()),
+        }
+
+    def extra_repr(self) -> str:
+        r = self.ranks()
+        ranks = ", ".join(f"r_{k}={v if v is not None else 'dense'}" for k, v in r.items())
+        return (f"layer={self.layer_idx}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}, {ranks}, "
+                f"cache={self.cache} ({self.kv_cache_bytes_per_token()} B/token)")

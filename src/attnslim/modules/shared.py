@@ -1,0 +1,480 @@
+"""Cross-layer attention sharing (LISA, arXiv 2408.01890): `SharedAttention`, `DonorAttention`, `ScoreLink`.
+
+A receiver layer n reuses the *unmasked pre-softmax* scores A_{n-1} (b, h, q, t) of layer n-1. They travel
+through a `ScoreLink`, a small object that exactly two modules hold (no global state): the donor `put`s its
+scores during its forward, the receiver `take`s them later in the same forward. A standard donor is rebuilt
+as `DonorAttention` from its `AttentionSpec` (same weights, same output, plus the export); a receiver that is
+itself a donor (chains n-1 -> n -> n+1) exports its own integrated scores A_n.
+
+SharedAttention computes (shapes per head h, KV head g, head dim d, rank r)
+    A_delta = Q_LR K_LR^T / sqrt(r)             Q_LR = x W_q_lr (b, h, q, r), K_LR = x W_k_lr (b, g, t, r)
+    A_n     = FFN([A_{n-1}; A_delta])           "fusion": the aligner mixes 2h head channels per (i, j)
+            | FFN(A_{n-1}) + A_delta            "add"
+            | A_{n-1} (+ A_delta)               no aligner (direct sharing; "+Diff." ablation)
+    out     = softmax(mask(A_n)) V W_o          V, W_o the layer's own (frozen) weights
+The causal / padding / sliding mask is applied only right before the softmax, so the aligner never sees the
+masked fill value (finfo.min would overflow the FFN to inf/NaN).
+
+Cache (HF DynamicCache, via _compat): a receiver with a compensator stores K_LR (b, g, t, r) as keys and
+V (b, g, t, d) as values (DynamicLayer concatenates keys and values separately, so the last dims may differ);
+without a compensator it stores V and a 1-byte/token position marker as keys. NF mode (`nf_min_len`) keeps
+the original W_q/W_k: a prefill of >= nf_min_len tokens into an empty cache runs the original attention and
+writes K_LR/V, later tokens run LISA against that cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnslim import _compat
+from attnslim.errors import AttnslimError
+from attnslim.linalg.attention import repeat_kv, sliding_keep
+from attnslim.linalg.rope import apply_rope
+from attnslim.registry import register_module
+
+if TYPE_CHECKING:
+    from attnslim.adapters.base import AttentionSpec
+
+INTEGRATE = ("fusion", "add")
+ScoreSink = Callable[[int, torch.Tensor], None]
+
+
+class ScoreLink:
+    """Carries one donor layer's unmasked scores (b, h, q, t) to its receiver within one forward pass.
+
+    Not a Module: it holds no weights and is not saved; convert/skeleton create it. A receiver that finds
+    no fresh scores, or scores the donor overwrote before they were read, raises instead of reusing stale
+    ones: layers run one at a time (calibration of a later recipe step) or re-run in backward (HF gradient
+    checkpointing) break the one-forward order sharing needs.
+    """
+
+    def __init__(self, donor: int, receiver: int) -> None:
+        self.donor, self.receiver = donor, receiver
+        self._scores: torch.Tensor | None = None
+        self._overrun = False
+
+    def put(self, scores: torch.Tensor) -> None:
+        self._overrun = self._scores is not None
+        self._scores = scores
+
+    def take(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        scores, overrun = self._scores, self._overrun
+        self.clear()
+        where = f"layer {self.receiver} (reads the scores of layer {self.donor})"
+        if scores is None:
+            raise AttnslimError(
+                f"{where}: layer {self.donor} produced no scores in this forward pass; shared layers must run "
+                "inside one model forward (no HF gradient checkpointing, no layer-by-layer runs)"
+            )
+        if overrun:
+            raise AttnslimError(
+                f"{where}: layer {self.donor} ran twice before its scores were read (layer-by-layer calibration "
+                "or an interrupted forward); put sharing steps last in a recipe, or call "
+                "attnslim.modules.shared.reset_links(model)"
+            )
+        if tuple(scores.shape) != tuple(shape):
+            raise AttnslimError(
+                f"{where}: got scores {tuple(scores.shape)}, expected (batch, heads, queries, keys) = {tuple(shape)}"
+                "; donor and receiver must have the same number of query heads and the same cache length"
+            )
+        return scores
+
+    def clear(self) -> None:
+        self._scores, self._overrun = None, False
+
+
+def reset_links(model: nn.Module) -> None:
+    """Drop scores left in every ScoreLink of `model` (after a forward pass that raised midway)."""
+    for module in model.modules():
+        for name in ("link", "export"):
+            link = getattr(module, name, None)
+            if isinstance(link, ScoreLink):
+                link.clear()
+
+
+# --- math shared by the modules, the teacher and the analyses ----------------------------------------
+def _heads(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """(b, t, n*dim) -> (b, n, t, dim)."""
+    return y.view(*y.shape[:2], -1, dim).transpose(1, 2)
+
+
+def qk_scores(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """q (b, h, l, d), k (b, g, t, d) -> unmasked scores (b, h, l, t) = scaling * q k^T (tanh-capped)."""
+    scores = (q @ repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2)) * scaling
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def attend(scores: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """scores (b, h, l, t), v (b, g, t, d), keep (b|1, 1, l, t) -> (b, l, h*d); the mask is applied here only.
+
+    Masked entries get finfo.min (not -inf), so a query row with no allowed key (padding) stays finite.
+    """
+    masked = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = probs @ repeat_kv(v, scores.shape[1] // v.shape[1])  # (b, h, l, d)
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def spec_qkv_scores(
+    spec: AttentionSpec, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (b, l, hidden) -> q (b, h, l, d), k, v (b, g, l, d) post-norm/RoPE, unmasked scores (b, h, l, l)."""
+    q = _heads(F.linear(x, spec.q, spec.q_bias), spec.head_dim)
+    k = _heads(F.linear(x, spec.k, spec.k_bias), spec.head_dim)
+    v = _heads(F.linear(x, spec.v, spec.v_bias), spec.head_dim)
+    if spec.q_norm is not None:
+        q = spec.q_norm(q)
+    if spec.k_norm is not None:
+        k = spec.k_norm(k)
+    if spec.rope is not None:
+        if cos_sin is None:
+            raise AttnslimError(f"layer {spec.layer}: RoPE layer needs (cos, sin) position embeddings")
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+    return q, k, v, qk_scores(q, k, spec.scaling, spec.softcap)
+
+
+def _linear_from(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
+    """nn.Linear whose parameters share storage with w (out, in) and b (no copy, no random init)."""
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    lin.weight = nn.Parameter(w)
+    if b is not None:
+        lin.bias = nn.Parameter(b)
+    return lin
+
+
+def _clone_norm(norm: nn.Module | None) -> nn.Module | None:
+    import copy
+
+    return None if norm is None else copy.deepcopy(norm)
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What a module needs to know about its layer besides weights (read from the AttentionSpec)."""
+
+    layer: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scaling: float
+    rope: bool
+    softcap: float | None = None
+    sliding_window: int | None = None
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> AttnShape:
+        return cls(spec.layer, spec.hidden_size, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling,
+                   spec.rope is not None, spec.softcap, spec.sliding_window)
+
+
+class _OriginalQK(nn.Module):
+    """The layer's own q/k projections (+ QK-norm), for DonorAttention and NF prefill."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.q_proj = _linear_from(spec.q, spec.q_bias)
+        self.k_proj = _linear_from(spec.k, spec.k_bias)
+        self.q_norm, self.k_norm = _clone_norm(spec.q_norm), _clone_norm(spec.k_norm)
+
+
+def _qk(owner: Any, x: torch.Tensor, position_embeddings: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Original q (b, h, l, d), k (b, g, l, d) of `owner` (which holds q_proj/k_proj/q_norm/k_norm)."""
+    s: AttnShape = owner.shape
+    q, k = _heads(owner.q_proj(x), s.head_dim), _heads(owner.k_proj(x), s.head_dim)
+    if owner.q_norm is not None:
+        q = owner.q_norm(q)
+    if owner.k_norm is not None:
+        k = owner.k_norm(k)
+    if s.rope:
+        if position_embeddings is None:
+            raise AttnslimError(f"layer {s.layer}: RoPE layer called without position_embeddings (cos, sin)")
+        q, k = apply_rope(q, *position_embeddings), apply_rope(k, *position_embeddings)
+    return q, k
+
+
+def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    return sliding_keep(_compat.keep_mask(attention_mask, q_len, kv_len, device), s.sliding_window)
+
+
+@register_module
+class DonorAttention(nn.Module):
+    """Standard attention rebuilt from a layer's spec (same weights and output) that exports its scores.
+
+    Parameter names follow HF (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm), so adapters still read its
+    spec and state-dict keys keep their meaning.
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.shape = AttnShape.of(spec)
+        self.layer_idx = spec.layer
+        qk = _OriginalQK(spec)
+        self.q_proj, self.k_proj, self.q_norm, self.k_norm = qk.q_proj, qk.k_proj, qk.q_norm, qk.k_norm
+        self.v_proj = _linear_from(spec.v, spec.v_bias)
+        self.o_proj = _linear_from(spec.o, spec.o_bias)
+        self.export: ScoreLink | None = None
+
+    def forward(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        x = hidden_states  # (b, l, hidden)
+        q, k = _qk(self, x, position_embeddings)
+        v = _heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
+        k, v = _compat.cache_update(past_key_values, self.layer_idx, k, v)  # (b, g, t, d)
+        scores = qk_scores(q, k, self.shape.scaling, self.shape.softcap)  # (b, h, l, t)
+        if self.export is not None:
+            self.export.put(scores)
+        keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], x.device)
+        return self.o_proj(attend(scores, v, keep)), None
+
+    def kv_cache_bytes_per_token(self) -> int:
+        return 2 * self.shape.n_kv_heads * self.shape.head_dim * next(self.v_proj.parameters()).element_size()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "DonorAttention", "exports_to": None if self.export is None else self.export.receiver}
+
+    def extra_repr(self) -> str:
+        s = self.shape
+        to = f", exports scores to layer {self.export.receiver}" if self.export is not None else ""
+        return f"layer={s.layer}, heads={s.n_heads}/{s.n_kv_heads}x{s.head_dim} (standard attention{to})"
+
+
+@register_module
+class Aligner(nn.Module):
+    """Position-wise FFN over the head axis: (b, c_in, l, t) -> (b, h, l, t); mixes heads, never positions.
+
+    hidden = 0: one linear c_in -> h (the paper's LISA_SL); hidden > 0: c_in -> hidden -> ReLU -> h ("DL").
+    """
+
+    max_elements = 1 << 24  # the (b, rows, t, hidden) activation is chunked over query rows above this
+
+    def __init__(self, c_in: int, n_heads: int, hidden: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.c_in, self.n_heads, self.hidden = c_in, n_heads, hidden
+        self.l1 = nn.Linear(c_in, hidden or n_heads, dtype=dtype)
+        self.l2 = nn.Linear(hidden, n_heads, dtype=dtype) if hidden else None
+
+    def _ffn(self, z: torch.Tensor) -> torch.Tensor:  # (b, rows, t, c_in) -> (b, rows, t, h)
+        y = self.l1(z)
+        return y if self.l2 is None else self.l2(F.relu(y))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        y = z.permute(0, 2, 3, 1)  # (b, l, t, c_in): channels last, so the FFN is a plain linear
+        b, l, t, _ = y.shape
+        rows = max(1, self.max_elements // max(1, b * t * max(self.hidden, self.c_in)))
+        if rows >= l:
+            out = self._ffn(y)
+        else:
+            out = torch.cat([self._ffn(y[:, i : i + rows]) for i in range(0, l, rows)], dim=1)
+        return out.permute(0, 3, 1, 2)  # (b, h, l, t)
+
+    @torch.no_grad()
+    def identity_init(self) -> None:
+        """Output = the first h input channels (A_{n-1}) exactly; other channels get zero weight.
+
+        DL: W1 = [I; -I; random] on the A_{n-1} block, W2 = [I, -I, 0], using relu(a) - relu(-a) = a. The
+        random hidden rows keep their default init (W2 reads them with 0) so they are not dead at the start.
+        """
+        h = self.n_heads
+        eye = torch.eye(h, dtype=self.l1.weight.dtype)
+        if self.l2 is None:
+            self.l1.weight.zero_()
+            self.l1.weight[:, :h] = eye
+            self.l1.bias.zero_()
+            return
+        if self.hidden < 2 * h:
+            raise AttnslimError(f"aligner hidden={self.hidden} < 2*heads={2 * h}: identity init needs hidden >= 2h")
+        w1 = self.l1.weight  # (hidden, c_in)
+        w1[: 2 * h].zero_()
+        w1[:h, :h], w1[h : 2 * h, :h] = eye, -eye
+        self.l1.bias[: 2 * h].zero_()
+        w1[2 * h :, h:].zero_()  # the A_delta block starts silent in every hidden unit
+        self.l2.weight.zero_()
+        self.l2.weight[:, :h], self.l2.weight[:, h : 2 * h] = eye, -eye
+        self.l2.bias.zero_()
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """How a receiver builds its scores; all plain data (goes into the plan and back into skeletons)."""
+
+    rank: int = 0  # per-head rank r of the low-rank Q/K compensator (0: none)
+    align_hidden: int | None = None  # aligner FFN width (None: no aligner; 0: single linear)
+    integrate: str = "fusion"  # fusion: FFN([A_prev; A_delta]); add: FFN(A_prev) + A_delta
+    rope_lr: bool = False  # RoPE on Q_LR/K_LR (r-dim, frequencies taken from the layer's own table)
+    nf_min_len: int | None = None  # NF: a prefill of >= this many tokens runs the original attention
+    uniform: bool = False  # analysis only ("AVG"): uniform causal attention, no donor
+
+    def __post_init__(self) -> None:
+        if self.integrate not in INTEGRATE:
+            raise AttnslimError(f"integrate={self.integrate!r} is invalid; valid: {' | '.join(INTEGRATE)}")
+        if self.rank < 0 or (self.align_hidden is not None and self.align_hidden < 0):
+            raise AttnslimError(f"rank={self.rank} / align_hidden={self.align_hidden} must be >= 0")
+        if self.rope_lr and self.rank % 2:
+            raise AttnslimError(f"rope_lr needs an even rank, got rank={self.rank}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _lr_cos_sin(cos_sin: tuple[torch.Tensor, torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (b, t, d_rot) of the layer -> (b, t, r) of an r-dim RoPE with the same theta.
+
+    Frequency i of an r-dim RoPE is theta^(-2i/r) = frequency i*d_rot/r of the d_rot table (exact when r
+    divides d_rot, nearest otherwise); half-split convention: the table is [f, f].
+    """
+    cos, sin = cos_sin
+    half = cos.shape[-1] // 2
+    idx = torch.tensor([min(half - 1, round(i * half / (r // 2))) for i in range(r // 2)], device=cos.device)
+    pick = torch.cat([idx, idx + half])
+    return cos.index_select(-1, pick), sin.index_select(-1, pick)
+
+
+@register_module
+class SharedAttention(nn.Module):
+    """Attention whose scores come from the previous layer (aligned + compensated); own V and W_o."""
+
+    def __init__(self, spec: AttentionSpec, cfg: SharingConfig) -> None:
+        super().__init__()
+        self.shape, self.cfg, self.layer_idx = AttnShape.of(spec), cfg, spec.layer
+        s, dtype = self.shape, spec.v.dtype
+        if cfg.rank >= s.head_dim:
+            raise AttnslimError(f"layer {s.layer}: rank={cfg.rank} must be in 1..{s.head_dim - 1} (< head_dim)")
+        self.v_proj = _linear_from(spec.v, spec.v_bias)
+        self.o_proj = _linear_from(spec.o, spec.o_bias)
+        self.q_lr = nn.Linear(s.hidden_size, s.n_heads * cfg.rank, bias=False, dtype=dtype) if cfg.rank else None
+        self.k_lr = nn.Linear(s.hidden_size, s.n_kv_heads * cfg.rank, bias=False, dtype=dtype) if cfg.rank else None
+        c_in = 2 * s.n_heads if cfg.rank and cfg.integrate == "fusion" else s.n_heads
+        self.align = None if cfg.align_hidden is None else Aligner(c_in, s.n_heads, cfg.align_hidden, dtype)
+        self.q_proj = self.k_proj = self.q_norm = self.k_norm = None
+        if cfg.nf_min_len is not None:  # NF keeps the original W_q / W_k for the prompt
+            qk = _OriginalQK(spec)
+            self.q_proj, self.k_proj, self.q_norm, self.k_norm = qk.q_proj, qk.k_proj, qk.q_norm, qk.k_norm
+        self.link: ScoreLink | None = None  # from the donor (layer - 1)
+        self.export: ScoreLink | None = None  # to the receiver (layer + 1), if any
+        self.score_sink: ScoreSink | None = None  # training / analysis: receives A_n (set inside `with` blocks)
+        self.detach_donor = False  # training option: no gradient into the donor's scores
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The new LISA parameters (q_lr, k_lr, align); V/W_o and NF's q/k stay frozen."""
+        mods = [m for m in (self.q_lr, self.k_lr, self.align) if m is not None]
+        return [p for m in mods for p in m.parameters()]
+
+    @torch.no_grad()
+    def init_weights(self, init: str, seed: int = 0) -> None:
+        """Seeded init of the new weights (PyTorch's Linear bounds, a generator per layer, so conversion is
+        reproducible). "ds" then makes the layer start as exact direct sharing (identity aligner on A_{n-1},
+        silent A_delta); "default" keeps the random init everywhere."""
+        gen = torch.Generator().manual_seed(seed * 100_003 + self.layer_idx)
+        new = [m for m in (self.q_lr, self.k_lr, self.align) if m is not None]
+        for lin in (m for module in new for m in module.modules() if isinstance(m, nn.Linear)):
+            bound = 1.0 / math.sqrt(lin.in_features)
+            for p in (lin.weight, lin.bias):
+                if p is not None:
+                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+        if init == "default":
+            return
+        if self.align is not None:
+            self.align.identity_init()
+        if self.q_lr is not None and (self.align is None or self.cfg.integrate == "add"):
+            self.q_lr.weight.zero_()  # A_delta = 0 at the start; k_lr keeps its init so q_lr gets gradient
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        x, s, cfg = hidden_states, self.shape, self.cfg  # x (b, l, hidden)
+        b, l, _ = x.shape
+        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
+        v = _heads(self.v_proj(x), s.head_dim)  # (b, g, l, d)
+        k_lr = self._k_lr(x, position_embeddings) if self.k_lr is not None else None  # (b, g, l, r)
+        k_lr, v = self._cache(past_key_values, x, k_lr, v)  # every token so far: (b, g, t, r), (b, g, t, d)
+        t = v.shape[-2]
+        if cfg.nf_min_len is not None and past == 0 and l >= cfg.nf_min_len:
+            if self.link is not None:
+                self.link.take((b, s.n_heads, l, t))  # consumed unused: the prompt runs the original attention
+            q, k = _qk(self, x, position_embeddings)
+            scores = qk_scores(q, k, s.scaling, s.softcap)  # (b, h, l, t)
+        elif cfg.uniform:
+            scores = x.new_zeros(b, s.n_heads, l, t)  # softmax of zeros = uniform over the visible keys
+        else:
+            if self.link is None:
+                raise AttnslimError(f"layer {s.layer}: SharedAttention has no donor link; install it with lisa/ds")
+            prev = self.link.take((b, s.n_heads, l, t))
+            scores = self._integrate(prev.detach() if self.detach_donor else prev, x, k_lr, position_embeddings)
+        if self.export is not None:
+            self.export.put(scores)
+        if self.score_sink is not None:
+            self.score_sink(self.layer_idx, scores)
+        keep = _keep(s, attention_mask, l, t, x.device)
+        return self.o_proj(attend(scores, v, keep)), None
+
+    def _k_lr(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
+        assert self.k_lr is not None
+        k = _heads(self.k_lr(x), self.cfg.rank)  # (b, g, l, r)
+        return apply_rope(k, *_lr_cos_sin(position_embeddings, self.cfg.rank)) if self.cfg.rope_lr else k
+
+    def _cache(
+        self, cache: Any, x: torch.Tensor, k_lr: torch.Tensor | None, v: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if cache is None:
+            return k_lr, v
+        if k_lr is not None:
+            return _compat.cache_update(cache, self.layer_idx, k_lr, v)
+        marker = torch.zeros(x.shape[0], 1, x.shape[1], 1, dtype=torch.int8, device=x.device)  # V-only layer
+        _, v = _compat.cache_update(cache, self.layer_idx, marker, v)
+        return None, v
+
+    def _integrate(
+        self, prev: torch.Tensor, x: torch.Tensor, k_lr: torch.Tensor | None, position_embeddings: Any
+    ) -> torch.Tensor:
+        """A_{n-1} (b, h, l, t) -> A_n (b, h, l, t)."""
+        delta = None
+        if k_lr is not None and self.q_lr is not None:
+            q = _heads(self.q_lr(x), self.cfg.rank)  # (b, h, l, r)
+            if self.cfg.rope_lr:
+                q = apply_rope(q, *_lr_cos_sin(position_embeddings, self.cfg.rank))
+            delta = qk_scores(q, k_lr, 1.0 / math.sqrt(self.cfg.rank))  # (b, h, l, t)
+        if self.align is None:
+            return prev if delta is None else prev + delta
+        if delta is None or self.cfg.integrate == "add":
+            aligned = self.align(prev)
+            return aligned if delta is None else aligned + delta
+        return self.align(torch.cat([prev, delta], dim=1))  # (b, 2h, l, t) -> (b, h, l, t)
+
+    # --- reporting -------------------------------------------------------------------------------
+    def kv_cache_bytes_per_token(self) -> int:
+        s, size = self.shape, next(self.v_proj.parameters()).element_size()
+        keys = s.n_kv_heads * self.cfg.rank * size if self.cfg.rank else 1  # K_LR, or the 1-byte marker
+        return keys + s.n_kv_heads * s.head_dim * size
+
+    def kind(self) -> str:
+        if self.cfg.uniform:
+            return "avg"
+        if not self.cfg.rank and self.align is None:
+            return "ds"
+        return "lisa"
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "SharedAttention", "mode": self.kind(), **self.cfg.to_json(),
+                "donor": self.shape.layer - 1, "kv_bytes_per_token": self.kv_cache_bytes_per_token(),
+                "params": sum(p.numel() for p in self.trainable())}
+
+    def extra_repr(self) -> str:
+        c, s = self.cfg, self.shape
+        align = "none" if c.align_hidden is None else ("single" if c.align_hidden == 0 else f"{c.align_hidden}")
+        nf = f", nf_min_len={c.nf_min_len}" if c.nf_min_len is not None else ""
+        return (f"layer={s.layer} <- {s.layer - 1}, mode={self.kind()}, rank={c.rank}/{s.head_dim}, "
+                f"align_hidden={align}, integrate={c.integrate}{nf} ({self.kv_cache_bytes_per_token()} B/token)")

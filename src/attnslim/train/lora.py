@@ -1,0 +1,147 @@
+"""LoRA recovery fine-tuning for ATP (seed 004 §5.2, App. C; notes G1b, G10): rank 32 on q/k/v via peft.
+
+Loss (notes G1b): the paper's layer is not causal, so a teacher-forced next-token loss over a sequence would
+see the targets. Each example is a prompt-only window of `context` tokens from the training split of the
+text source and the loss is cross-entropy of the *next* token at the last position over the full vocabulary
+— the same last-position protocol the evaluation uses (eval/choice.py), with no target inside the input.
+Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
+for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
+gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
+same batches as an uninterrupted one.
+
+Checkpoints (every `save_every` steps and at the end) go to `out_dir`: `adapter.safetensors` (LoRA weights),
+`optimizer.pt` (optimizer + scheduler tensors; read back with torch.load(weights_only=True)) and
+`state.json` (step, losses, config). `recover_with_lora` resumes from them when present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attnslim.data import token_ids
+from attnslim.errors import AttnslimError
+
+
+@dataclass(frozen=True)
+class LoraRecipe:
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    steps: int = 300
+    batch_size: int = 4
+    context: int = 256
+    lr: float = 2e-4
+    weight_decay: float = 1e-2
+    warmup: int = 20
+    source: str = "wiki"
+    seed: int = 0
+    save_every: int = 25
+
+    def __post_init__(self) -> None:
+        for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
+            if getattr(self, key) < 1:
+                raise AttnslimError(f"LoRA recipe: {key}={getattr(self, key)} must be ≥ 1")
+        if not 0.0 <= self.dropout < 1.0 or self.lr <= 0 or self.warmup < 0:
+            raise AttnslimError(f"LoRA recipe: dropout={self.dropout} (need [0, 1)), lr={self.lr} (> 0), "
+                                f"warmup={self.warmup} (≥ 0)")
+
+
+def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (batch, context) and their next tokens (batch,) for one step; deterministic in (seed, step)."""
+    gen = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
+    starts = torch.randint(0, ids.numel() - recipe.context - 1, (recipe.batch_size,), generator=gen)
+    prompts = torch.stack([ids[s : s + recipe.context] for s in starts.tolist()])
+    return prompts, ids[starts + recipe.context]
+
+
+def last_token_loss(model: Any, prompts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the next token at the last prompt position (the answer is never in the input)."""
+    logits = model(input_ids=prompts, use_cache=False).logits[:, -1].float()  # (b, vocab)
+    return F.cross_entropy(logits, targets)
+
+
+def _lr_factor(recipe: LoraRecipe, step: int) -> float:
+    if step < recipe.warmup:
+        return (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def recover_with_lora(
+    model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
+    stop_after: int | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Fine-tune LoRA adapters on q/k/v of `model` (resuming from `out_dir`); returns (model, log).
+
+    With merge=True the adapters are merged into the q/k/v weights and the plain model is returned, so it
+    saves and loads like any compressed model. `stop_after` runs at most that many steps in this call (a time
+    box); the checkpoint written on stopping lets the next call continue exactly where this one stopped.
+    """
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)  # LoRA A initialisation
+    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=recipe.dropout,
+                        target_modules=list(recipe.targets), bias="none")
+    peft_model = get_peft_model(model, config)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(recipe, s))
+    state: dict[str, Any] = {"step": 0, "losses": [], "seconds": 0.0, "recipe": asdict(recipe)}
+    if (out / "state.json").exists():
+        state = json.loads((out / "state.json").read_text())
+        if state["recipe"] != json.loads(json.dumps(asdict(recipe))):
+            raise AttnslimError(f"{out} holds a checkpoint of a different LoRA recipe; use another out_dir")
+        set_peft_model_state_dict(peft_model, load_file(str(out / "adapter.safetensors")))
+        saved = torch.load(out / "optimizer.pt", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])  # LoRA dropout continues as if never interrupted
+
+    def checkpoint() -> None:
+        weights = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+        save_file(weights, str(out / "adapter.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": torch.get_rng_state()}, out / "optimizer.pt")
+        (out / "state.json").write_text(json.dumps(state, indent=1))
+
+    ids = token_ids(recipe.source, "calib", tokenizer)
+    if ids.numel() < recipe.context + 2:
+        raise AttnslimError(f"the {recipe.source!r} training split is shorter than context={recipe.context}")
+    device = next(peft_model.parameters()).device
+    peft_model.train()
+    end = recipe.steps if stop_after is None else min(recipe.steps, state["step"] + stop_after)
+    bar = tqdm(range(state["step"], end), desc="lora", disable=not progress, initial=state["step"],
+               total=recipe.steps)
+    start = time.time()
+    for step in bar:
+        prompts, targets = batch_at(ids, recipe, step)
+        loss = last_token_loss(peft_model, prompts.to(device), targets.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        state["losses"].append(round(value, 5))
+        state["step"] = step + 1
+        bar.set_postfix(loss=f"{value:.3f}")
+        if state["step"] % recipe.save_every == 0 or state["step"] == end:
+            state["seconds"] += time.time() - start
+            start = time.time()
+            checkpoint()
+    peft_model.eval()
+    log = {k: state[k] for k in ("step", "losses", "seconds", "recipe")}
+    return (peft_model.merge_and_unload() if merge else peft_model), log

@@ -1,0 +1,286 @@
+"""`latentllm` on tiny random models of every family: exactness at full rank, latent KV cache, save/load,
+rank allocation, HOSVD vs split on real statistics, bad input; one `real` test on SmolLM2."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.bench import kv_bytes_per_token
+from attnslim.bench.flops import flops_per_token
+from attnslim.calib.hooks import capture_sites
+from attnslim.calib.stats import GramStats
+from attnslim.errors import AttnslimError
+from attnslim.io import load, save
+from attnslim.linalg.precond import InputStats
+from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
+from attnslim.modules.latent import LatentAttention
+from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
+from helpers import ByteTokenizer, one_step
+from test_pipeline import _SavingTokenizer
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+# Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
+# rank below 16 is below head_dim, so Gemma3 gets explicit ranks.
+RANKS = {"q": 24, "k": 16, "v": 12, "o": 24, "gate": 40, "up": 40, "down": 40}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _compress(model, args, quiet=True, **kw):
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
+        return compress(model, ByteTokenizer(), one_step("latentllm", args, **kw), progress=False)
+
+
+def _lossy(family: str) -> dict:
+    return {"ratio": None, "ranks": RANKS} if family == "gemma3" else {"ratio": 0.7}  # MQA: k is 16 = head_dim
+
+
+VARIANTS = {
+    "joint": {}, "split": {"qk": "split"}, "vo-joint": {"vo": "joint"}, "mlp-local": {"mlp": "local"},
+    "mlp-ud": {"mlp": "joint_ud"}, "cache-dense": {"cache": "dense"}, "rope-window": {"rope_window": 4},
+    "precond-l2": {"precond": "l2"}, "vo-none": {"vo": "none"},
+}
+# (dense factors cannot reach full rank without growing: that is refused, see the bad-input tests)
+FULL_CASES = [("llama", v) for v in VARIANTS] + [
+    (f, v) for f in ("qwen2", "opt") for v in ("joint", "split", "vo-joint", "mlp-ud", "precond-l2")] + [
+    ("mistral", "joint"), ("gemma3", "joint"), ("gemma3", "mlp-ud")]
+
+
+@pytest.mark.parametrize("family,variant", FULL_CASES)
+def test_full_rank_reproduces_dense_logits(family, variant):
+    """ratio 1 = full rank for every linear (block identity: same parameter count) -> dense logits.
+    qwen2: GQA, q/k/v biases, sliding layers; opt: biases everywhere, no RoPE, ReLU; gemma3: MQA, QK-norm."""
+    model = TINY_BUILDERS[family]()
+    ref = model(input_ids=IDS).logits
+    _compress(model, {"ratio": 1.0, **VARIANTS[variant]})
+    assert all(isinstance(get_adapter(model).attention(i), LatentAttention) for i in range(4))
+    err = float((model(input_ids=IDS).logits - ref).abs().max())
+    assert err < 5e-5, err
+
+
+@pytest.mark.parametrize("junction", ["block_identity", "left"])
+def test_error_falls_as_ratio_grows(junction):
+    ref = tiny_llama()(input_ids=IDS).logits
+    errors = []
+    for ratio in (0.8, 0.9, 1.0):
+        model = tiny_llama()
+        _compress(model, {"ratio": ratio, "junction": junction})
+        errors.append(float((model(input_ids=IDS).logits - ref).pow(2).mean()))
+    assert errors[0] > errors[1] > errors[2], errors
+
+
+@pytest.mark.parametrize("family", sorted(TINY_BUILDERS))
+def test_latent_cache_is_smaller_and_cached_equals_uncached(family):
+    model = TINY_BUILDERS[family]()
+    dense_kv = kv_bytes_per_token(model)
+    _compress(model, _lossy(family))
+    kv = kv_bytes_per_token(model)
+    assert kv["total"] < dense_kv["total"]
+    cache = _compat.new_cache(model.config)
+    model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    ranks = get_adapter(model).attention(0).ranks()
+    # (b, 1, t, r): one latent per token (sliding-window layers keep only the last window of them)
+    assert (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3]) == (
+        1, ranks["k"], 1, ranks["v"])
+    cached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    uncached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)  # 28 tokens: past the sliding window (4) of qwen2/mistral/gemma3
+
+
+def test_cache_bytes_match_module_report_and_padding():
+    model = tiny_llama()
+    _compress(model, {"ratio": 0.7})
+    kv = kv_bytes_per_token(model)
+    reported = [get_adapter(model).attention(i).kv_cache_bytes_per_token() for i in range(4)]
+    assert kv["per_layer"] == pytest.approx(reported)
+    mask = torch.ones_like(IDS)
+    mask[1, :5] = 0  # left padding: every position of row 1 shifts; RoPE logits must not see it
+    full = model(input_ids=IDS, attention_mask=mask).logits
+    row = model(input_ids=IDS[1:, 5:]).logits
+    assert torch.allclose(full[1, 5:], row[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family,variant", [("qwen2", {"mlp": "joint_ud"}), ("opt", {"vo": "joint"}),
+                                            ("gemma3", {"mlp": "local"})])
+def test_save_load_identical_logits_and_generation(family, variant, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = TINY_BUILDERS[family]()
+    report = _compress(model, {**_lossy(family), **variant})
+    ref = model(input_ids=IDS).logits
+    out = save(model, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    loaded, _ = load(out)
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)
+    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    cached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    uncached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_module_reports_ranks_flops_and_absorbs_without_rope():
+    model = tiny_opt()  # no RoPE, no QK-norm: keys and values are scored in latent space when cheaper
+    _compress(model, {"ratio": 0.7})
+    attn = get_adapter(model).attention(0)
+    r = attn.ranks()
+    assert "r_k=" in repr(attn) and attn.describe()["ranks"] == r and attn.describe()["kind"] == "LatentAttention"
+    assert attn._paths(1, 512) == ("absorb", "absorb")
+    assert attn._paths(512, 512) == ("decompress", "decompress")  # prefill: decompress once, attend at d_h
+    flops = attn.attention_flops(512)
+    assert flops == 2 * (4 * 16 * r["k"] + 4 * 512 * r["k"] + 4 * 512 * r["v"] + 4 * r["v"] * 16)
+    assert flops_per_token(model, 512)["attention_core"] == pytest.approx(
+        sum(get_adapter(model).attention(i).attention_flops(512) for i in range(4)))
+
+
+def test_ratio_keeps_the_stated_fraction():
+    model = tiny_llama()
+    report = _compress(model, {"ratio": 0.8, "mlp": "local"})
+    before, after = report.params_before, report.params_after
+    for group in ("attention", "mlp"):
+        kept = after[group] / before[group]
+        assert 0.7 < kept <= 0.8, (group, kept)  # within one rank step on 64-wide matrices
+    entry = report.steps[0]["plan"]["layers"]["0"]
+    assert entry["weights"]["attention"][1] <= 0.8 * entry["weights"]["attention"][0]
+
+
+def test_total_ratio_solves_one_fraction_for_the_whole_model():
+    model = tiny_llama()
+    report = _compress(model, {"ratio": None, "total_ratio": 0.8, "mlp": "local"})
+    kept = report.params_after["total"] / report.params_before["total"]
+    assert 0.77 < kept <= 0.8, kept
+    with pytest.raises(AttnslimError, match="unreachable"):
+        _compress(tiny_llama(), {"ratio": None, "total_ratio": 0.2})  # embeddings alone are > 20%
+
+
+def test_spectrum_ranks_follow_the_energy_within_the_budget():
+    from attnslim.methods.latentllm_ranks import kept_weights, spectrum_ranks
+
+    shapes = {"flat": (64, 64), "steep": (64, 64)}
+    spectra = {"flat": torch.ones(64), "steep": 0.7 ** torch.arange(64.0)}
+    ranks = spectrum_ranks(spectra, shapes, 4000, "block_identity")
+    assert ranks["flat"] > ranks["steep"] and kept_weights(shapes, ranks, "block_identity") <= 4000
+    kv = spectrum_ranks(spectra, shapes, 40, "block_identity", {"steep": 16}, unit="ranks")
+    assert kv["steep"] == 16 and kv["flat"] == 24  # the floor holds; the rest goes where the energy is
+
+
+def test_spectrum_allocation_keeps_the_budget_and_lowers_the_error():
+    ref = tiny_llama()(input_ids=IDS).logits
+    errors, kept = {}, {}
+    for alloc in ("uniform", "spectrum"):
+        model = tiny_llama()
+        report = _compress(model, {"ratio": 0.8, "alloc": alloc}, windows=16, seq_len=64)
+        errors[alloc] = float((model(input_ids=IDS).logits - ref).pow(2).mean())
+        kept[alloc] = report.params_after["attention"] / report.params_before["attention"]
+    assert kept["spectrum"] <= 0.8 and kept["spectrum"] == pytest.approx(kept["uniform"], abs=0.01)
+    assert errors["spectrum"] < errors["uniform"], errors
+
+
+def test_kv_ratio_bounds_the_latent_cache():
+    model = tiny_llama()
+    dense = kv_bytes_per_token(model)["total"]
+    report = _compress(model, {"ratio": 0.9, "kv_ratio": 0.5}, windows=16, seq_len=64)
+    for entry in report.steps[0]["plan"]["layers"].values():
+        assert 16 <= entry["ranks"]["k"] and entry["ranks"]["k"] + entry["ranks"]["v"] <= 32  # 0.5 * 2 * 32
+    assert kv_bytes_per_token(model)["total"] <= 0.5 * dense
+    kept = report.params_after["attention"] / report.params_before["attention"]
+    assert 0.85 < kept <= 0.9, kept  # q and o take over the weights k and v gave up
+
+
+def test_hosvd_not_worse_than_split_at_equal_params_on_model_statistics():
+    """On layer-1 attention inputs of a tiny llama: the joint HOSVD loss is monotone and its exact logit
+    loss is below the split (local RootCov) factors at the same ranks (same parameter count)."""
+    model = tiny_llama()
+    adapter = get_adapter(model)
+    gram = GramStats.empty(64)
+    ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), capture_sites(adapter, 1, {"attn_in"}, lambda site, x: gram.update(x)):
+        model(input_ids=ids)
+    st = InputStats(gram.sxx, gram.sx, gram.ax, gram.n)
+    spec = adapter.attention_spec(1)
+    kw = {"n_heads": 4, "n_kv_heads": 2}
+    for r_q, r_k in ((16, 16), (24, 20), (40, 24)):
+        joint = joint_qk(spec.q, spec.k, st, r_q, r_k, damp=1e-6, **kw)
+        split = split_qk(spec.q, spec.k, st, r_q, r_k, damp=1e-6, **kw)
+        hist = joint.loss_history
+        assert all(b <= a * (1 + 1e-9) for a, b in zip(hist, hist[1:], strict=False))
+        loss_joint = qk_logit_loss(spec.q, spec.k, joint, st, **kw)
+        loss_split = qk_logit_loss(spec.q, spec.k, split, st, **kw)
+        assert loss_joint <= loss_split, (r_q, r_k, loss_joint, loss_split)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [({"ratio": 1.5}, "would hold more"), ({"ratio": 0.5, "total_ratio": 0.5}, "exactly one"),
+     ({"qk": "tucker"}, "qk"), ({"mlp": "ud"}, "mlp"), ({"precond": "chol"}, "precond"), ({"cache": "kv"}, "cache"),
+     ({"rope_window": 0}, "rope_window"), ({"damp": -1.0}, "damp"), ({"alloc": "greedy"}, "alloc"),
+     ({"kv_ratio": 0.2, "vo": "none"}, "kv_ratio"),
+     ({"ratio": None, "ranks": {"q": 24, "k": 16, "v": 12}}, "no entry for 'o'"),
+     ({"ratio": None, "ranks": {**RANKS, "k": 40}}, "would increase its parameters"),
+     ({"ratio": None, "ranks": {**RANKS, "q": 40}, "junction": "left"}, "would increase its parameters"),
+     ({"ratio": None, "ranks": {**RANKS, "k": 8}}, "below head_dim"),
+     ({"ratio": 0.5, "alloc": "uniform"}, "below head_dim")],
+)
+def test_bad_input_is_refused_with_the_reason(args, match):
+    with pytest.raises(AttnslimError, match=match):
+        _compress(tiny_llama(), args)
+
+
+def test_cap_ranks_caps_with_a_warning():
+    model = tiny_llama()
+    with pytest.warns(UserWarning, match="capped to 32"):
+        report = _compress(model, {"ratio": None, "ranks": {**RANKS, "k": 40}, "cap_ranks": True}, quiet=False)
+    assert report.steps[0]["plan"]["layers"]["0"]["ranks"]["k"] == 32
+
+
+def test_singular_covariance_warns_naming_the_layer_and_undamped_fails():
+    with pytest.warns(UserWarning, match="layer 0 .*rank-deficient"):  # 16 tokens for a 64-dim input
+        _compress(tiny_llama(), {"ratio": 0.8}, quiet=False, windows=1, seq_len=16)
+    with pytest.raises(ValueError, match="layer 0 .*damp"):
+        _compress(tiny_llama(), {"ratio": 0.8, "damp": 0.0}, windows=1, seq_len=16)
+
+
+def test_joint_ud_refuses_unsupported_activations():
+    with pytest.raises(AttnslimError, match="gated activation 'tanh'.*mlp: local"):
+        _compress(tiny_llama(hidden_act="tanh"), {"ratio": 0.8, "mlp": "joint_ud"})
+    with pytest.raises(AttnslimError, match="un-gated activation 'gelu'"):
+        _compress(tiny_opt(activation_function="gelu"), {"ratio": 0.8, "mlp": "joint_ud"})
+    _compress(tiny_opt(activation_function="gelu"), {"ratio": 0.8, "mlp": "local"})  # local works for any
+
+
+@pytest.mark.real
+def test_real_smollm2_few_layers_at_80_percent():
+    """SmolLM2-135M, latentllm on layers 10-12 at 80% kept attention: small ppl loss, fewer KV bytes."""
+    from attnslim.data import eval_windows
+    from attnslim.eval import perplexity
+    from attnslim.models import load_model
+    from attnslim.recipe import recipe_from_dict
+
+    model, tokenizer = load_model("smollm2-135m")
+    windows = eval_windows("wiki", tokenizer, tokens=512, seq_len=256)  # 2 windows
+    dense_ppl = perplexity(model, windows, progress=False).ppl
+    dense_kv = kv_bytes_per_token(model)["total"]
+    recipe = recipe_from_dict({
+        "name": "t", "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
+        "steps": [{"method": "latentllm", "layers": [10, 11, 12], "args": {"ratio": 0.8}}],
+    })
+    report = compress(model, tokenizer, recipe, progress=False)
+    ppl = perplexity(model, windows, progress=False).ppl
+    assert ppl / dense_ppl < 1.1, (ppl, dense_ppl)
+    assert kv_bytes_per_token(model)["total"] < dense_kv
+    assert report.params_after["attention"] < report.params_before["attention"]

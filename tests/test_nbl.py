@@ -1,0 +1,225 @@
+"""NBL (seed 003) on tiny models: identity at m=0, exact recovery of an affine block, no KV cache, save/load,
+cached generation, selection criteria and bad input; one `real` check on SmolLM2."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.errors import AttnslimError
+from attnslim.io import load, save
+from attnslim.methods.nbl import Nbl, RelativeMoments
+from attnslim.modules.linearized import LinearizedAttention
+from conftest import tiny_llama
+from helpers import ByteTokenizer, one_step
+from test_pipeline import _SavingTokenizer
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+F64 = torch.float64
+
+
+def _compress(model, args, windows=8, seq_len=32, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compress(model, ByteTokenizer(), one_step("nbl", args, windows=windows, seq_len=seq_len, **kw),
+                        progress=False)
+
+
+class AffineAttention(nn.Module):
+    """A stand-in attention block that is exactly affine in its input: y = A x + c."""
+
+    def __init__(self, layer: int, a: torch.Tensor, c: torch.Tensor, poison: bool = False) -> None:
+        super().__init__()
+        self.layer_idx, self.a, self.c, self.poison = layer, nn.Parameter(a), nn.Parameter(c), poison
+
+    def forward(self, hidden_states: torch.Tensor, past_key_values: Any = None, **kw: Any) -> tuple[Any, None]:
+        _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
+        y = hidden_states @ self.a.T + self.c
+        return (y * float("nan") if self.poison else y), None
+
+
+def _affine(d: int = 64, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return 0.05 * torch.randn(d, d, generator=g), 0.1 * torch.randn(d, generator=g)
+
+
+def test_m0_leaves_logits_bit_identical(llama):
+    ref = llama(input_ids=IDS).logits
+    report = _compress(llama, {"m": 0})
+    assert torch.equal(llama(input_ids=IDS).logits, ref)
+    plan = report.steps[0]["plan"]
+    assert plan["chosen"] == [] and sorted(plan["scores"]["cca"]) == ["0", "1", "2", "3"]
+
+
+def test_module_computes_affine_map_and_stores_no_kv():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    module = LinearizedAttention(0, 8)
+    module.set_map(w, b)
+    x = torch.randn(2, 5, 8, generator=g)
+    cache = _compat.new_cache(tiny_llama().config)
+    out, attn = module(x, past_key_values=cache)
+    assert attn is None and torch.equal(out, torch.nn.functional.linear(x, w, b))
+    assert _compat.cache_bytes_per_layer(cache)[0] == 2 * 5  # the 1-byte/token position marker only
+    assert "no KV cache" in repr(module) and module.describe()["kind"] == "LinearizedAttention"
+
+
+@pytest.mark.parametrize("input", ["normed", "residual"])
+def test_recovers_a_known_affine_block_exactly(input):
+    """Layer 1's attention replaced by y = A x + c (x = norm(h), or h with the norm removed): NBL finds A, c,
+    every criterion ranks it most linear, and the compressed model reproduces the logits."""
+    model = tiny_llama()
+    adapter = get_adapter(model)
+    if input == "residual":
+        adapter.replace_attention_norm(1, nn.Identity())
+    a, c = _affine()
+    adapter.replace_attention(1, AffineAttention(1, a, c))
+    ref = model(input_ids=IDS).logits
+    report = _compress(model, {"m": 1, "input": input, "criterion": "nmse", "ridge": 1e-9})
+    plan = report.steps[0]["plan"]
+    assert plan["chosen"] == [1]
+    module = adapter.attention(1)
+    assert isinstance(module, LinearizedAttention)
+    assert torch.allclose(module.weight, a, atol=1e-5) and torch.allclose(module.bias, c, atol=1e-5)
+    assert plan["layers"]["1"]["fit"]["nmse"] < 1e-8
+    assert torch.allclose(model(input_ids=IDS).logits, ref, atol=1e-4)
+    for criterion in ("resid", "cca") if input == "residual" else ("resid",):  # cca reads Y against h
+        scores = plan["scores"][criterion]
+        assert min(scores, key=scores.get) == "1", (criterion, scores)
+
+
+def test_linearized_layers_hold_nothing_in_the_cache(llama):
+    report = _compress(llama, {"m": 2})
+    chosen = report.steps[0]["plan"]["chosen"]
+    cache = _compat.new_cache(llama.config)
+    llama(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
+    for i, nbytes in enumerate(_compat.cache_bytes_per_layer(cache)):
+        assert (nbytes == IDS.shape[1]) == (i in chosen)  # marker: 1 byte per token
+    assert report.kv_bytes_per_token_after == pytest.approx(
+        report.kv_bytes_per_token_before * (1 - len(chosen) / 4) + len(chosen))
+
+
+@pytest.mark.parametrize("args", [{"m": 2}, {"m": 2, "input": "residual", "sequential": True}])
+def test_save_load_identical_logits_and_cached_generation(llama, tmp_path, args):
+    from transformers import AutoModelForCausalLM
+
+    report = _compress(llama, args)
+    ref = llama(input_ids=IDS).logits
+    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    loaded, _ = load(out)
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)
+    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    cached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False)
+    uncached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_sequential_refits_on_the_linearized_upstream():
+    one_shot, seq = tiny_llama(), tiny_llama()
+    plan_a = _compress(one_shot, {"criterion": "given"}, layers=[1, 2]).steps[0]["plan"]
+    plan_b = _compress(seq, {"criterion": "given", "sequential": True}, layers=[1, 2]).steps[0]["plan"]
+    for p in (plan_a, plan_b):
+        assert p["chosen"] == [1, 2]
+    w1 = [get_adapter(m).attention(1).weight for m in (one_shot, seq)]
+    w2 = [get_adapter(m).attention(2).weight for m in (one_shot, seq)]
+    assert torch.equal(w1[0], w1[1])  # nothing upstream of the first chosen layer changed
+    assert not torch.allclose(w2[0], w2[1])  # layer 2 saw the linearized layer 1
+
+
+def test_selection_baselines_follow_their_scores():
+    scores = {i: {"cca": float(c), "nmse": 0.0, "resid": float(r), "similarity": float(s)}
+              for i, (c, r, s) in enumerate([(5, 0.3, 0.1), (1, 0.2, 0.4), (9, 0.1, 0.2), (3, 0.4, 0.3)])}
+    assert Nbl(m=2, criterion="cca").select(scores, 2) == [1, 3]
+    assert Nbl(m=2, criterion="highest").select(scores, 2) == [0, 2]
+    assert Nbl(m=2, criterion="resid").select(scores, 2) == [1, 2]
+    assert Nbl(m=2, criterion="similarity").select(scores, 2) == [0, 2]
+    rand = [Nbl(m=2, criterion="random", seed=s).select(scores, 2) for s in (0, 0, 1, 2, 3)]
+    assert rand[0] == rand[1] and len({tuple(r) for r in rand}) > 1
+    assert Nbl(fraction=0.5).count(30) == 15
+
+
+def test_relative_moments_match_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(300, 6, generator=g, dtype=F64), torch.randn(300, 6, generator=g, dtype=F64)
+    h_out = 5 * torch.randn(300, 6, generator=g, dtype=F64)
+    w, b = torch.randn(6, 6, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
+    mom = RelativeMoments.zeros(6)
+    mom.update(x[:100], y[:100], h_out[:100])
+    mom.update(x[100:], y[100:], h_out[100:])
+    direct = ((y - x @ w.T - b).square().sum(-1) / h_out.square().sum(-1)).mean()
+    assert mom.error(w, b) == pytest.approx(float(direct), rel=1e-10)
+    exact = RelativeMoments.zeros(6)
+    exact.update(x, x @ w.T + b, h_out)
+    w_fit, b_fit = exact.solve(ridge=0.0)
+    assert torch.allclose(w_fit, w, atol=1e-8) and torch.allclose(b_fit, b, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [({"m": 5}, r"m=5 is invalid; valid: 0\.\.4"), ({"m": -1}, "m=-1"), ({"m": 1, "fraction": 0.5}, "exactly one"),
+     ({}, "exactly one"), ({"fraction": 1.5}, "fraction"), ({"m": 1, "criterion": "best"}, "criterion"),
+     ({"m": 1, "input": "raw"}, "input"), ({"m": 1, "ridge": -1.0}, "ridge"), ({"m": 1, "k": 2}, "unknown")],
+)
+def test_bad_arguments(llama, args, match):
+    with pytest.raises(AttnslimError, match=match):
+        _compress(llama, args)
+
+
+def test_m_larger_than_candidates(llama):
+    with pytest.raises(AttnslimError, match=r"0\.\.2 \(the candidate layers\)"):
+        _compress(llama, {"m": 3}, layers=[1, 2])
+
+
+def test_too_few_tokens_says_how_many_are_needed(llama):
+    with pytest.raises(AttnslimError, match=r"layer 0: 32 calibration tokens .* at least 65 tokens .*windows >= 3"):
+        _compress(llama, {"m": 1}, windows=1, seq_len=32)
+
+
+def test_non_finite_statistics_name_the_layer(llama):
+    a, c = _affine()
+    get_adapter(llama).replace_attention(2, AffineAttention(2, a, c, poison=True))
+    with pytest.raises(AttnslimError, match="layer 2: NaN/Inf"):
+        _compress(llama, {"m": 1})
+
+
+def test_linearity_report_and_table(llama):
+    from attnslim.analysis.linearity import format_linearity, linearity_report
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = linearity_report(llama, ByteTokenizer(), {"source": "tiny", "windows": 8, "seq_len": 32}, m=2)
+    assert [r["layer"] for r in report["layers"]] == [0, 1, 2, 3]
+    assert all(0.0 <= r["cca"] <= 64.0 for r in report["layers"])
+    assert all(len(v) == 2 for v in report["selection"].values())
+    text = format_linearity(report)
+    assert "cca" in text and text.count("\n") >= 4 + 4
+
+
+@pytest.mark.real
+def test_nbl_on_smollm2_keeps_perplexity_close():
+    from attnslim.data import eval_windows
+    from attnslim.eval import perplexity
+    from attnslim.models import load_model
+    from attnslim.recipe import recipe_from_dict
+
+    model, tokenizer = load_model("smollm2-135m")
+    windows = eval_windows("wiki", tokenizer, tokens=512, seq_len=256)
+    dense = perplexity(model, windows, progress=False).ppl
+    recipe = recipe_from_dict({
+        "name": "t", "calibration": {"source": "wiki", "windows": 8, "seq_len": 256},
+        "steps": [{"method": "nbl", "layers": "all", "args": {"m": 3}}],
+    })
+    report = compress(model, tokenizer, recipe, progress=False)
+    plan = report.steps[0]["plan"]
+    assert len(plan["chosen"]) == 3 and len(plan["scores"]["cca"]) == 30
+    ratio = perplexity(model, windows, progress=False).ppl / dense
+    assert ratio < 1.3, (ratio, plan["chosen"])
+    assert report.kv_bytes_per_token_after < report.kv_bytes_per_token_before * 0.91
