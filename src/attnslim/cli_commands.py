@@ -37,7 +37,7 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--what", required=True, help="linearity (NBL CCA bounds); more as methods land")
+    p.add_argument("--what", required=True, help="linearity (NBL) | lowrank (ATP) | similarity | sensitivity (LISA)")
     p.add_argument("--m", type=int, default=6, help="linearity: how many layers to select")
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
@@ -145,7 +145,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, args.recipe, args.out, args.tokens)
 
 
-ANALYSES = ("linearity",)
+ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity")
+
+
+def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dict[str, Any], str]:
+    """Run one analysis; (report, text table)."""
+    if args.what == "linearity":
+        from attnslim.analysis.linearity import format_linearity, linearity_report
+
+        calibration = {"source": args.source, "windows": args.windows, "seq_len": args.seq_len, "seed": 0}
+        report = linearity_report(model, tokenizer, calibration, args.m)
+        return report, format_linearity(report)
+    if args.what == "lowrank":
+        from attnslim.analysis.lowrank import format_lowrank, lowrank_report
+
+        report = lowrank_report(model, tokenizer, args.source, n=min(args.windows, 8))
+        return report, format_lowrank(report)
+    from attnslim.analysis import similarity
+
+    if args.what == "similarity":
+        report = similarity.similarity_report(model, tokenizer, args.source, n=min(args.windows, 8),
+                                              seq_len=min(args.seq_len, 256))
+        return report, similarity.format_similarity(report)
+    report = similarity.sensitivity_report(model, tokenizer, args.source, n=min(args.windows, 4),
+                                           seq_len=min(args.seq_len, 256))
+    return report, similarity.format_sensitivity(report)
 
 
 @command("analyze")
@@ -156,11 +180,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.what not in ANALYSES:
         raise AttnslimError(f"unknown analysis {args.what!r}; valid: {', '.join(ANALYSES)}")
     model, tokenizer = load_model(args.model)
-    calibration = {"source": args.source, "windows": args.windows, "seq_len": args.seq_len, "seed": 0}
-    from attnslim.analysis.linearity import format_linearity, linearity_report
-
-    report = linearity_report(model, tokenizer, calibration, args.m)
-    print(format_linearity(report))
+    report, text = _analysis(args, model, tokenizer)
+    print(text)
     if args.json:
         emit_json(report)
     return 0
