@@ -168,6 +168,20 @@ def test_total_ratio_solves_one_fraction_for_the_whole_model():
         _compress(tiny_llama(), {"ratio": None, "total_ratio": 0.2})  # embeddings alone are > 20%
 
 
+def test_reservoir_keeps_a_seeded_uniform_sample():
+    from attnslim.methods.latentllm import Reservoir
+
+    def sample(seed):
+        res = Reservoir(200, seed)
+        for start in range(0, 4000, 300):  # token i carries the value i
+            res.add(torch.arange(start, min(start + 300, 4000), dtype=torch.float32)[:, None])
+        return res.tokens()[:, 0]
+
+    a = sample(0)
+    assert a.shape == (200,) and a.unique().numel() == 200 and torch.equal(a, sample(0))
+    assert 1500 < float(a.mean()) < 2500 and int((a >= 2000).sum()) > 60  # late tokens are kept too
+
+
 def test_spectrum_ranks_follow_the_energy_within_the_budget():
     from attnslim.methods.latentllm_ranks import kept_weights, spectrum_ranks
 

@@ -150,7 +150,7 @@ class LatentAttention(nn.Module):
             v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
             k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, c_k[:, None], v_new)
         kv = k_store.shape[-2]
-        keep = sliding_keep(_compat.keep_mask(attention_mask, t, kv, x.device), self.sliding_window)
+        keep = self._keep(attention_mask, t, kv, x.device)
         key_path, value_path = self._paths(t, kv)
         if key_path == "absorb":  # (b, h, t, r_k) queries against (b, 1, kv, r_k) latents
             bk = self.k_proj.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
@@ -164,7 +164,15 @@ class LatentAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, h * self.head_dim)  # (b, t, h·d_h)
         return self.o_proj(out), None
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor, path: str
+    def _keep(self, attention_mask: Any, t: int, kv: int, device: torch.device) -> torch.Tensor | None:
+        """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
+        padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
+        window_free = self.sliding_window is None or kv <= self.sliding_window
+        if attention_mask is None and window_free and self.softcap is None and t in (1, kv):
+            return None
+        return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), self.sliding_window)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor | None, path: str
                 ) -> torch.Tensor:
         """q (b, h, t, ·), k (b, n_kv | h, kv, ·) and the cached values (latent (b, 1, kv, r_v) or
         (b, n_kv, kv, d_h)) -> (b, h, t, d_h)."""
@@ -183,9 +191,13 @@ class LatentAttention(nn.Module):
             out = out + self._heads(lv.bias.expand(1, 1, -1), n_kv).repeat_interleave(g, 1)
         return out
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """q (b, h, t, e), k (b, n, kv, e), v (b, n, kv, e_v), n | h: grouped heads without copies."""
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """q (b, h, t, e), k (b, n, kv, e), v (b, n, kv, e_v), n | h: grouped heads without copies.
+        keep=None: causal (t == kv) or one query attending to everything (t == 1)."""
         g = q.shape[1] // k.shape[1]
+        if keep is None:
+            causal = q.shape[2] > 1
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scaling, enable_gqa=g > 1)
         if self.softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scaling, enable_gqa=g > 1)
         return softmax_attention(q, repeat_kv(k, g), repeat_kv(v, g), keep, self.scaling, self.softcap)
