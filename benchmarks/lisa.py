@@ -14,7 +14,7 @@ sweep (never the first 3 layers nor the last). Training: `train/distill.py` with
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -37,7 +37,7 @@ from attnslim.bench import interleaved
 from attnslim.methods.lisa import select_layers
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
-from attnslim.train.distill import DistillConfig, distill
+from attnslim.train.distill import DistillConfig
 
 ABLATIONS = {"align-only": {"compensate": False}, "diff-only": {"align": False, "integrate": "add"}}
 
@@ -90,10 +90,10 @@ class LisaBench:
             return
         dense = self.h.dense()
         model, tokenizer = load_model("smollm2-135m")
-        teacher = copy.deepcopy(model) if train else None
+        step_args = {**args, "train": dataclasses.asdict(self.train)} if train else args  # compress distils
         start = time.time()
-        report = compress(model, tokenizer, recipe_from_dict(recipe(key, method, layers, args)), progress=False)
-        training = distill(model, teacher, tokenizer, self.train) if teacher is not None else {"trained": False}
+        report = compress(model, tokenizer, recipe_from_dict(recipe(key, method, layers, step_args)), progress=False)
+        training = report.steps[0]["plan"].get("training", {"trained": False})
         result = self.h.evaluate(model, tokenizer, key)
         keys = key_cache_bytes(model)
         speed = interleaved({"dense": self.dense, key: model}, [self.args.context], new_tokens=self.args.new_tokens,

@@ -218,6 +218,21 @@ def test_training_lowers_loss_and_touches_only_new_parameters():
     assert all(p.requires_grad for p in model.parameters())  # flags restored after training
 
 
+def test_compress_runs_the_recipe_training_budget_against_the_model_before_the_step():
+    base = tiny_llama(initializer_range=0.2)
+    untrained, trained = copy.deepcopy(base), copy.deepcopy(base)
+    plain = _compress(untrained, "lisa", {})
+    train = dataclasses.asdict(_cfg(steps=8, lr=1e-2))
+    report = _compress(trained, "lisa", {"train": train})
+    training = report.steps[0]["plan"]["training"]
+    assert training["trained"] and training["last"]["kd"] < training["first"]["kd"]
+    assert "training" not in plain.steps[0]["plan"]
+    for (n, p), q in zip(trained.named_parameters(), untrained.parameters(), strict=True):
+        new = any(k in n for k in (".q_lr.", ".k_lr.", ".align."))
+        assert torch.equal(p, q) != new, n  # only LISA's new parameters trained; the rest is the dense model's
+    assert all(p.requires_grad for p in trained.parameters())
+
+
 def test_training_resumes_from_checkpoint(tmp_path, monkeypatch):
     import sys
 

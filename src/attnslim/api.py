@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,8 +75,12 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     done = []
     for step, layers in steps:
         method = lookup(METHODS, "method", step.method).from_args(dict(step.args))
+        teacher = _frozen_copy(model) if method.trains else None  # the model as it is before this step
         with torch.no_grad():
             plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress)
+        if teacher is not None:
+            plan["training"] = method.train_step(model, tokenizer, teacher, progress)
+            del teacher
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
     kv_after = kv_bytes_per_token(model)
     return CompressionReport(
@@ -87,6 +92,12 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         kv_bytes_per_layer_dense=kv_before["per_layer"], kv_bytes_per_layer_after=kv_after["per_layer"],
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(),
     )
+
+
+def _frozen_copy(model: Any) -> Any:
+    teacher = copy.deepcopy(model).eval()
+    teacher.requires_grad_(False)
+    return teacher
 
 
 def _methods() -> dict[str, type]:

@@ -5,6 +5,9 @@
     convert(adapter, layer, entry, stats)      build and install the replacement modules (math in linalg/)
     skeleton(adapter, layer, entry)            the same modules, empty, so saved weights can load
 
+Optionally `trains` + `train_step(model, tokenizer, teacher)`: after all its layers are converted, a step may train
+its new parameters against `teacher`, a frozen copy of the model taken just before the step (LISA's distillation).
+
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
 """
@@ -73,6 +76,14 @@ class Method:
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    @property
+    def trains(self) -> bool:
+        """True when `train_step` must run after conversion (it then needs a teacher copy of the model)."""
+        return False
+
+    def train_step(self, model: Any, tokenizer: Any, teacher: Any, progress: bool = True) -> dict[str, Any]:
+        raise NotImplementedError(f"method {self.name!r} does not train")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> Method:

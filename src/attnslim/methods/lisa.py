@@ -13,7 +13,8 @@ Training (gap 8 of shared/methods/lisa.md): a separate step after conversion, `t
 teacher = a copy of the model before this step. It is not inside `convert` because convert runs per layer
 under torch.no_grad with neither token ids nor tokenizer, while distillation needs every LISA layer
 installed, labelled text and gradients. The `train` argument (a dict of DistillConfig fields) records the
-budget in the recipe; `Lisa.distill(model, tokenizer, teacher)` runs it (api.compress has to call it).
+budget in the recipe; api.compress runs `Lisa.train_step(model, tokenizer, teacher)` after the step's conversion
+and records the training report in the step's plan ("training").
 
 Deviations / decisions (numbers refer to the gaps in shared/methods/lisa.md §6):
 - scores are shared before softmax, the mask is applied only right before softmax (gaps 1, 2);
@@ -308,10 +309,14 @@ class Lisa(_Sharing):
     def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self._build(adapter, layer, entry).init_weights(self.init, self.seed)
 
-    def distill(self, model: Any, tokenizer: Any, teacher: Any, progress: bool = True) -> dict[str, Any]:
-        """Train the new parameters with the recipe's `train` budget (no-op report when train is null)."""
+    @property
+    def trains(self) -> bool:
+        return self.train is not None
+
+    def train_step(self, model: Any, tokenizer: Any, teacher: Any, progress: bool = True) -> dict[str, Any]:
+        """Distil the new parameters (aligners, compensators) with the recipe's `train` budget."""
         if self.train is None:
-            return {"trained": False}
+            raise AttnslimError("method 'lisa': train_step needs a `train` budget; set args.train or skip training")
         from attnslim.train.distill import DistillConfig, distill
 
         return distill(model, teacher, tokenizer, DistillConfig.from_dict(self.train), progress=progress)
