@@ -193,3 +193,27 @@ def test_every_family_compresses_saves_and_generates(tiny_model, tmp_path, metho
     cached = loaded.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     uncached = loaded.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False, pad_token_id=0)
     assert torch.equal(cached, uncached)
+
+
+def test_composed_recipe_rest_step_takes_the_layers_the_selecting_step_left(llama, tmp_path):
+    from attnslim.modules.linearized import LinearizedAttention
+    from attnslim.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({
+        "name": "nbl+svdllm", "calibration": {"source": "tiny", "windows": 4, "seq_len": 32},
+        "steps": [{"method": "nbl", "layers": "all", "args": {"m": 2}},
+                  {"method": "svdllm", "layers": "rest", "args": {"ratio": 0.8}}],
+    })
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compress(llama, ByteTokenizer(), recipe, progress=False)
+    linear, rest = (sorted(int(k) for k in s["plan"]["layers"]) for s in report.steps)
+    n = get_adapter(llama).num_layers()
+    assert len(linear) == 2 and sorted(linear + rest) == list(range(n))
+    assert report.steps[1]["candidates"] == rest
+    adapter = get_adapter(llama)
+    assert all(isinstance(adapter.attention(i), LinearizedAttention) == (i in linear) for i in range(n))
+    assert report.kv_bytes_per_token_after < report.kv_bytes_per_token_before
+    ref = llama(input_ids=IDS).logits
+    loaded, _ = load(save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)

@@ -20,6 +20,7 @@ from attnslim.recipe import (
     recipe_from_dict,
     recipe_to_dict,
     resolve_layers,
+    rest_layers,
 )
 
 PACKAGED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -130,6 +131,17 @@ def test_bad_selector_form(selector):
 def test_resolve_steps():
     resolved = two_step().resolve(8, METHODS)
     assert [(s.method, layers) for s, layers in resolved] == [("svdllm", [0, 1, 2, 3]), ("nbl", [6, 7])]
+
+
+def test_rest_is_resolved_at_run_time_and_only_as_the_last_of_several_steps():
+    r = Recipe("nbl+rest", steps=(Step("nbl", "all", {"m": 2}), Step("svdllm", "rest")))
+    assert [layers for _, layers in r.resolve(8, METHODS)] == [list(range(8)), None]
+    assert rest_layers(8, {0, 5}) == [1, 2, 3, 4, 6, 7]
+    with pytest.raises(AttnslimError, match="converted all 8 layers"):
+        rest_layers(8, set(range(8)))
+    for steps in [(Step("svdllm", "rest"),), (Step("svdllm", "rest"), Step("nbl", [1]))]:
+        with pytest.raises(AttnslimError, match='"rest" is only valid for the last step'):
+            Recipe("bad", steps=steps).resolve(8, METHODS)
 
 
 def test_overlap_is_an_error():

@@ -14,7 +14,7 @@ from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.data import calib_windows
 from attnslim.pipeline import run_step
-from attnslim.recipe import Recipe, fingerprint, recipe_to_dict
+from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.registry import METHODS, lookup
 
 
@@ -72,8 +72,10 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
-    done = []
-    for step, layers in steps:
+    done: list[dict[str, Any]] = []
+    for step, candidates in steps:
+        converted = {int(k) for d in done for k in d["plan"]["layers"]}
+        layers = rest_layers(adapter.num_layers(), converted) if candidates is None else candidates
         method = lookup(METHODS, "method", step.method).from_args(dict(step.args))
         teacher = _frozen_copy(model) if method.trains else None  # the model as it is before this step
         with torch.no_grad():

@@ -19,7 +19,9 @@ from attnslim.errors import AttnslimError
 
 RECIPES_DIR = Path(__file__).parents[2] / "recipes"
 SOURCES = ("wiki", "ptb", "c4", "tiny")
-SELECTOR_FORMS = '"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, or a list of ints'
+SELECTOR_FORMS = ('"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, a list of ints, '
+                  'or "rest" (last step only: every layer the earlier steps did not convert)')
+REST = "rest"
 LayerSelector = str | int | tuple[int, ...]
 _SLICE = re.compile(r"^\s*(-?\d+)?\s*:\s*(-?\d+)?\s*$")
 
@@ -68,8 +70,8 @@ class Calibration:
 def _check_selector(where: str, sel: object) -> LayerSelector:
     if (isinstance(sel, int) and not isinstance(sel, bool)) or (isinstance(sel, str) and _SLICE.match(sel)):
         return sel
-    if sel == "all":
-        return "all"
+    if sel in ("all", REST):
+        return str(sel)
     if isinstance(sel, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in sel):
         return tuple(sel)
     hint = ' (quote slices in YAML: layers: "-6:")' if isinstance(sel, dict) else ""
@@ -105,6 +107,9 @@ def resolve_layers(selector: str | int | Sequence[int], n_layers: int) -> list[i
                              f"forms: {SELECTOR_FORMS}, indices in [-{n_layers}, {n_layers - 1}]")
 
     sel = _check_selector("layer selector", selector)
+    if sel == REST:
+        raise AttnslimError(f'layer selector "{REST}" depends on what earlier steps converted; it is resolved by '
+                            "api.compress, not by resolve_layers")
     if sel == "all":
         return list(range(n_layers))
     if isinstance(sel, str):
@@ -140,21 +145,36 @@ class Recipe:
         if not self.steps:
             raise AttnslimError(f"recipe {self.name!r} has no steps; add at least one under 'steps:'")
 
-    def resolve(self, n_layers: int, methods: Mapping[str, type]) -> list[tuple[Step, list[int]]]:
-        """Each step with its concrete layers; errors on unknown methods and on layers claimed twice."""
-        out: list[tuple[Step, list[int]]] = []
+    def resolve(self, n_layers: int, methods: Mapping[str, type]) -> list[tuple[Step, list[int] | None]]:
+        """Each step with its concrete candidate layers (None for a final "rest" step: known only after the
+        earlier steps ran, see `rest_layers`); errors on unknown methods and on layers claimed twice."""
+        out: list[tuple[Step, list[int] | None]] = []
         for i, step in enumerate(self.steps):
             if step.method not in methods:
                 raise AttnslimError(f"recipe {self.name!r} step {i} uses unknown method {step.method!r}; "
                                     f"valid methods: {', '.join(sorted(methods)) or '(none)'}")
+            if step.layers == REST:
+                if i == 0 or i != len(self.steps) - 1:
+                    raise AttnslimError(f'recipe {self.name!r} step {i} ({step.method}): layers "{REST}" is only '
+                                        "valid for the last step of a recipe with several steps")
+                out.append((step, None))
+                continue
             layers = resolve_layers(step.layers, n_layers)
             for j, (prev, prev_layers) in enumerate(out):
-                if shared := sorted(set(prev_layers) & set(layers)):
+                if shared := sorted(set(prev_layers or ()) & set(layers)):
                     a, b = f"{prev.method}, layers {prev.layers!r}", f"{step.method}, layers {step.layers!r}"
                     raise AttnslimError(f"recipe {self.name!r}: step {j} ({a}) and step {i} ({b}) both claim "
                                         f"layers {shared}; give each step disjoint layers")
             out.append((step, layers))
         return out
+
+
+def rest_layers(n_layers: int, converted: set[int]) -> list[int]:
+    """The layers of a "rest" step: those no earlier step converted; an error when none is left."""
+    out = [i for i in range(n_layers) if i not in converted]
+    if not out:
+        raise AttnslimError(f'layers "{REST}": the earlier steps converted all {n_layers} layers; drop the last step')
+    return out
 
 
 def _keys(where: str, d: object, valid: Sequence[str], required: Sequence[str] = ()) -> Mapping[str, Any]:
