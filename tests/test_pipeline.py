@@ -179,6 +179,25 @@ def test_report_renders_plan_and_sizes(llama, tmp_path):
         write_report(tmp_path)
 
 
+def test_report_plots_metrics_ranks_and_selection_scores(llama, tmp_path):
+    from attnslim.recipe import recipe_from_dict
+    from attnslim.report import write_report
+
+    recipe = recipe_from_dict({
+        "name": "nbl+svdllm", "calibration": {"source": "tiny", "windows": 4, "seq_len": 32},
+        "steps": [{"method": "nbl", "layers": "all", "args": {"m": 1}},
+                  {"method": "svdllm", "layers": "rest", "args": {"ratio": 0.6}}],
+    })
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        info = compress(llama, ByteTokenizer(), recipe, progress=False).to_json()
+    info["metrics"] = {"wiki ppl": {"before": 10.0, "after": 12.0}, "decode tok/s": {"before": 5.0, "after": 6.0}}
+    html = write_report(save(llama, _SavingTokenizer(), tmp_path / "m", info))[0].read_text()
+    assert "Compressed / dense, per metric" in html and "<title>wiki ppl: 1.2</title>" in html
+    assert "KV bytes/token vs wiki ppl" in html and "Step 2 (svdllm): per-layer decisions" in html
+    assert "Step 1 (nbl): cca score per layer (chosen: " in html and html.count("<svg") >= 5
+
+
 @pytest.mark.parametrize("method,args", [("svdllm", {"ratio": 0.6}), ("drop", {"count": 2})])
 def test_every_family_compresses_saves_and_generates(tiny_model, tmp_path, method, args):
     """Baselines on each family: logits change, save/load is exact, cached generation equals uncached."""

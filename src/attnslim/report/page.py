@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.io import read_compression_json
+from attnslim.report.charts import metric_charts, step_charts
 from attnslim.report.svg import bar_chart
 
 
@@ -58,13 +59,18 @@ def render(directory: str | Path) -> tuple[str, str]:
             "body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>",
             f"<h1>{escape(title)}</h1>", *[f"<p>{escape(m)}</p>" for m in meta]]
-    for name, header, rows in tables:
-        md += [f"## {name}", "", _rows_markdown(header, rows), ""]
-        html += [f"<h2>{escape(name)}</h2>", _rows_html(header, rows)]
+    charts = metric_charts(info)
     per_layer = info.get("kv_bytes_per_layer_after")
     if per_layer:
-        html.append(bar_chart("KV-cache bytes per token, per layer", [str(i) for i in range(len(per_layer))],
-                              per_layer, "bytes/token", reference=max(info.get("kv_bytes_per_layer_dense") or [0.0])))
+        charts.append(bar_chart("KV-cache bytes per token, per layer", [str(i) for i in range(len(per_layer))],
+                                per_layer, "bytes/token", reference=max(info.get("kv_bytes_per_layer_dense") or [0.0])))
+    for n, step in enumerate(info["steps"]):
+        charts += step_charts(n, step)
+    for k, (name, header, rows) in enumerate(tables):
+        md += [f"## {name}", "", _rows_markdown(header, rows), ""]
+        html += [f"<h2>{escape(name)}</h2>", _rows_html(header, rows)]
+        if k == len(tables) - len(info["steps"]) - 1:  # the plots go between the summary and the per-step tables
+            html += ["<h2>Plots</h2>", *charts]
     html.append("</body></html>")
     return "\n".join(html), "\n".join(md)
 

@@ -39,12 +39,17 @@ def bar_chart(title: str, labels: list[str], values: list[float], y_label: str =
     return "".join(parts) + "</svg>"
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str, y_label: str) -> str:
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str, y_label: str,
+               x_from_zero: bool = False) -> str:
     points = [p for s in series.values() for p in s] or [(0.0, 0.0)]
     x_min, x_max = min(p[0] for p in points), max(p[0] for p in points)
+    x_min = min(x_min, 0.0) if x_from_zero else x_min
     y_max = max(p[1] for p in points) or 1.0
     parts = _frame(title, y_max, y_label)
     parts.append(f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">{escape(x_label)}</text>')
+    for x, anchor in ((x_min, "start"), (x_max, "end")):
+        parts.append(f'<text x="{PAD if anchor == "start" else W - 20}" y="{H - PAD + 14}" text-anchor="{anchor}">'
+                     f'{x:.4g}</text>')
     colors = ["#4a7ab5", "#c33", "#3a3", "#a6c", "#e90"]
     span = (x_max - x_min) or 1.0
     for k, (name, pts) in enumerate(series.items()):

@@ -1,0 +1,94 @@
+"""Composed recipes (issue 8) on smollm2-135m: NBL linearizes the most linear attention blocks (no KV cache there),
+LatentLLM turns the rest into latent attention; measured against the issue's targets for the default recipe
+(KV ≤ 0.5× dense, total parameters ≤ 0.85×, wiki perplexity ≤ 1.25×, decode tokens/s ≥ dense).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py                   # results/composed.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py --only nbl6-lat-kv60
+    .venv/bin/python benchmarks/make_report.py                                  # regenerates BENCHMARKS.md
+
+Each variant: compress a fresh model, evaluate (Harness), then decode/prefill against the dense model interleaved
+in the same process (medians of --repeats, ratio to dense). `recipes/default.yaml` is evaluated as "default".
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from common import Harness, calibration
+
+from attnslim.api import compress
+from attnslim.bench import interleaved
+from attnslim.models import load_model
+from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
+
+TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "decode": 1.0}
+
+
+def composed(name: str, m: int, latent: dict[str, Any], windows: int) -> dict[str, Any]:
+    return {"name": name, "calibration": calibration(windows),
+            "steps": [{"method": "nbl", "layers": "all", "args": {"m": m}},
+                      {"method": "latentllm", "layers": "rest", "args": latent}]}
+
+
+def variants(windows: int) -> dict[str, dict[str, Any]]:
+    kv = {"ratio": 1.0}  # q and o at full rank: the KV budget alone decides the latent ranks
+    return {
+        "default": recipe_to_dict(load_recipe("default")),
+        "nbl6-lat-80": composed("nbl6-lat-80", 6, {"ratio": 0.8}, windows),
+        "nbl6-lat-kv60": composed("nbl6-lat-kv60", 6, {**kv, "kv_ratio": 0.6}, windows),
+        "nbl9-lat-kv70": composed("nbl9-lat-kv70", 9, {**kv, "kv_ratio": 0.7}, windows),
+        "nbl12-lat-kv80": composed("nbl12-lat-kv80", 12, {**kv, "kv_ratio": 0.8}, windows),
+        "nbl9-lat-50": composed("nbl9-lat-50", 9, {"ratio": 0.5, "kv_ratio": 0.7}, windows),
+    }
+
+
+def targets(result: dict[str, Any], dense: dict[str, Any]) -> dict[str, bool]:
+    return {"kv": result["kv_bytes_per_token"] <= TARGETS["kv"] * dense["kv_bytes_per_token"],
+            "total": result["kept"]["total"] <= TARGETS["total"],
+            "wiki": result["ppl_ratio"]["wiki"] <= TARGETS["wiki"],
+            "decode": result["speed"]["decode_ratio"] >= TARGETS["decode"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="composed")
+    ap.add_argument("--tokens", type=int, default=2048, help="evaluation tokens per source")
+    ap.add_argument("--windows", type=int, default=16, help="calibration windows of 512 tokens")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated variant keys")
+    args = ap.parse_args()
+    h = Harness(args.name, tokens=args.tokens)
+    dense_model, _ = load_model(h.model_name)
+    dense = h.dense()
+    todo = variants(args.windows)
+    for key in [k for k in args.only.split(",") if k] or list(todo):
+        recipe = recipe_from_dict(todo[key])
+        model, tokenizer = load_model(h.model_name)
+        report = compress(model, tokenizer, recipe)
+        result = h.evaluate(model, tokenizer, key)
+        speed = interleaved({"dense": dense_model, key: model}, [args.context], new_tokens=args.new_tokens,
+                            repeats=args.repeats, progress=False)
+        result.update({
+            "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
+            "plans": [{"method": s["method"], "layers": sorted(int(k) for k in s["plan"]["layers"])}
+                      for s in report.steps],
+            "compress_seconds": round(report.seconds, 1), "peak_rss_mb": round(report.peak_rss_mb),
+            "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in h.sources},
+            "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
+            "kv_ratio": result["kv_bytes_per_token"] / dense["kv_bytes_per_token"],
+            "speed": speed["models"][key][str(args.context)],
+            "dense_speed": speed["models"]["dense"][str(args.context)],
+        })
+        result["targets_met"] = targets(result, dense)
+        h.data["variants"][key] = result
+        h.save()
+        print(f"[done] {key}: wiki {result['ppl_ratio']['wiki']:.3f}x, KV {result['kv_ratio']:.3f}x, params "
+              f"{result['kept']['total']:.3f}x, decode {result['speed']['decode_ratio']:.2f}x; "
+              f"targets {result['targets_met']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
