@@ -52,11 +52,12 @@ def _lossy(family: str) -> dict:
 
 VARIANTS = {
     "joint": {}, "split": {"qk": "split"}, "vo-joint": {"vo": "joint"}, "mlp-local": {"mlp": "local"},
-    "mlp-ud": {"mlp": "joint_ud"}, "cache-dense": {"cache": "dense"}, "rope-window": {"rope_window": 4},
+    "mlp-ud": {"mlp": "joint_ud"}, "cache-dense": {"cache": "dense"},
+    "cache-values": {"cache": "values"}, "rope-window": {"rope_window": 4},
     "precond-l2": {"precond": "l2"}, "vo-none": {"vo": "none"},
 }
 # (dense factors cannot reach full rank without growing: that is refused, see the bad-input tests)
-FULL_CASES = [("llama", v) for v in VARIANTS] + [
+FULL_CASES = [("llama", v) for v in VARIANTS] + [("gemma3", "cache-values"), ("opt", "cache-values")] + [
     (f, v) for f in ("qwen2", "opt") for v in ("joint", "split", "vo-joint", "mlp-ud", "precond-l2")] + [
     ("mistral", "joint"), ("gemma3", "joint"), ("gemma3", "mlp-ud")]
 
@@ -214,6 +215,29 @@ def test_kv_ratio_bounds_the_latent_cache():
     assert kv_bytes_per_token(model)["total"] <= 0.5 * dense
     kept = report.params_after["attention"] / report.params_before["attention"]
     assert 0.85 < kept <= 0.9, kept  # q and o take over the weights k and v gave up
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # gemma3: in FULL_CASES (MQA k = head_dim)
+def test_values_cache_keeps_rotated_keys_and_value_latents(family):
+    model = TINY_BUILDERS[family]()
+    spec = get_adapter(model).attention_spec(0)
+    full = spec.n_kv_heads * spec.head_dim
+    report = _compress(model, {**_lossy(family), "cache": "values", "kv_ratio": 0.75}, windows=16, seq_len=64)
+    for entry in report.steps[0]["plan"]["layers"].values():
+        assert entry["ranks"]["v"] <= int(0.75 * 2 * full) - full  # only r_v is cut: the keys stay dense
+    cache = _compat.new_cache(model.config)
+    model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
+    layer, module = cache.layers[0], get_adapter(model).attention(0)
+    assert (layer.keys.shape[1], layer.keys.shape[3]) == (spec.n_kv_heads, spec.head_dim)
+    assert (layer.values.shape[1], layer.values.shape[3]) == (1, module.ranks()["v"])
+    assert module.kv_cache_bytes_per_token() == (full + module.ranks()["v"]) * 4
+    if spec.sliding_window is None:  # a sliding layer's measured bytes/token are capped by its window
+        assert kv_bytes_per_token(model)["per_layer"][0] == module.kv_cache_bytes_per_token()
+    cached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    uncached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    with pytest.raises(AttnslimError, match="leaves no room for latents"):
+        _compress(TINY_BUILDERS[family](), {**_lossy(family), "cache": "values", "kv_ratio": 0.5})
 
 
 def test_hosvd_not_worse_than_split_at_equal_params_on_model_statistics():

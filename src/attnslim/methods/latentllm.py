@@ -17,7 +17,8 @@ sample of `ud_tokens` MLP-input tokens (default 4096) and fits on that sample on
 Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block-identity
 junction (default), r(d_out + d_in) with dense factors. KV cache per token and layer: r_k + r_v values
 (cache=latent) instead of 2·n_kv·d_h; cache=dense stores rotated keys and values (dense-size cache, no
-per-step key decompression: see modules/latent.py for the decode cost of each).
+per-step key decompression); cache=values stores rotated keys and value latents, n_kv·d_h + r_v (kv_ratio then
+cuts r_v only): the decode-speed-neutral choice with RoPE — see modules/latent.py for the cost of each.
 Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (and MLP, or `mlp_ratio`) weights;
 `total_ratio` = kept fraction of all model parameters, one fraction for every compressed linear; `ranks` =
 explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
@@ -257,7 +258,8 @@ class LatentLLM(Method):
         floors = {n: spec.head_dim for n in ("q", "k") if self.qk == "joint"}
         return rk.allocate(
             shapes, ranks, lambda names: self._spectra(adapter, layer, names, stats), alloc=self.alloc,
-            kv_ratio=self.kv_ratio, kv_full=spec.n_kv_heads * spec.head_dim, junction=self.junction, floors=floors)
+            kv_ratio=self.kv_ratio, kv_full=spec.n_kv_heads * spec.head_dim, junction=self.junction, floors=floors,
+            dense_keys=self.cache == "values")
 
     def _spectra(self, adapter: Any, layer: int, names: list[str], stats: Any) -> dict[str, torch.Tensor]:
         """Singular values of W P (the local activation-aware spectrum) of each named linear."""

@@ -166,18 +166,22 @@ def groups(shapes: Shapes) -> dict[str, dict[str, tuple[int, int]]]:
 def allocate(
     shapes: Shapes, ranks: Mapping[str, int], spectra: Callable[[list[str]], Mapping[str, torch.Tensor]], *,
     alloc: str, kv_ratio: float | None, kv_full: int, junction: str, floors: Mapping[str, int],
+    dense_keys: bool = False,
 ) -> dict[str, int]:
     """kv_ratio: r_k + r_v <= kv_ratio · 2 · kv_full (the dense cache per token is 2 · n_kv · d_h values), split
-    by spectrum energy per cached value; with v left dense (no "v" in shapes) only r_k is cut.
+    by spectrum energy per cached value; with v left dense (no "v" in shapes) only r_k is cut; with dense_keys
+    (cache=values: rotated keys are cached) only r_v is cut, to kv_ratio · 2 · kv_full − kv_full.
     alloc=spectrum: the rest of each group's weight budget (that of `ranks`) re-spread by energy per weight."""
     out = dict(ranks)
     fixed: set[str] = set()
     if kv_ratio is not None:
-        names = ["k"] + (["v"] if "v" in shapes else [])
-        kv = int(kv_ratio * 2 * kv_full) - (0 if "v" in shapes else kv_full)  # cached values per token
-        if kv < len(names):
-            raise AttnslimError(f"latentllm: kv_ratio={kv_ratio} leaves no room for latent keys with vo=none "
-                                f"(dense values already hold half the cache); use kv_ratio > 0.5")
+        names = ([] if dense_keys else ["k"]) + (["v"] if "v" in shapes else [])
+        dense_part = (kv_full if dense_keys else 0) + (0 if "v" in shapes else kv_full)
+        kv = int(kv_ratio * 2 * kv_full) - dense_part  # latent values cached per token
+        if not names or kv < len(names):
+            raise AttnslimError(f"latentllm: kv_ratio={kv_ratio} leaves no room for latents: dense keys or values "
+                                f"already hold {dense_part} of {2 * kv_full} cached values per token; raise kv_ratio "
+                                "above that share (cache=values needs vo != none and kv_ratio > 0.5)")
         out |= spectrum_ranks(spectra(names), {n: shapes[n] for n in names}, kv, junction, floors, unit="ranks")
         fixed = set(names)
     if alloc == "spectrum":

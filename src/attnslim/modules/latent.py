@@ -13,7 +13,10 @@ key, so softmax ignores it). Each call picks the cheaper of "decompress" and "ab
 in `_costs`; both give the same result.
 
 cache="latent" stores (b, 1, t, r_k) key latents and (b, 1, t, r_v) value latents in HF's cache (a value
-path left dense stores (b, n_kv, t, d_h)); cache="dense" stores rotated keys and values like HF attention.
+path left dense stores (b, n_kv, t, d_h)); cache="dense" stores rotated keys and values like HF attention;
+cache="values" stores rotated keys (b, n_kv, t, d_h) and value latents: with RoPE, a latent key cache costs
+T·r_k·n_kv·d_h MACs per new token (more than the whole model at a few hundred tokens of context), while
+absorbed value latents cost h·T·r_v — the decode-speed-neutral way to shrink the cache.
 RoPE tables come from the model's own rotary module (so scaled RoPE variants stay exact) at the absolute
 cache positions: key j of a cache holding `total` tokens sits at total − kv_len + j (also for sliding-window
 caches, which keep only the last window). Left padding shifts every position of a row by the same amount,
@@ -34,7 +37,7 @@ from attnslim.linalg.rope import apply_rope
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
-CACHE_MODES = ("latent", "dense")
+CACHE_MODES = ("latent", "dense", "values")
 
 
 def _rank(module: nn.Module) -> int | None:
@@ -97,7 +100,7 @@ class LatentAttention(nn.Module):
     def _latent_v(self) -> LowRankLinear | None:
         """v_proj when values are cached as latents, else None."""
         v = self.v_proj
-        return v if self.cache == "latent" and isinstance(v, LowRankLinear) else None
+        return v if self.cache in ("latent", "values") and isinstance(v, LowRankLinear) else None
 
     def _absorbable_k(self) -> bool:
         """Keys can be scored in latent space: no rotation or norm after B_k, and a softcap would not
@@ -123,7 +126,7 @@ class LatentAttention(nn.Module):
 
     def _paths(self, t: int, kv: int) -> tuple[str, str]:
         c = self._costs(t, kv)
-        key = "dense" if self.cache == "dense" else min(
+        key = "dense" if self.cache != "latent" else min(
             (p for p in ("decompress", "absorb") if f"k_{p}" in c), key=lambda p: c[f"k_{p}"])
         value = "dense" if self._latent_v() is None else min(("decompress", "absorb"), key=lambda p: c[f"v_{p}"])
         return key, value
@@ -142,9 +145,10 @@ class LatentAttention(nn.Module):
             q = self.q_norm(q)
         q = self._rope(q, past)
         c_k = self.k_proj.latent(x)  # (b, t, r_k)
-        if self.cache == "dense":
-            k_new, v_new = self._keys(c_k, past), self._heads(self.v_proj(x), n_kv)
-            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, k_new, v_new)
+        if self.cache in ("dense", "values"):
+            lv = self._latent_v()
+            v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
+            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, self._keys(c_k, past), v_new)
         else:
             lv = self._latent_v()
             v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
@@ -209,7 +213,8 @@ class LatentAttention(nn.Module):
         if self.cache == "dense":
             return 2 * full * size
         lv = self._latent_v()
-        return (self.k_proj.rank + (full if lv is None else lv.rank)) * size
+        keys = self.k_proj.rank if self.cache == "latent" else full
+        return (keys + (full if lv is None else lv.rank)) * size
 
     def attention_flops(self, context: int) -> float:
         """FLOPs (2 per MAC) of the attention core for one new token at `context` tokens, cheaper paths."""
