@@ -31,7 +31,7 @@ def environment() -> dict[str, Any]:
     return {
         **library_versions(), "python": platform.python_version(), "device": "cpu",
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
     }
 
 
@@ -82,6 +82,7 @@ class Harness:
             "plans": [{"method": s["method"], "plan": s["plan"]} for s in report.steps],
             "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
             "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),
+            "command": environment()["command"],
             "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in self.sources},
             "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
             **(extra or {}),

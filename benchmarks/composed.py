@@ -40,6 +40,10 @@ def variants(windows: int) -> dict[str, dict[str, Any]]:
         "nbl9-lat-kv70": composed("nbl9-lat-kv70", 9, {**kv, "kv_ratio": 0.7}, windows),
         "nbl12-lat-kv80": composed("nbl12-lat-kv80", 12, {**kv, "kv_ratio": 0.8}, windows),
         "nbl9-lat-50": composed("nbl9-lat-50", 9, {"ratio": 0.5, "kv_ratio": 0.7}, windows),
+        # cache=values: rotated keys stay dense, values become absorbed latents (decode-speed neutral with RoPE)
+        "nbl6-val-kv62": composed("nbl6-val-kv62", 6, {**kv, "cache": "values", "kv_ratio": 0.62}, windows),
+        "nbl9-val-kv70": composed("nbl9-val-kv70", 9, {**kv, "cache": "values", "kv_ratio": 0.7}, windows),
+        "nbl12-val-kv80": composed("nbl12-val-kv80", 12, {**kv, "cache": "values", "kv_ratio": 0.8}, windows),
     }
 
 
@@ -75,6 +79,7 @@ def main() -> None:
             "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
             "plans": [{"method": s["method"], "layers": sorted(int(k) for k in s["plan"]["layers"])}
                       for s in report.steps],
+            "calibration": report.calibration, "command": h.data["environment"]["command"],
             "compress_seconds": round(report.seconds, 1), "peak_rss_mb": round(report.peak_rss_mb),
             "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in h.sources},
             "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},

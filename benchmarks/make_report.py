@@ -15,22 +15,34 @@ SECTIONS = {
     "baselines": ("Baselines (pipeline issue)", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
+    "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
+                        "benchmarks/latentllm.py"),
+    "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
+    "composed": ("Composed recipes: NBL + LatentLLM (issue 8 targets)", "benchmarks/composed.py"),
+    "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
+    "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
+    "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
 }
 
 
 def ppl_table(data: dict[str, Any]) -> list[str]:
     sources = data["eval"]["sources"]
+    speed = any("decode_ratio" in v.get("speed", {}) for v in data["variants"].values())
     head = "| variant | " + " | ".join(f"{s} ppl (×dense)" for s in sources)
-    head += " | kept attention | kept total | KV B/token | compress s |"
-    lines = [head, "|" + "---|" * (len(sources) + 5)]
+    head += " | kept attention | kept total | KV B/token (×dense) | compress s |"
+    head += " decode ×dense |" if speed else ""
+    lines = [head, "|" + "---|" * (len(sources) + 5 + speed)]
     dense = data["dense"]
     cells = " | ".join(f"{dense['ppl'][s]:.3f}" for s in sources)
-    lines.append(f"| dense | {cells} | 1.000 | 1.000 | {dense['kv_bytes_per_token']:,.0f} | – |")
+    kv0 = dense["kv_bytes_per_token"]
+    lines.append(f"| dense | {cells} | 1.000 | 1.000 | {kv0:,.0f} | – |" + (" 1.00 |" if speed else ""))
     for key, v in data["variants"].items():
         cells = " | ".join(f"{v['ppl'][s]:.3f} ({v['ppl_ratio'][s]:.2f}×)" for s in sources)
+        decode = f" {v['speed']['decode_ratio']:.2f} |" if "decode_ratio" in v.get("speed", {}) else " – |"
         lines.append(
             f"| {key} | {cells} | {v['kept']['attention']:.3f} | {v['kept']['total']:.3f} | "
-            f"{v['kv_bytes_per_token']:,.0f} | {v.get('compress_seconds', '–')} |"
+            f"{v['kv_bytes_per_token']:,.0f} ({v['kv_bytes_per_token'] / kv0:.2f}×) | "
+            f"{v.get('compress_seconds', '–')} |" + (decode if speed else "")
         )
     return lines
 
@@ -41,7 +53,11 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     ev = data["eval"]
     cal = next(iter(data["variants"].values()), {}).get("calibration", {})
     out = [f"## {title}", ""]
-    out.append(f"Command: `.venv/bin/python {script}` → `benchmarks/results/{name}.json`.  ")
+    command = env.get("command", script)
+    command = command if command.startswith("benchmarks/") else f"benchmarks/{command}"
+    out.append(f"Command (latest run): `OMP_NUM_THREADS=1 .venv/bin/python {command}` → "
+               f"`benchmarks/results/{name}.json`; variants measured by earlier runs of the script record their own "
+               "`command` in the JSON.  ")
     out.append(
         f"Model `{data['model']}` (float32), evaluation: {', '.join(ev.get('descriptions', {}).values())} "
         f"({ev['tokens']} tokens, {ev['seq_len']}-token windows per set).  "
