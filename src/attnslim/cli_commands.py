@@ -51,6 +51,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
 
     p = sub.add_parser("report", help="write report.html and report.md into a compressed directory")
     p.add_argument("directory")
@@ -197,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.vs:
         models[args.vs] = load_model(args.vs)
     models[args.model] = load_model(args.model)
-    result = bench_models(models, contexts, args.new_tokens, args.repeats)
+    result = bench_models(models, contexts, args.new_tokens, args.repeats, args.device)
     print(format_bench(result))
     if args.json:
         emit_json(result)

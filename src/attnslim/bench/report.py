@@ -27,10 +27,22 @@ def check_same_tokenizer(tokenizers: dict[str, Any]) -> None:
             )
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
 def bench_models(models: dict[str, tuple[Any, Any]], contexts: list[int], new_tokens: int = 32,
-                 repeats: int = 5) -> dict[str, Any]:
+                 repeats: int = 5, device: str | None = None) -> dict[str, Any]:
+    """Every model moved to `device` (default: the GPU when present, else the CPU) and timed there."""
     check_same_tokenizer({n: tok for n, (_, tok) in models.items()})
-    out: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu",
+    device = device or default_device()
+    for model, _ in models.values():
+        model.to(device).eval()
+    out: dict[str, Any] = {"device": f"{device} ({device_name(device)})",
                            "threads": torch.get_num_threads(), "sizes": {}}
     for name, (model, _) in models.items():
         out["sizes"][name] = {

@@ -48,7 +48,8 @@ def interleaved(
 ) -> dict[str, Any]:
     """Median prefill latency / decode tokens per second per model and context, plus ratios to the first model."""
     names = list(models)
-    make = prompt or (lambda n: torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)))
+    vocab = min(int(getattr(models[names[0]].config, "vocab_size", 1000)), 1000)
+    make = prompt or (lambda n: torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)))
     device = next(models[names[0]].parameters()).device
     result: dict[str, Any] = {"device": str(device), "contexts": contexts, "new_tokens": new_tokens,
                               "repeats": repeats, "reference": names[0], "models": {n: {} for n in names}}

@@ -1,0 +1,47 @@
+"""`attnslim bench` on tiny random models: sizes, KV bytes, FLOPs, interleaved speed ratios, tokenizer check."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from transformers import BatchEncoding
+
+from attnslim.bench.report import bench_models, format_bench
+from attnslim.errors import AttnslimError
+from conftest import tiny_llama
+from test_pipeline import _compress
+
+
+class _Tok:
+    def __init__(self, vocab: int = 128, shift: int = 0) -> None:
+        self.vocab, self.shift = vocab, shift
+
+    def __call__(self, text: str) -> BatchEncoding:
+        return BatchEncoding({"input_ids": [(ord(c) + self.shift) % self.vocab for c in text]})
+
+    def __len__(self) -> int:
+        return self.vocab
+
+
+def test_bench_reports_sizes_kv_flops_and_ratios_against_the_reference():
+    dense = tiny_llama()
+    dropped = copy.deepcopy(dense)
+    _compress(dropped, "drop", {"count": 2})
+    result = bench_models({"dense": (dense, _Tok()), "dropped": (dropped, _Tok())}, [16, 32], new_tokens=2,
+                          repeats=1, device="cpu")
+    assert result["device"] == "cpu (cpu)" and result["speed"]["reference"] == "dense"
+    sizes = result["sizes"]
+    assert sizes["dropped"]["kv_bytes_per_token"] < sizes["dense"]["kv_bytes_per_token"]
+    assert sizes["dropped"]["params"]["attention"] < sizes["dense"]["params"]["attention"]
+    for ctx in ("16", "32"):
+        assert sizes["dropped"]["flops_per_token"][ctx] < sizes["dense"]["flops_per_token"][ctx]
+        assert result["speed"]["models"]["dense"][ctx]["decode_ratio"] == 1.0
+        assert result["speed"]["models"]["dropped"][ctx]["decode_tok_s"] > 0
+    text = format_bench(result)
+    assert "device: cpu (cpu)" in text and "context    32" in text and "ratios vs dense" in text
+
+
+def test_bench_refuses_models_with_different_tokenizers():
+    with pytest.raises(AttnslimError, match="different tokenizers"):
+        bench_models({"a": (tiny_llama(), _Tok()), "b": (tiny_llama(), _Tok(shift=3))}, [16], repeats=1)
