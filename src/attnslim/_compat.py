@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
+
+from attnslim.errors import AttnslimError
 
 # transformers' DynamicLayer reports a sequence length of 0 when its key tensor is empty, and the
 # model derives positions and masks from layer 0's length. Layers that store no KV cache therefore
@@ -98,3 +101,60 @@ def rotary_cos_sin(
     else:
         cos, sin = rotary(x, position_ids)
     return cos, sin
+
+
+class PrincipalCacheLayer(DynamicLayer):
+    """One layer's compressed cache: keys/values (b, n_kv, n_comp + tail, hd), the compressed entries' logit
+    bias `comp_bias` (b, n_kv, n_comp) float32, and `seen`, the number of tokens seen."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, comp_bias: torch.Tensor, seen: int) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.comp_bias, self.seen = comp_bias, seen
+
+    @property
+    def n_comp(self) -> int:
+        return int(self.comp_bias.shape[-1])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.seen += int(key_states.shape[-2])
+        return super().update(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.seen  # tokens seen, not entries held: HF derives positions and masks from it
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise AttnslimError("a compressed ATP cache cannot be cropped (assisted/speculative decoding); "
+                            "generate without an assistant model")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.comp_bias = self.comp_bias.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.comp_bias = self.comp_bias[indices]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.comp_bias = self.comp_bias.index_select(0, beam_idx.to(self.comp_bias.device))
+
+
+def cache_layer(cache: Any, idx: int) -> Any:
+    """HF cache layer `idx`, or None when the cache has none (yet)."""
+    if cache is None or idx >= len(cache.layers):
+        return None
+    return cache.layers[idx]
+
+
+def install_cache_layer(cache: Any, idx: int, layer: Any) -> None:
+    """Put `layer` at index `idx` of an HF cache, growing it with its default layer class as needed."""
+    while len(cache.layers) <= idx:
+        if cache.layer_class_to_replicate is None:
+            raise AttnslimError(f"layer {idx}: the KV cache has only {len(cache.layers)} layers")
+        cache.layers.append(cache.layer_class_to_replicate())
+    cache.layers[idx] = layer

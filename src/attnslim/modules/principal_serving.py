@@ -31,7 +31,7 @@ ordinary RoPE at their true position; the cache reports the true number of token
 positions and masks as for a dense cache.
 
 Cache mechanism: after the prefill forward the layer's entry in the HF `DynamicCache` (`cache.layers[i]`) is
-replaced by a `PrincipalCacheLayer` (a `DynamicLayer` subclass) that holds keys/values (b, n_kv, r + tail, hd)
+replaced by a `PrincipalCacheLayer` (_compat's `DynamicLayer` subclass) that holds keys/values (b, n_kv, r + tail, hd)
 in the usual tensors, the compressed entries' logit bias (b, n_kv, r) float32 (0 / masked / merged log-mass),
 and the true token count. `cache.update` keeps working (appends to the exact tail), so generate(), beam
 reordering and batch selection work unchanged; crop() (assisted decoding) is refused. Cache bytes count the
@@ -52,9 +52,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicLayer
 
 from attnslim import _compat
+from attnslim._compat import PrincipalCacheLayer
 from attnslim.adapters.base import AttentionSpec
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import repeat_kv, softmax_attention
@@ -183,61 +183,6 @@ def compress_prefix(
     return torch.cat((ks, kp), 2), torch.cat((vs, vp), 2), bias
 
 
-class PrincipalCacheLayer(DynamicLayer):
-    """One layer's compressed cache: keys/values (b, n_kv, n_comp + tail, hd), the compressed entries' logit
-    bias `comp_bias` (b, n_kv, n_comp) float32, and `seen`, the number of tokens seen."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, comp_bias: torch.Tensor, seen: int) -> None:
-        super().__init__()
-        self.dtype, self.device = keys.dtype, keys.device
-        self.keys, self.values, self.is_initialized = keys, values, True
-        self.comp_bias, self.seen = comp_bias, seen
-
-    @property
-    def n_comp(self) -> int:
-        return int(self.comp_bias.shape[-1])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.seen += int(key_states.shape[-2])
-        return super().update(key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.seen  # tokens seen, not entries held: HF derives positions and masks from it
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise AttnslimError("a compressed ATP cache cannot be cropped (assisted/speculative decoding); "
-                            "generate without an assistant model")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self.comp_bias = self.comp_bias.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self.comp_bias = self.comp_bias[indices]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.comp_bias = self.comp_bias.index_select(0, beam_idx.to(self.comp_bias.device))
-
-
-def _cache_layer(cache: Any, idx: int) -> Any:
-    if cache is None or idx >= len(cache.layers):
-        return None
-    return cache.layers[idx]
-
-
-def _install(cache: Any, idx: int, layer: PrincipalCacheLayer) -> None:
-    while len(cache.layers) <= idx:
-        if cache.layer_class_to_replicate is None:
-            raise AttnslimError(f"layer {idx}: the KV cache has only {len(cache.layers)} layers")
-        cache.layers.append(cache.layer_class_to_replicate())
-    cache.layers[idx] = layer
-
-
 @register_module
 class PrincipalCacheAttention(SpecAttention):
     """Exact causal prefill; generated tokens attend to r compressed prompt entries + an exact recent window."""
@@ -289,7 +234,7 @@ class PrincipalCacheAttention(SpecAttention):
         q, k = self.qk_post(self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), position_embeddings)
         assert q is not None and k is not None
         v = self.heads(self.v_proj(x))  # q (b, H, t, hd); k, v (b, n_kv, t, hd)
-        layer = _cache_layer(past_key_values, self.layer_idx)
+        layer = _compat.cache_layer(past_key_values, self.layer_idx)
         if isinstance(layer, PrincipalCacheLayer):
             return self.merge(self._decode(q, k, v, layer, attention_mask)), None
         if _compat.cache_seq_length(past_key_values, self.layer_idx) > 0:
@@ -333,7 +278,7 @@ class PrincipalCacheAttention(SpecAttention):
             after = self._attend_compressed(q[:, :, point:], keys, values, bias, keep[:, :, point:, n:])
             out = torch.cat((out, after), dim=2)
         if cache is not None:
-            _install(cache, self.layer_idx, PrincipalCacheLayer(keys, values, bias, t))
+            _compat.install_cache_layer(cache, self.layer_idx, PrincipalCacheLayer(keys, values, bias, t))
         return out
 
     def kv_cache_bytes_per_token(self) -> int:
