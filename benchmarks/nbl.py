@@ -1,17 +1,27 @@
 """NBL measurements of issue 5 on smollm2-135m, every variant in the same harness (benchmarks/common.py).
 
 Groups (--groups, comma-separated; default all):
-  sweep    wiki/ptb/c4 perplexity for m = 3, 6, 9, 12, 15 linearized layers: NBL one-shot with the default
-           criterion (resid), NBL sequential, the paper's configuration (cca bound, X = raw residual h), NBL
-           with layers chosen by the cca bound / LLM-Drop cosine similarity / random (seeded) / highest bound,
-           and attention drop (LLM-Drop) on its own similarity layers and on the layers the default NBL chose
-  calib    calibration-size sensitivity: the default NBL at m = 6, 12 with 64 and 256 calibration windows
-  speed    decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved);
+  stats    one pass over the dense model: every layer's LMMSE fits (X = norm(h) and X = h), the selection
+           scores and diagnostics (E‖Y‖²/E‖h‖², CCA of Y alone, ...) → "linearity" in the results; and the
+           measured damage of linearizing each layer alone (NLL on 2 held-out *calibration-split* windows)
+  sweep    wiki/ptb/c4 perplexity for m in --m: NBL one-shot with the default criterion, the paper's
+           configuration (cca bound, X = raw residual h), NBL with layers chosen by the cca bound / LLM-Drop
+           cosine similarity / random (seeded) / highest bound; attention drop (LLM-Drop) on the layers the
+           default NBL, the paper and similarity chose; NBL sequential at --seq-m
+  probe    NBL on the m layers whose single-layer damage (from `stats`) is lowest, and drop on them: a selection
+           measured on calibration-split text instead of read from the statistics (criterion given)
+  calib    calibration-size sensitivity: the default NBL at --calib-m with --calib-windows windows
+  speed    decode tokens/s and prefill time against dense at --contexts (attnslim.bench.interleaved);
            linearized layers are built with `Nbl.skeleton` (timing does not depend on the fitted values)
 
+One-shot variants share the dense statistics: they depend only on the dense model and the calibration windows,
+so `stats` collects them once and each variant runs exactly what `compress` runs after the statistics
+(`Nbl.plan`, then `Nbl.convert` of the chosen layers; pipeline._run_selecting). Sequential and drop variants
+go through `compress` (Harness.run). `--check` also runs the default variant at the first m through
+`compress` and records both, so the shortcut is verified in the results file.
+
     .venv/bin/python benchmarks/nbl.py                                   # the full run (hours on a 2-core CPU)
-    .venv/bin/python benchmarks/nbl.py --groups sweep --m 6,12 --only nbl-resid-m6,nbl-cca-m6
-    .venv/bin/python benchmarks/nbl.py --name nbl-small --tokens 2048 --windows 16 --m 6
+    .venv/bin/python benchmarks/nbl.py --name nbl-small --tokens 2048 --windows 32 --m 3,6,9,12,15 --seq-m 6,12
     .venv/bin/python benchmarks/nbl.py --model gemma3-270m --name nbl-gemma3    # once its adapter exists
     .venv/bin/python benchmarks/make_report.py                           # regenerates BENCHMARKS.md
 """
@@ -22,28 +32,116 @@ import argparse
 import time
 from typing import Any
 
+import torch
 from common import Harness, calibration
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved
-from attnslim.methods.nbl import DEFAULT_CRITERION, Nbl
+from attnslim.calib.runner import LayerRunner
+from attnslim.data import calib_windows
+from attnslim.eval import perplexity
+from attnslim.linalg.cca import cca_bound, lmmse_map
+from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, Nbl
 from attnslim.models import load_model
+from attnslim.recipe import fingerprint, recipe_from_dict
 
-BASELINE_CRITERIA = ("cca", "similarity", "random", "highest")
+SELECTIONS = ("cca", "similarity", "random", "highest")  # NBL (X = norm(h)) with other layer choices
+PAPER = {"criterion": "cca", "input": "residual"}  # the paper's configuration
 
 
 def nbl(args: dict[str, Any], layers: Any = "all") -> list[dict[str, Any]]:
     return [{"method": "nbl", "layers": layers, "args": args}]
 
 
-def sweep_variants(m: int) -> dict[str, list[dict[str, Any]]]:
-    """Variants that need no other variant's result (drop on the NBL layers is added after NBL ran)."""
-    out = {f"nbl-{DEFAULT_CRITERION}-m{m}": nbl({"m": m})}
-    out[f"nbl-seq-{DEFAULT_CRITERION}-m{m}"] = nbl({"m": m, "sequential": True})
-    out[f"nbl-paper-m{m}"] = nbl({"m": m, "criterion": "cca", "input": "residual"})
-    out |= {f"nbl-{c}-m{m}": nbl({"m": m, "criterion": c}) for c in BASELINE_CRITERIA}
-    out[f"drop-similarity-m{m}"] = [{"method": "drop", "layers": "all", "args": {"count": m, "select": "similarity"}}]
-    return out
+def recipe(key: str, cal: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": key, "calibration": cal, "steps": steps}
+
+
+class SharedFits:
+    """Dense one-shot statistics of every layer, collected once per calibration: fits for both inputs."""
+
+    def __init__(self, h: Harness, cal: dict[str, Any], ridge: float = 1e-6) -> None:
+        start = time.time()
+        model, tokenizer = load_model(h.model_name)
+        adapter = get_adapter(model)
+        windows = calib_windows(cal["source"], tokenizer, cal["windows"], cal["seq_len"], cal["seed"])
+        runner = LayerRunner(model, adapter, windows.ids, cal["batch_size"])
+        self.fits: dict[str, dict[int, LayerFit]] = {"normed": {}, "residual": {}}
+        self.diagnostics: dict[int, dict[str, float]] = {}
+        for i in range(adapter.num_layers()):
+            collector = Nbl(m=0).collector(adapter, i)  # X = norm(h); it also streams (h, Y) for the bound
+            with torch.no_grad():
+                runner.run_layer(i, collector.sites, collector, advance=True)
+            fit = collector.result()
+            res = collector.res
+            assert res is not None
+            w, b, info = lmmse_map(res, ridge=ridge)  # the paper's X = h (its `resid` score is not recomputed)
+            self.fits["normed"][i] = fit
+            self.fits["residual"][i] = LayerFit(i, w.float(), b.float(), fit.scores, info)
+            energy_y, energy_h = float(torch.trace(res.sum_yy)) / res.n, float(torch.trace(res.sum_xx)) / res.n
+            self.diagnostics[i] = {
+                **fit.scores, "nmse_residual_input": info.nmse,
+                "cca_plain": cca_bound(res, residual=False),  # Σ(1 − ρ²) of (Y, h): Y's own linearity
+                "y_over_h": energy_y / energy_h,  # E‖Y‖² / E‖h‖²: how much the block adds to the stream
+                "h_rms": (energy_h / res.d_x) ** 0.5, "cond": fit.info.cond,
+            }
+            print(f"  stats layer {i}: " + ", ".join(f"{k} {v:.4g}" for k, v in self.diagnostics[i].items()),
+                  flush=True)
+        self.calibration = {"description": windows.description, "tokens": windows.n_tokens,
+                            "fingerprint": windows.fingerprint()}
+        self.seconds = time.time() - start
+        self.n_layers = adapter.num_layers()
+
+    def apply(self, model: Any, args: dict[str, Any]) -> dict[str, Any]:
+        """What `compress` does after the statistics: plan (selection), then install the chosen fits."""
+        method = Nbl(**args)
+        adapter = get_adapter(model)
+        fits = self.fits[method.input]
+        plan = method.plan(adapter, list(range(self.n_layers)), fits)
+        for i in plan["chosen"]:
+            method.convert(adapter, i, plan["layers"][str(i)], fits[i])
+        return plan
+
+    def single_layer_damage(self, h: Harness, cal: dict[str, Any]) -> dict[int, float]:
+        """NLL increase when only layer i is linearized, on 2 windows of the calibration split (seed + 1)."""
+        model, tokenizer = load_model(h.model_name)
+        probe = calib_windows(cal["source"], tokenizer, 2, cal["seq_len"], cal["seed"] + 1)
+        base = perplexity(model, probe, progress=False).nll
+        adapter = get_adapter(model)
+        out = {}
+        for i in range(self.n_layers):
+            original = adapter.attention(i)
+            Nbl(criterion="given").convert(adapter, i, {"input": "normed"}, self.fits["normed"][i])
+            out[i] = perplexity(model, probe, progress=False).nll - base
+            adapter.replace_attention(i, original)
+            print(f"  damage layer {i}: {out[i]:+.4f} nats", flush=True)
+        return out
+
+
+def run_shared(h: Harness, shared: SharedFits, key: str, cal: dict[str, Any], args: dict[str, Any]) -> None:
+    """A one-shot NBL variant on the shared statistics, recorded like Harness.run records a compress run."""
+    rec = recipe_from_dict(recipe(key, cal, nbl(args)))
+    done = h.data["variants"].get(key)
+    if done and done.get("recipe_fingerprint") == fingerprint(rec):
+        print(f"[skip] {key}: already measured", flush=True)
+        return
+    dense = h.dense()
+    start = time.time()
+    model, tokenizer = load_model(h.model_name)
+    plan = shared.apply(model, args)
+    result = h.evaluate(model, tokenizer, key)
+    result.update({
+        "recipe": recipe(key, cal, nbl(args)), "recipe_fingerprint": fingerprint(rec),
+        "plans": [{"method": "nbl", "plan": plan}], "calibration": shared.calibration,
+        "compress_seconds": round(shared.seconds, 1), "statistics": "shared dense pass (see module docstring)",
+        "wall_seconds": round(time.time() - start, 1),
+        "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in h.sources},
+        "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
+    })
+    h.data["variants"][key] = result
+    h.save()
+    ratios = ", ".join(f"{s} {v:.3f}x" for s, v in result["ppl_ratio"].items())
+    print(f"[done] {key}: {ratios}; layers {plan['chosen']}", flush=True)
 
 
 def chosen_layers(h: Harness, key: str) -> list[int] | None:
@@ -66,8 +164,8 @@ def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repea
         models[f"nbl-m{m}"] = model.eval()
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
     h.data["speed"] = result
-    lines = ["Decode speed (greedy, HF DynamicCache, float32; medians of interleaved repetitions, ratio to dense; "
-             f"target decode ratio ≥ 0.9/(1 − m/{n_layers})):", "",
+    lines = ["Decode speed (greedy, HF DynamicCache, float32, 1 thread; medians of interleaved repetitions, ratio to "
+             f"dense; target decode ratio ≥ 0.9/(1 − m/{n_layers})):", "",
              "| model | " + " | ".join(f"decode tok/s @{c} (×dense) | prefill ms @{c} (×dense)" for c in contexts)
              + " |", "|---|" + "---|---|" * len(contexts)]
     for name, rows in result["models"].items():
@@ -81,7 +179,7 @@ def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repea
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="nbl", help="results file benchmarks/results/NAME.json")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per source")
@@ -89,8 +187,12 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--m", default="3,6,9,12,15", help="numbers of linearized layers")
-    parser.add_argument("--groups", default="sweep,calib,speed")
-    parser.add_argument("--only", default="", help="comma-separated variant keys to run")
+    parser.add_argument("--seq-m", default="6,12", help="m for NBL sequential")
+    parser.add_argument("--groups", default="stats,sweep,probe,calib,speed")
+    parser.add_argument("--only", default="", help="comma-separated variant keys to run (others are skipped)")
+    parser.add_argument("--check", action="store_true", help="also run the first default variant via compress")
+    parser.add_argument("--calib-m", default="6", help="m for the calibration-size sensitivity")
+    parser.add_argument("--calib-windows", default="64,256")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--speed-m", default="6,12")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -100,29 +202,59 @@ def main() -> None:
     cal = calibration(args.windows, args.seq_len)
     groups = set(args.groups.split(","))
     only = {k for k in args.only.split(",") if k}
-    ms = [int(m) for m in args.m.split(",")]
+    ms = [int(m) for m in args.m.split(",") if m]  # in the order given (run the important ones first)
+    seq_ms = {int(m) for m in args.seq_m.split(",") if m}
+    default = f"nbl-{DEFAULT_CRITERION}"
+
+    def wanted(key: str) -> bool:
+        return not only or key in only
 
     def run(key: str, steps: list[dict[str, Any]], calib: dict[str, Any] = cal) -> None:
-        if only and key not in only:
-            return
-        start = time.time()
-        h.run(key, {"name": key, "calibration": calib, "steps": steps})
-        print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+        if wanted(key):
+            start = time.time()
+            h.run(key, recipe(key, calib, steps))
+            print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+
+    def drop(key: str, layers: list[int] | None) -> None:
+        if layers:
+            run(key, [{"method": "drop", "layers": layers, "args": {"select": "given"}}])
 
     h.dense()
-    if "sweep" in groups:
+    shared: SharedFits | None = None
+    if groups & {"stats", "sweep"}:
+        shared = SharedFits(h, cal)
+        h.data["linearity"] = {"calibration": shared.calibration, "seconds": round(shared.seconds, 1),
+                               "layers": {str(i): d for i, d in shared.diagnostics.items()}}
+        h.save()
+    if "stats" in groups and shared is not None:
+        damage = shared.single_layer_damage(h, cal)
+        for i, v in damage.items():
+            h.data["linearity"]["layers"][str(i)]["damage_nll"] = v
+        h.save()
+    if "sweep" in groups and shared is not None:
         for m in ms:
-            for key, steps in sweep_variants(m).items():
-                run(key, steps)
-            for source in (f"nbl-{DEFAULT_CRITERION}-m{m}", f"nbl-cca-m{m}"):  # drop the layers NBL linearized
-                layers = chosen_layers(h, source)
-                if layers:
-                    tag = source.split("-")[1]
-                    run(f"drop-{tag}-layers-m{m}", [{"method": "drop", "layers": layers, "args": {"select": "given"}}])
+            variants = {f"{default}-m{m}": {"m": m}, f"nbl-paper-m{m}": {"m": m, **PAPER}}
+            variants |= {f"nbl-{c}-m{m}": {"m": m, "criterion": c} for c in SELECTIONS}
+            for key, nbl_args in variants.items():
+                if wanted(key):
+                    run_shared(h, shared, key, cal, nbl_args)
+            for source in (default, "nbl-paper", "nbl-similarity"):  # attention drop on the same layers
+                drop(f"drop-{source.removeprefix('nbl-')}-layers-m{m}", chosen_layers(h, f"{source}-m{m}"))
+            if m in seq_ms:
+                run(f"nbl-seq-{DEFAULT_CRITERION}-m{m}", nbl({"m": m, "sequential": True}))
+        if args.check and ms:
+            run(f"{default}-m{ms[0]}-compress", nbl({"m": ms[0]}))
+    if "probe" in groups:  # layers by measured single-layer damage (calibration split), fitted by compress
+        damage = {int(i): v["damage_nll"] for i, v in h.data.get("linearity", {}).get("layers", {}).items()
+                  if "damage_nll" in v}
+        for m in ms if damage else []:
+            layers = sorted(sorted(damage, key=damage.__getitem__)[:m])
+            run(f"nbl-probe-m{m}", nbl({"criterion": "given"}, layers))
+            drop(f"drop-probe-layers-m{m}", layers)
     if "calib" in groups:
-        for m in (6, 12):
-            for windows in (64, 256):
-                run(f"nbl-{DEFAULT_CRITERION}-m{m}-cal{windows}", nbl({"m": m}), calibration(windows, args.seq_len))
+        for m in [int(m) for m in args.calib_m.split(",") if m]:
+            for windows in [int(w) for w in args.calib_windows.split(",") if w]:
+                run(f"{default}-m{m}-cal{windows}", nbl({"m": m}), calibration(windows, args.seq_len))
     if "speed" in groups:
         contexts = [int(c) for c in args.contexts.split(",")]
         speed(h, [int(m) for m in args.speed_m.split(",")], contexts, args.new_tokens, args.repeats)

@@ -35,14 +35,14 @@ def _compress(model, args, windows=8, seq_len=32, **kw):
 class AffineAttention(nn.Module):
     """A stand-in attention block that is exactly affine in its input: y = A x + c."""
 
-    def __init__(self, layer: int, a: torch.Tensor, c: torch.Tensor, poison: bool = False) -> None:
+    def __init__(self, layer: int, a: torch.Tensor, c: torch.Tensor, poison: float | None = None) -> None:
         super().__init__()
         self.layer_idx, self.a, self.c, self.poison = layer, nn.Parameter(a), nn.Parameter(c), poison
 
     def forward(self, hidden_states: torch.Tensor, past_key_values: Any = None, **kw: Any) -> tuple[Any, None]:
         _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
         y = hidden_states @ self.a.T + self.c
-        return (y * float("nan") if self.poison else y), None
+        return (y * self.poison if self.poison is not None else y), None  # poison: NaN or Inf
 
 
 def _affine(d: int = 64, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,11 +183,27 @@ def test_too_few_tokens_says_how_many_are_needed(llama):
         _compress(llama, {"m": 1}, windows=1, seq_len=32)
 
 
-def test_non_finite_statistics_name_the_layer(llama):
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_statistics_name_the_layer(llama, poison):
     a, c = _affine()
-    get_adapter(llama).replace_attention(2, AffineAttention(2, a, c, poison=True))
+    get_adapter(llama).replace_attention(2, AffineAttention(2, a, c, poison=poison))
     with pytest.raises(AttnslimError, match="layer 2: NaN/Inf"):
         _compress(llama, {"m": 1})
+
+
+@pytest.mark.parametrize("args", [{"m": 4}, {"fraction": 1.0}, {"criterion": "given"}])
+def test_every_layer_linearized_generates_with_cache(llama, args):
+    """m = L is valid: no layer keeps K/V, and cached generation still equals uncached (positions kept)."""
+    report = _compress(llama, args)
+    assert report.steps[0]["plan"]["chosen"] == [0, 1, 2, 3]
+    assert report.kv_bytes_per_token_after == 4  # four 1-byte position markers
+    cached = llama.generate(IDS[:1], max_new_tokens=5, do_sample=False)
+    uncached = llama.generate(IDS[:1], max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_fraction_rounds_to_a_layer_count():
+    assert [Nbl(fraction=f).count(30) for f in (0.0, 0.2, 0.4, 1.0)] == [0, 6, 12, 30]
 
 
 def test_linearity_report_and_table(llama):

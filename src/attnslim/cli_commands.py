@@ -9,12 +9,18 @@ from attnslim.cli import DEFAULT_MODEL, command, emit_json, parse_sources
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("eval", help="perplexity (and params / KV bytes) of a model")
+    p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--data", default="wiki,ptb,c4")
+    p.add_argument("--data", default=None, help="text sources for perplexity (default wiki,ptb,c4 without --tasks)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated (see `attnslim tasks`)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task (as lm_eval --limit)")
+    p.add_argument("--batch-size", type=int, default=16, help="task batch size (as lm_eval --batch_size)")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("tasks", help="list the zero-shot tasks; --path prints the lm-eval --include_path")
+    p.add_argument("--path", action="store_true")
 
     p = sub.add_parser("compress", help="compress a model with a recipe and save it")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -67,9 +73,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.bench import kv_bytes_per_token
     from attnslim.data import check_lengths, eval_windows
     from attnslim.eval import perplexity
+    from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
     from attnslim.models import load_model
 
-    sources = parse_sources(args.data)
+    tasks = resolve_tasks(args.tasks) if args.tasks is not None else []  # unknown names fail before loading
+    sources = parse_sources(args.data if args.data is not None or tasks else "wiki,ptb,c4")
     check_lengths(args.seq_len, args.tokens)
     model, tokenizer = load_model(args.model)
     ppl, tokens = {}, {}
@@ -77,15 +85,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = perplexity(model, eval_windows(source, tokenizer, args.tokens, args.seq_len))
         ppl[source], tokens[source] = result.ppl, result.predicted_tokens
         print(f"{source:>6}: ppl {result.ppl:9.3f}  ({result.description})", flush=True)
+    scores = evaluate_tasks(model, tokenizer, tasks, args.limit, args.batch_size) if tasks else {}
+    for name, s in scores.items():
+        print(f"{name}: acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['n']} items)", flush=True)
     params = get_adapter(model).param_groups()
     kv = kv_bytes_per_token(model)["total"]
     print(f"params: {params['total']:,}  KV cache: {kv:,.0f} bytes/token")
     if args.json:
         emit_json({
-            "model": args.model, "ppl": ppl, "tokens": tokens, "seq_len": args.seq_len,
+            "model": args.model, "ppl": ppl, "tokens": tokens, "seq_len": args.seq_len, "tasks": scores,
             "params": {k: params[k] for k in ("total", "attention", "mlp", "embedding")},
             "kv_bytes_per_token": kv,
         })
+    return 0
+
+
+@command("tasks")
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from attnslim.eval.tasks import TAG, TASK_DIR, load_items, task_names
+
+    if args.path:
+        print(TASK_DIR)
+        return 0
+    for name in task_names():
+        print(f"{name:<26} {len(load_items(name)):>4} items, 4 choices")
+    print(f"lm-eval: lm_eval --include_path {TASK_DIR} --tasks {TAG} (or any task above)")
     return 0
 
 

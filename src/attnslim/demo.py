@@ -1,51 +1,74 @@
-"""`make demo`: compress the default model with recipes/default.yaml, save, reload, compare before/after."""
+"""`make demo`: compress the default model with recipes/default.yaml, save, reload, compare before/after:
+perplexity, zero-shot accuracy, parameters, KV bytes/token and decode speed (dense and compressed interleaved in
+one run), then the report and a generation from both models."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from attnslim.adapters import get_adapter
-from attnslim.bench import kv_bytes_per_token
+from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
+from attnslim.eval.tasks import evaluate_tasks
 from attnslim.generate import generate_text
 from attnslim.io import COMPRESSION_JSON
 from attnslim.report import write_report
 
 SOURCES = ("wiki", "ptb", "c4")
+TASKS = ("attnslim_wiki_nextsent", "attnslim_tiny_nextsent")
 PROMPT = "The history of the city begins"
+SPEED = {"context": 512, "new_tokens": 32, "repeats": 5}
 
 
-def measure(model: Any, tokenizer: Any, tokens: int) -> dict[str, Any]:
+def measure(model: Any, tokenizer: Any, tokens: int, task_limit: int | None) -> dict[str, Any]:
     ppl = {s: perplexity(model, eval_windows(s, tokenizer, tokens, 512), label=s).ppl for s in SOURCES}
-    return {"ppl": ppl, "params": get_adapter(model).param_groups(), "kv": kv_bytes_per_token(model)["total"]}
+    acc = {name: r["acc"] for name, r in evaluate_tasks(model, tokenizer, list(TASKS), task_limit).items()}
+    return {"ppl": ppl, "acc": acc, "params": get_adapter(model).param_groups(),
+            "kv": kv_bytes_per_token(model)["total"]}
 
 
-def format_table(before: dict[str, Any], after: dict[str, Any], tokens: int) -> str:
-    rows = [f"{'':<26}{'dense':>14}{'compressed':>14}{'ratio':>9}"]
-    for s in SOURCES:
-        b, a = before["ppl"][s], after["ppl"][s]
-        rows.append(f"{s + ' ppl (' + str(tokens) + ' tok)':<26}{b:>14.3f}{a:>14.3f}{a / b:>9.3f}")
-    for group in ("attention", "mlp", "total"):
-        b, a = before["params"][group], after["params"][group]
-        rows.append(f"{group + ' params':<26}{b:>14,}{a:>14,}{a / b:>9.3f}")
-    rows.append(f"{'KV bytes/token':<26}{before['kv']:>14,.0f}{after['kv']:>14,.0f}{after['kv'] / before['kv']:>9.3f}")
-    return "\n".join(rows)
+def decode_speed(dense: Any, compressed: Any) -> dict[str, float]:
+    """Median decode tokens/s of both models, interleaved in this run, at SPEED's context."""
+    ctx = SPEED["context"]
+    res = interleaved({"dense": dense, "compressed": compressed}, [ctx], new_tokens=SPEED["new_tokens"],
+                      repeats=SPEED["repeats"], progress=False)
+    return {name: res["models"][name][str(ctx)]["decode_tok_s"] for name in ("dense", "compressed")}
 
 
-def record_metrics(out: str, before: dict[str, Any], after: dict[str, Any], tokens: int) -> None:
-    """Add the measured before/after perplexities to compression.json (the report reads them)."""
-    import json
-    from pathlib import Path
+def table_rows(before: dict[str, Any], after: dict[str, Any], speed: dict[str, float], tokens: int
+               ) -> list[tuple[str, float, float, str]]:
+    """(metric, dense, compressed, number format) rows of the before/after comparison."""
+    rows = [(f"{s} ppl ({tokens} tok)", before["ppl"][s], after["ppl"][s], ".3f") for s in SOURCES]
+    rows += [(f"{t.removeprefix('attnslim_')} acc", before["acc"][t], after["acc"][t], ".3f") for t in TASKS]
+    rows += [(f"{g} params", before["params"][g], after["params"][g], ",") for g in ("attention", "mlp", "total")]
+    rows.append(("KV bytes/token", before["kv"], after["kv"], ",.0f"))
+    rows.append((f"decode tok/s @{SPEED['context']}", speed["dense"], speed["compressed"], ".2f"))
+    return rows
 
+
+def format_table(rows: list[tuple[str, float, float, str]]) -> str:
+    out = [f"{'':<30}{'dense':>14}{'compressed':>14}{'ratio':>9}"]
+    for name, b, a, fmt in rows:
+        out.append(f"{name:<30}{b:>14{fmt}}{a:>14{fmt}}{a / b if b else float('nan'):>9.3f}")
+    return "\n".join(out)
+
+
+def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int) -> None:
+    """Add the measured before/after metrics to compression.json (the report reads them)."""
     path = Path(out) / COMPRESSION_JSON
     info = json.loads(path.read_text())
-    info["metrics"] = {f"{s} ppl": {"before": before["ppl"][s], "after": after["ppl"][s]} for s in SOURCES}
-    info["metrics_description"] = f"first {tokens} tokens of each evaluation split, 512-token windows"
+    info["metrics"] = {name: {"before": b, "after": a} for name, b, a, _ in rows if "params" not in name}
+    info["metrics_description"] = (
+        f"perplexity: first {tokens} tokens of each evaluation split, 512-token windows; zero-shot: "
+        f"{', '.join(TASKS)} (acc); decode: greedy, {SPEED['new_tokens']} new tokens after {SPEED['context']} "
+        f"context, median of {SPEED['repeats']} interleaved repetitions on the CPU")
     path.write_text(json.dumps(info, indent=1))
 
 
-def run_demo(model_name: str, recipe_name: str, out: str, tokens: int) -> int:
+def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = None) -> int:
     from attnslim.api import compress
     from attnslim.io import load, save
     from attnslim.models import load_model
@@ -54,17 +77,18 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int) -> int:
     recipe = load_recipe(recipe_name)
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)
-    before = measure(model, tokenizer, tokens)
+    before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
     report = compress(model, tokenizer, recipe)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
-    info = report.to_json()
-    save(model, tokenizer, out, info, overwrite=True)
+    save(model, tokenizer, out, report.to_json(), overwrite=True)
     del model
     model, tokenizer = load(out)
-    after = measure(model, tokenizer, tokens)
-    print(format_table(before, after, tokens))
-    record_metrics(out, before, after, tokens)
+    after = measure(model, tokenizer, tokens, task_limit)
+    dense, _ = load_model(model_name)
+    rows = table_rows(before, after, decode_speed(dense, model), tokens)
+    print(format_table(rows))
+    record_metrics(out, rows, tokens)
     html, _ = write_report(out)
     print(f"report: {html}")
     print(f"\nprompt: {PROMPT!r}\n  dense     : {dense_text!r}")
