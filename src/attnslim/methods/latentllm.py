@@ -30,6 +30,9 @@ Deviations from the paper, and why:
 - alloc=spectrum by default: on SmolLM2-135M at 80% kept attention the uniform rule costs 1.35x dense wiki
   ppl, almost all of it from V (whitened spectrum nearly flat; V/O alone at 80%: 1.36x, Q/K alone: 1.01x);
   spectrum allocation keeps V near full rank and gives 1.01x at the same parameter count.
+- A matrix allocated its full rank (r = min(d_out, d_in); alloc=spectrum often keeps V there) is installed as
+  one dense nn.Linear holding B A: the same weight count as the block-identity factors, the same map, and no
+  second matmul or index gather at decode. With a dense v_proj the module caches full values for that layer.
 - RoPE models: decompress, then rotate (App. F.3) with RoPE-unaware HOSVD by default (rope_window=1);
   rope_window=w > 1 uses the RoPE-aware slices Θ_δ, δ = 0..−(w−1). The per-head junction J_i (d_h² per
   head) is not implemented: B_q, B_k stay dense (it is incompatible with RoPE anyway, notes §12 #23).
@@ -64,7 +67,7 @@ from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import Collector, Method, require
 from attnslim.methods.lowrank_baselines import to_input_stats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
-from attnslim.modules.lowrank import LowRankLinear
+from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
 from attnslim.registry import register_method
 
 QK_MODES = ("joint", "split")
@@ -284,7 +287,7 @@ class LatentLLM(Method):
         fq, fk, fit["qk"] = self._qk(spec, st, ranks, layer)
         v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
         dtype, device = spec.q.dtype, spec.q.device
-        q_mod, k_mod = (LowRankLinear.from_factors(f, dtype) for f in (fq, fk))
+        q_mod, k_mod = compact_linear(fq, dtype), LowRankLinear.from_factors(fk, dtype)  # k: the key latent
         self._install(adapter, layer, spec, q_mod, k_mod, v, o).to(device)
         if self.mlp != "none":
             fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
@@ -331,7 +334,7 @@ class LatentLLM(Method):
             fv, fo = self._gauge(f.b_v.flatten(0, 1), f.a_v, f.bias_v), self._gauge(f.b_o, a_o, f.bias_o)
             info = {"vo_loss": [f.loss_history[0], f.loss_history[-1]]}
         dtype = spec.v.dtype
-        return LowRankLinear.from_factors(fv, dtype), LowRankLinear.from_factors(fo, dtype), info
+        return compact_linear(fv, dtype), compact_linear(fo, dtype), info
 
     def _local(self, w: torch.Tensor, b: torch.Tensor | None, st: InputStats, rank: int, label: str) -> LowRankFactors:
         """Local activation-aware factorisation with this step's pre-conditioner, junction and damping."""
@@ -364,7 +367,7 @@ class LatentLLM(Method):
             factors = {n: self._gauge(f.B, f.A, f.bias) if self.block_identity else f for n, f in chosen.items()}
             info = {"ud_tokens": int(stats.tokens.shape[0]), "ud_output_error": [round(e, 6) for e in res.output_error]}
         for n, f in factors.items():
-            adapter.replace_linear(layer, n, LowRankLinear.from_factors(f, spec.up.dtype).to(spec.up.device))
+            adapter.replace_linear(layer, n, compact_linear(f, spec.up.dtype).to(spec.up.device))
         return info
 
     # --- modules ----------------------------------------------------------------------------------------
@@ -384,11 +387,13 @@ class LatentLLM(Method):
         spec = adapter.attention_spec(layer)
         ranks, dtype, device = entry["ranks"], spec.q.dtype, spec.q.device
 
-        def empty(name: str, w: torch.Tensor, bias: torch.Tensor | None) -> LowRankLinear:
+        def empty(name: str, w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
             d_out, d_in = w.shape
-            return LowRankLinear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype)
+            return empty_compact_linear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype)
 
-        q, k = empty("q", spec.q, spec.q_bias), empty("k", spec.k, spec.k_bias)
+        d_k = spec.k.shape
+        k = LowRankLinear(d_k[1], d_k[0], ranks["k"], spec.k_bias is not None, self.block_identity, dtype)
+        q = empty("q", spec.q, spec.q_bias)
         if self.vo == "none":
             v, o = adapter.linear(layer, "v"), adapter.linear(layer, "o")
         else:

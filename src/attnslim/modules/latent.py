@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
-from attnslim.linalg.attention import repeat_kv, sliding_keep, softmax_attention
+from attnslim.linalg.attention import grouped_attention, repeat_kv, sliding_keep, softmax_attention
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
 CACHE_MODES = ("latent", "dense", "values")
+FEW_QUERIES = 16  # at most this many new queries (decode, short chunks): `grouped_attention`, not SDPA
 
 
 def _rank(module: nn.Module) -> int | None:
@@ -183,25 +184,31 @@ class LatentAttention(nn.Module):
         b, h, t, _ = q.shape
         n_kv, g = self.n_kv_heads, self.n_heads // self.n_kv_heads
         lv = self._latent_v()
-        if lv is None or path == "dense":
-            return self._sdpa(q, k, v_store, keep)
-        if path == "decompress":
-            v = self._heads(F.linear(v_store[:, 0], lv.b, lv.bias), n_kv)  # (b, n_kv, kv, d_h)
-            return self._sdpa(q, k, v, keep)
-        lat = self._sdpa(q, k, v_store.expand(b, k.shape[1], *v_store.shape[2:]), keep)  # (b, h, t, r_v)
+        if lv is not None and path == "decompress":
+            v_store = self._heads(F.linear(v_store[:, 0], lv.b, lv.bias), n_kv)  # (b, n_kv, kv, d_h)
+        out = self._core(q, k, v_store, keep)  # (b, h, t, d_h | r_v)
+        if lv is None or path != "absorb":
+            return out
         bv = lv.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_v)
-        out = (lat.view(b, n_kv, g, t, -1) @ bv[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
+        out = (out.view(b, n_kv, g, t, -1) @ bv[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
         if lv.bias is not None:  # softmax rows sum to one: the value bias passes through unchanged
             out = out + self._heads(lv.bias.expand(1, 1, -1), n_kv).repeat_interleave(g, 1)
         return out
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """q (b, h, t, e), k (b, n, kv, e), v (b, n, kv, e_v), n | h: grouped heads without copies.
-        keep=None: causal (t == kv) or one query attending to everything (t == 1)."""
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), n | h: grouped heads without copies.
+        keep=None: causal (t == kv) or one query attending to everything (t == 1).
+        Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
+        width differs from the query width (absorbed latents), falls back to a kernel ~9x slower on the CPU."""
+        t, kv = q.shape[2], k.shape[2]
+        if t <= FEW_QUERIES:
+            if keep is None and t > 1:  # causal over the last t of kv positions
+                keep = torch.ones(t, kv, dtype=torch.bool, device=q.device).tril(kv - t)[None, None]
+            return grouped_attention(q, k, v, keep, self.scaling, self.softcap)
+        v = v.expand(v.shape[0], k.shape[1], *v.shape[2:])  # a shared latent serves every key head (a view)
         g = q.shape[1] // k.shape[1]
         if keep is None:
-            causal = q.shape[2] > 1
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scaling, enable_gqa=g > 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.scaling, enable_gqa=g > 1)
         if self.softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scaling, enable_gqa=g > 1)
         return softmax_attention(q, repeat_kv(k, g), repeat_kv(v, g), keep, self.scaling, self.softcap)

@@ -71,3 +71,31 @@ class LowRankLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "block-identity" if self.block_identity else "dense factors"
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, {kind}"
+
+
+def is_full_rank(rank: int, out_features: int, in_features: int) -> bool:
+    """At r = min(d_out, d_in), B A is a general d_out×d_in matrix: a factorised layer saves nothing."""
+    return rank >= min(out_features, in_features)
+
+
+def compact_linear(factors: Any, dtype: torch.dtype) -> nn.Module:
+    """The factors as a `LowRankLinear`, or at full rank as the same map in one dense `nn.Linear` (B A
+    materialised): the same weights count with the block-identity junction, one matmul instead of two, and
+    no latent index gathers — it decodes at dense speed."""
+    mod = LowRankLinear.from_factors(factors, dtype)
+    if not is_full_rank(mod.rank, mod.out_features, mod.in_features):
+        return mod
+    dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(mod.dense_weight())
+        if mod.bias is not None and dense.bias is not None:
+            dense.bias.copy_(mod.bias)
+    return dense
+
+
+def empty_compact_linear(in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
+                         dtype: torch.dtype) -> nn.Module:
+    """The empty module `compact_linear` builds for this shape and rank (for loading)."""
+    if is_full_rank(rank, out_features, in_features):
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return LowRankLinear(in_features, out_features, rank, bias, block_identity, dtype)

@@ -1,0 +1,48 @@
+"""Shared attention math: the grouped decode path against the reference, and dense layers at full rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnslim.linalg.attention import grouped_attention, repeat_kv, softmax_attention
+from attnslim.linalg.lowrank import LowRankFactors
+from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
+
+
+@pytest.mark.parametrize("t, softcap", [(1, None), (5, None), (5, 30.0)])
+@pytest.mark.parametrize("latent_v", [False, True])
+def test_grouped_attention_matches_repeated_heads(t: int, softcap: float | None, latent_v: bool) -> None:
+    g = torch.Generator().manual_seed(t)
+    b, n, groups, kv, e = 2, 3, 4, 11, 8
+    q = torch.randn(b, n * groups, t, e, generator=g)
+    k = torch.randn(b, n, kv, e, generator=g)
+    v = torch.randn(b, 1 if latent_v else n, kv, 24 if latent_v else e, generator=g)  # a shared latent: width 24
+    keep = torch.ones(t, kv, dtype=torch.bool).tril(kv - t)[None, None].repeat(b, 1, 1, 1)
+    keep[1, ..., :3] = False  # left padding in the second row
+    ref = softmax_attention(q, repeat_kv(k, groups), repeat_kv(v.expand(b, n, kv, v.shape[-1]), groups), keep,
+                            0.3, softcap)
+    torch.testing.assert_close(grouped_attention(q, k, v, keep, 0.3, softcap), ref)
+
+
+def test_grouped_attention_fully_masked_rows_are_zero_not_nan() -> None:
+    q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    keep = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
+    out = grouped_attention(q, k, v, keep, 1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("rank, dense", [(6, True), (4, False)])
+def test_compact_linear_is_dense_exactly_at_full_rank(rank: int, dense: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    d_out, d_in = 6, 10
+    b, a = torch.randn(d_out, rank, generator=g), torch.randn(rank, d_in, generator=g)
+    bias = torch.randn(d_out, generator=g)
+    mod = compact_linear(LowRankFactors(b, a, bias, None), torch.float32)
+    assert isinstance(mod, torch.nn.Linear) is dense and isinstance(mod, LowRankLinear) is not dense
+    x = torch.randn(3, d_in, generator=g)
+    torch.testing.assert_close(mod(x), x @ (b @ a).T + bias)
+    empty = empty_compact_linear(d_in, d_out, rank, True, False, torch.float32)  # what loading builds
+    assert type(empty) is type(mod)
+    empty.load_state_dict(mod.state_dict())  # strict: the same tensors
+    torch.testing.assert_close(empty(x), mod(x))
