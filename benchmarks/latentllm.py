@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("--groups", default="attn,precond,whole,kv,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run")
     parser.add_argument("--contexts", default="512,2048")
-    parser.add_argument("--speed-variants", default="latentllm-80,latentllm-densecache-80,svdllm-attn-80")
+    parser.add_argument("--speed-variants",
+                        default="latentllm-80,latentllm-values-80,latentllm-densecache-80,svdllm-attn-80")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -149,6 +150,8 @@ def main() -> None:
     recipes["latentllm-80"] = {"name": "latentllm-80", "calibration": cal, "steps": [step("latentllm", {"ratio": 0.8})]}
     recipes["latentllm-densecache-80"] = {"name": "latentllm-densecache-80", "calibration": cal,
                                           "steps": [step("latentllm", {"ratio": 0.8, "cache": "dense"})]}
+    recipes["latentllm-values-80"] = {"name": "latentllm-values-80", "calibration": cal,
+                                      "steps": [step("latentllm", {"ratio": 0.8, "cache": "values"})]}
     recipes["svdllm-attn-80"] = {"name": "svdllm-attn-80", "calibration": cal,
                                  "steps": [step("svdllm", {"ratio": 0.8, "linears": ["q", "k", "v", "o"]})]}
     only = {k for k in args.only.split(",") if k}

@@ -8,8 +8,8 @@ Groups (--groups, comma-separated; default all):
            configuration (cca bound, X = raw residual h), NBL with layers chosen by the cca bound / LLM-Drop
            cosine similarity / random (seeded) / highest bound; attention drop (LLM-Drop) on the layers the
            default NBL, the paper and similarity chose; NBL sequential at --seq-m
-  probe    NBL on the m layers whose single-layer damage (from `stats`) is lowest, and drop on them: a selection
-           measured on calibration-split text instead of read from the statistics (criterion given)
+  probe    NBL with criterion "probe" (each candidate linearized alone, the increase of the NLL of the first
+           --probe-windows calibration windows measured; the m cheapest chosen), and drop on the same layers
   calib    calibration-size sensitivity: the default NBL at --calib-m with --calib-windows windows
   speed    decode tokens/s and prefill time against dense at --contexts (attnslim.bench.interleaved);
            linearized layers are built with `Nbl.skeleton` (timing does not depend on the fitted values)
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--groups", default="stats,sweep,probe,calib,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run (others are skipped)")
     parser.add_argument("--check", action="store_true", help="also run the first default variant via compress")
+    parser.add_argument("--probe-windows", type=int, default=4, help="calibration windows of the probe criterion")
     parser.add_argument("--calib-m", default="6", help="m for the calibration-size sensitivity")
     parser.add_argument("--calib-windows", default="64,256")
     parser.add_argument("--contexts", default="512,2048")
@@ -244,13 +245,10 @@ def main() -> None:
                 run(f"nbl-seq-{DEFAULT_CRITERION}-m{m}", nbl({"m": m, "sequential": True}))
         if args.check and ms:
             run(f"{default}-m{ms[0]}-compress", nbl({"m": ms[0]}))
-    if "probe" in groups:  # layers by measured single-layer damage (calibration split), fitted by compress
-        damage = {int(i): v["damage_nll"] for i, v in h.data.get("linearity", {}).get("layers", {}).items()
-                  if "damage_nll" in v}
-        for m in ms if damage else []:
-            layers = sorted(sorted(damage, key=damage.__getitem__)[:m])
-            run(f"nbl-probe-m{m}", nbl({"criterion": "given"}, layers))
-            drop(f"drop-probe-layers-m{m}", layers)
+    if "probe" in groups:  # the measured criterion (calibration NLL of each single-layer trial), through compress
+        for m in ms:
+            run(f"nbl-probe-m{m}", nbl({"m": m, "criterion": "probe", "probe": args.probe_windows}))
+            drop(f"drop-probe-layers-m{m}", chosen_layers(h, f"nbl-probe-m{m}"))
     if "calib" in groups:
         for m in [int(m) for m in args.calib_m.split(",") if m]:
             for windows in [int(w) for w in args.calib_windows.split(",") if w]:

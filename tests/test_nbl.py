@@ -122,6 +122,29 @@ def test_save_load_identical_logits_and_cached_generation(llama, tmp_path, args)
     assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("input", ["normed", "residual"])
+def test_probe_measures_each_trial_and_restores_the_model(input):
+    """criterion=probe: every candidate is linearized alone and put back (m=0 leaves the logits bit-identical,
+    norms included); an exactly affine layer costs nothing; the layers with the lowest measured cost are chosen
+    (on a random model a linearization can also lower the loss)."""
+    model = tiny_llama()
+    ref = model(input_ids=IDS).logits
+    plan = _compress(model, {"m": 0, "criterion": "probe", "input": input}).steps[0]["plan"]
+    assert torch.equal(model(input_ids=IDS).logits, ref)
+    assert sorted(plan["scores"]["probe"]) == ["0", "1", "2", "3"]
+    assert len(set(plan["scores"]["probe"].values())) == 4  # each trial changed the loss differently
+
+    model = tiny_llama()
+    adapter = get_adapter(model)
+    if input == "residual":
+        adapter.replace_attention_norm(2, nn.Identity())
+    adapter.replace_attention(2, AffineAttention(2, *_affine()))
+    plan = _compress(model, {"m": 1, "criterion": "probe", "input": input, "probe": 3, "ridge": 1e-9}
+                     ).steps[0]["plan"]
+    probe = plan["scores"]["probe"]
+    assert abs(probe["2"]) < 1e-5 and plan["chosen"] == [int(min(probe, key=probe.get))], probe
+
+
 def test_sequential_refits_on_the_linearized_upstream():
     one_shot, seq = tiny_llama(), tiny_llama()
     plan_a = _compress(one_shot, {"criterion": "given"}, layers=[1, 2]).steps[0]["plan"]
@@ -166,7 +189,8 @@ def test_relative_moments_match_a_direct_computation():
     "args,match",
     [({"m": 5}, r"m=5 is invalid; valid: 0\.\.4"), ({"m": -1}, "m=-1"), ({"m": 1, "fraction": 0.5}, "exactly one"),
      ({}, "exactly one"), ({"fraction": 1.5}, "fraction"), ({"m": 1, "criterion": "best"}, "criterion"),
-     ({"m": 1, "input": "raw"}, "input"), ({"m": 1, "ridge": -1.0}, "ridge"), ({"m": 1, "k": 2}, "unknown")],
+     ({"m": 1, "input": "raw"}, "input"), ({"m": 1, "ridge": -1.0}, "ridge"),
+     ({"m": 1, "probe": 0}, "probe"), ({"m": 1, "k": 2}, "unknown")],
 )
 def test_bad_arguments(llama, args, match):
     with pytest.raises(AttnslimError, match=match):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from attnslim.calib.runner import LayerRunner
@@ -53,6 +55,28 @@ def run_step(
     return plan
 
 
+@torch.no_grad()
+def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token NLL of the windows ids (n, t) under the model as it is now."""
+    total, count = 0.0, 0
+    for start in range(0, ids.shape[0], batch_size):
+        batch = ids[start : start + batch_size].to(next(model.parameters()).device)
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (b, t − 1, vocab)
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+def _probe(model: Any, adapter: Any, method: Method, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
+           batch_size: int, progress: bool) -> None:
+    """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
+    mean NLL over the probe windows recorded as stats[i].scores["probe"]."""
+    base = _mean_nll(model, ids, batch_size)
+    for i in tqdm(layers, desc=f"{method.name} probe", disable=not progress, leave=False):
+        with method.trial(adapter, i, stats[i]):
+            stats[i].scores["probe"] = _mean_nll(model, ids, batch_size) - base
+
+
 def _run_selecting(
     model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool
 ) -> dict[str, Any]:
@@ -64,6 +88,8 @@ def _run_selecting(
             stats[i] = _collect(runner, method, adapter, i, advance=True)
         else:
             runner.run_layer(i)
+    if method.probe_windows():
+        _probe(model, adapter, method, layers, stats, windows[: method.probe_windows()], batch_size, progress)
     plan = method.plan(adapter, layers, stats)
     chosen = sorted(int(k) for k in plan["layers"])
     if not chosen:

@@ -16,9 +16,9 @@ from tqdm import tqdm
 from attnslim.adapters import get_adapter
 from attnslim.calib.runner import LayerRunner
 from attnslim.data import calib_windows
-from attnslim.methods.nbl import CRITERIA, DEFAULT_CRITERION, SCORES, Nbl
+from attnslim.methods.nbl import CRITERIA, DEFAULT_CRITERION, MEASURED, SCORES, Nbl
 
-_SELECTIONS = tuple(c for c in CRITERIA if c != "given")
+_SELECTIONS = tuple(c for c in CRITERIA if c not in ("given", MEASURED))  # read from the statistics alone
 
 
 @torch.no_grad()

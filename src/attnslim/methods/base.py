@@ -14,6 +14,7 @@ its new parameters against `teacher`, a frozen copy of the model taken just befo
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -76,6 +77,16 @@ class Method:
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def probe_windows(self) -> int:
+        """How many calibration windows the selection measures the loss on (0: it reads statistics only).
+        Where > 0, the pipeline converts each candidate alone inside `trial`, records the calibration NLL
+        increase as its "probe" score, and only then calls `plan`."""
+        return 0
+
+    def trial(self, adapter: Any, layer: int, stats: Any) -> AbstractContextManager[None]:
+        """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
+        raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
 
     @property
     def trains(self) -> bool:

@@ -13,6 +13,9 @@ Selection (`criterion`, lower = linearize first):
   nmse        the in-sample fit error E‖Y − Ŷ‖² / tr(C_YY) that the bound bounds
   resid       E‖Y − Ŷ‖² / E‖h + Y‖²: the fit error as a fraction of the residual stream it is added to
   similarity  LLM-Drop's 1 − mean cos(h, h + Y) (which layers change the stream least)
+  probe       measured: the increase of the mean calibration NLL (first `probe_windows` calibration windows)
+              when only this layer is linearized with its fitted map; one forward of those windows per
+              candidate (the statistics of every layer are collected first, as for the other criteria)
   random      seeded;  highest: the highest cca bound;  given: every candidate layer (m not used)
 
 Deviations from the paper / reference implementation, and why:
@@ -31,6 +34,8 @@ Deviations from the paper / reference implementation, and why:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +50,8 @@ from attnslim.modules.linearized import INPUTS, LinearizedAttention
 from attnslim.registry import register_method
 
 SCORES = ("cca", "nmse", "resid", "similarity")  # computed for every candidate layer, recorded in the plan
-CRITERIA = (*SCORES, "random", "highest", "given")
+MEASURED = "probe"  # measured on the calibration loss (pipeline._probe), not read from the statistics
+CRITERIA = (*SCORES, MEASURED, "random", "highest", "given")
 DEFAULT_CRITERION = "resid"
 
 
@@ -210,6 +216,7 @@ class Nbl(Method):
     sequential: bool = False  # type: ignore[misc]
     ridge: float = 1e-6
     seed: int = 0
+    probe: int = 2  # calibration windows the "probe" criterion measures the loss on
     selects_layers = True
 
     def __post_init__(self) -> None:
@@ -220,6 +227,8 @@ class Nbl(Method):
         require(isinstance(self.ridge, int | float) and math.isfinite(self.ridge) and self.ridge >= 0,
                 name, "ridge", self.ridge, "a finite number >= 0 (relative to the mean eigenvalue of C_XX)")
         require(isinstance(self.seed, int), name, "seed", self.seed, "an integer")
+        require(isinstance(self.probe, int) and not isinstance(self.probe, bool) and self.probe >= 1, name, "probe",
+                self.probe, "an integer >= 1 (calibration windows for criterion 'probe')")
         if self.criterion == "given":
             require(self.m is None and self.fraction is None, name, "m/fraction", (self.m, self.fraction),
                     "unset with criterion 'given' (every candidate layer is linearized)")
@@ -249,6 +258,20 @@ class Nbl(Method):
             self.count(adapter.num_layers())
         return LinearityCollector(layer, self.input, self.ridge)
 
+    def probe_windows(self) -> int:
+        return self.probe if self.criterion == MEASURED else 0
+
+    @contextmanager
+    def trial(self, adapter: Any, layer: int, stats: Any) -> Iterator[None]:
+        """Layer `layer` linearized with its fit (and, for input="residual", its norm removed), then restored."""
+        attention, norm = adapter.attention(layer), adapter.attention_norm(layer)
+        self.convert(adapter, layer, {"input": self.input}, stats)
+        try:
+            yield
+        finally:
+            adapter.replace_attention(layer, attention)
+            adapter.replace_attention_norm(layer, norm)
+
     def select(self, scores: dict[int, dict[str, float]], count: int) -> list[int]:
         """The `count` layers to linearize under `criterion`, sorted; `scores` maps layer -> SCORES."""
         layers = sorted(scores)
@@ -257,19 +280,24 @@ class Nbl(Method):
         if self.criterion == "random":
             perm = torch.randperm(len(layers), generator=torch.Generator().manual_seed(self.seed))
             return sorted(layers[int(j)] for j in perm[:count])
-        if self.criterion == "highest":
-            return sorted(sorted(layers, key=lambda i: -scores[i]["cca"])[:count])
-        return sorted(sorted(layers, key=lambda i: scores[i][self.criterion])[:count])
+        key = "cca" if self.criterion == "highest" else self.criterion
+        missing = [i for i in layers if key not in scores[i]]
+        if missing:  # "probe" is measured by pipeline._probe during compress
+            raise AttnslimError(f"nbl: criterion {self.criterion!r} has no score for layers {missing}; it is "
+                                "measured by compress (attnslim.pipeline), not computed from the statistics alone")
+        sign = -1.0 if self.criterion == "highest" else 1.0
+        return sorted(sorted(layers, key=lambda i: sign * scores[i][key])[:count])
 
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         count = self.count(len(layers))
         scores = {i: stats[i].scores for i in layers}
+        measured = (MEASURED,) if self.probe_windows() else ()
         chosen = self.select(scores, count)
         return {
             "layers": {str(i): {"input": self.input} for i in chosen},
             "criterion": self.criterion,
             "chosen": chosen,
-            "scores": {s: {str(i): float(f"{scores[i][s]:.6g}") for i in layers} for s in SCORES},
+            "scores": {s: {str(i): float(f"{scores[i][s]:.6g}") for i in layers} for s in SCORES + measured},
             "fit_dense": {str(i): stats[i].summary() for i in layers},
         }
 
