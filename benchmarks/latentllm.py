@@ -6,7 +6,8 @@ Groups (--groups, comma-separated; default all):
              with the paper's uniform ranks and with the default spectrum allocation, joint V/O (Remark 11),
              RoPE-aware joint QK (8-offset window)
   precond    joint QK (+ V/O) with each pre-conditioner of Table 1, at 80%, uniform ranks
-  whole      attention + MLP at 90/80/70% of all parameters: LatentLLM (joint UD), local MLP, SVD-LLM
+  whole      attention + MLP at 90/80/70% of all parameters: LatentLLM (joint UD), local MLP, SVD-LLM; and
+             LatentLLM with every attention/MLP linear at 90/80/70% of its weights (the paper's convention)
   kv         KV bytes/token against perplexity: LatentLLM at more ratios, and kv_ratio sweeps (q, o full rank)
   speed      decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved)
 
@@ -70,6 +71,11 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
     for ratio in (0.9, 0.8, 0.7):
         p = int(round(ratio * 100))
         out[f"latentllm-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio, "mlp": "joint_ud"})]
+        # the paper's convention: every attention and MLP linear keeps `ratio` of its weights (embeddings,
+        # 21% of SmolLM2's parameters, are not counted), so total parameters stay above `ratio`
+        out[f"latentllm-linears-{p}"] = [step("latentllm", {"ratio": ratio, "mlp": "joint_ud"})]
+        out[f"latentllm-global-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
+                                                                "mlp": "joint_ud", "alloc": "global"})]
         out[f"latentllm-localmlp-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
                                                                    "mlp": "local"})]
         kappa = kappa_for_total(shapes, n_layers, total, ratio, "left")  # the same total with dense factors

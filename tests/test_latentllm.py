@@ -206,6 +206,23 @@ def test_spectrum_allocation_keeps_the_budget_and_lowers_the_error():
     assert errors["spectrum"] < errors["uniform"], errors
 
 
+def test_global_allocation_keeps_the_model_budget_and_moves_rank_across_layers(tmp_path):
+    kept, ranks = {}, {}
+    for alloc in ("uniform", "global"):
+        model = tiny_llama()
+        report = _compress(model, {"ratio": 0.7, "mlp": "local", "alloc": alloc}, windows=16, seq_len=64)
+        kept[alloc] = {g: report.params_after[g] / report.params_before[g] for g in ("attention", "mlp")}
+        ranks[alloc] = [e["ranks"] for e in report.steps[0]["plan"]["layers"].values()]
+    for g in ("attention", "mlp"):
+        assert kept["global"][g] <= 0.7 and kept["global"][g] == pytest.approx(kept["uniform"][g], abs=0.02)
+    assert all(r == ranks["uniform"][0] for r in ranks["uniform"])  # uniform: every layer alike
+    assert any(r != ranks["global"][0] for r in ranks["global"]), ranks["global"]  # global: layers differ
+    ref = model(input_ids=IDS).logits
+    save(model, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    loaded, _ = load(tmp_path / "m")
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)
+
+
 def test_kv_ratio_bounds_the_latent_cache():
     model = tiny_llama()
     dense = kv_bytes_per_token(model)["total"]
@@ -267,6 +284,7 @@ def test_hosvd_not_worse_than_split_at_equal_params_on_model_statistics():
     [({"ratio": 1.5}, "would hold more"), ({"ratio": 0.5, "total_ratio": 0.5}, "exactly one"),
      ({"qk": "tucker"}, "qk"), ({"mlp": "ud"}, "mlp"), ({"precond": "chol"}, "precond"), ({"cache": "kv"}, "cache"),
      ({"rope_window": 0}, "rope_window"), ({"damp": -1.0}, "damp"), ({"alloc": "greedy"}, "alloc"),
+     ({"alloc": "global", "kv_ratio": 0.5}, "per-layer KV budget"),
      ({"kv_ratio": 0.2, "vo": "none"}, "kv_ratio"),
      ({"ratio": None, "ranks": {"q": 24, "k": 16, "v": 12}}, "no entry for 'o'"),
      ({"ratio": None, "ranks": {**RANKS, "k": 40}}, "would increase its parameters"),

@@ -24,7 +24,10 @@ Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (an
 explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
 alloc=uniform is the notes' rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
 group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
-per weight (each matrix's energy normalised to 1). kv_ratio bounds r_k + r_v by a kept fraction of the dense
+per weight (each matrix's energy normalised to 1). alloc=global runs that greedy across layers too: each group's
+budget summed over the layers (so the kept fractions of attention and MLP hold model-wide, not per layer); it
+needs statistics of every layer first (a dense pass), then refits each layer on the compressed upstream.
+kv_ratio bounds r_k + r_v by a kept fraction of the dense
 KV cache, split between k and v by spectrum energy per cached value (q/o then share the rest of the budget).
 Deviations from the paper, and why:
 - alloc=spectrum by default: on SmolLM2-135M at 80% kept attention the uniform rule costs 1.35x dense wiki
@@ -73,7 +76,7 @@ from attnslim.registry import register_method
 QK_MODES = ("joint", "split")
 VO_MODES = ("separate", "joint", "none")
 MLP_MODES = ("none", "local", "joint_ud")
-ALLOCS = ("uniform", "spectrum")
+ALLOCS = ("uniform", "spectrum", "global")
 SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": "mlp_in", "up": "mlp_in",
            "down": "down_in"}
 # HF activation name -> joint_ud's name; un-gated MLPs need ReLU (closed-form z update)
@@ -192,6 +195,14 @@ class LatentLLM(Method):
         require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp >= 0, n, "damp",
                 self.damp, ">= 0 (relative to mean(diag C); 1e-2 default)")
         require(0 < self.alpha <= 2, n, "alpha", self.alpha, "(0, 2]")
+        require(self.alloc != "global" or (self.ranks is None and self.kv_ratio is None), n, "alloc", self.alloc,
+                "uniform | spectrum with explicit ranks or kv_ratio (global moves rank across layers, which fixed "
+                "ranks and a per-layer KV budget both rule out)")
+
+    @property
+    def selects_layers(self) -> bool:  # type: ignore[override]
+        """alloc=global plans every layer from statistics of all of them (then refits sequentially)."""
+        return self.alloc == "global"
 
     @property
     def block_identity(self) -> bool:
@@ -227,18 +238,46 @@ class LatentLLM(Method):
             )
 
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        shapes = {i: self._shapes(adapter, i) for i in layers}
+        ranks = {i: self._ranks(adapter, i, shapes[i]) for i in layers}
+        if self.alloc == "global":
+            ranks = self._allocate_global(adapter, shapes, ranks, stats)
+        elif self.ranks is None and (self.alloc == "spectrum" or self.kv_ratio is not None):
+            ranks = {i: self._allocate(adapter, i, shapes[i], ranks[i], stats[i]) for i in layers}
         out = {}
         for i in layers:
-            shapes = self._shapes(adapter, i)
-            ranks = self._ranks(adapter, i, shapes)
-            if self.ranks is None and (self.alloc == "spectrum" or self.kv_ratio is not None):
-                ranks = self._allocate(adapter, i, shapes, ranks, stats[i])
             if self.qk == "joint":
-                rk.check_joint_qk(ranks, adapter.attention_spec(i).head_dim, i)
-            jn = self.junction
-            weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks, jn)] for g, s in rk.groups(shapes).items()}
-            out[str(i)] = {"ranks": ranks, "weights": weights}  # weights: [dense, kept] per group
+                rk.check_joint_qk(ranks[i], adapter.attention_spec(i).head_dim, i)
+            jn, sh = self.junction, shapes[i]
+            weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks[i], jn)] for g, s in rk.groups(sh).items()}
+            out[str(i)] = {"ranks": ranks[i], "weights": weights}  # weights: [dense, kept] per group
         return {"layers": out}
+
+    def _allocate_global(self, adapter: Any, shapes: dict[int, dict[str, tuple[int, int]]],
+                         ranks: dict[int, dict[str, int]], stats: dict[int, Any]) -> dict[int, dict[str, int]]:
+        """alloc=global: each group's (attention, MLP) budget of the uniform rule, summed over the layers, is
+        re-spread over the matrices of every layer by whitened spectrum energy lost per weight — the greedy of
+        alloc=spectrum, across layers (statistics of the model as it enters the step)."""
+        out = {i: dict(r) for i, r in ranks.items()}
+        for group in ("attention", "mlp"):
+            keyed: dict[str, tuple[int, int]] = {}
+            spectra: dict[str, torch.Tensor] = {}
+            floors: dict[str, int] = {}
+            budget = 0
+            for i, sh in shapes.items():
+                sub = rk.groups(sh).get(group)
+                if not sub:
+                    continue
+                budget += rk.kept_weights(sub, ranks[i], self.junction)
+                for n, sv in self._spectra(adapter, i, list(sub), stats[i]).items():
+                    keyed[f"{i}.{n}"], spectra[f"{i}.{n}"] = sub[n], sv
+                    if self.qk == "joint" and n in ("q", "k"):
+                        floors[f"{i}.{n}"] = adapter.attention_spec(i).head_dim
+            if keyed:
+                for key, r in rk.spectrum_ranks(spectra, keyed, budget, self.junction, floors).items():
+                    layer, name = key.split(".")
+                    out[int(layer)][name] = r
+        return out
 
     def _ranks(self, adapter: Any, layer: int, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
         if self.ranks is not None:
