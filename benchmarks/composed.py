@@ -25,9 +25,9 @@ from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "decode": 1.0}
 
 
-def composed(name: str, m: int, latent: dict[str, Any], windows: int) -> dict[str, Any]:
+def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid") -> dict[str, Any]:
     return {"name": name, "calibration": calibration(windows),
-            "steps": [{"method": "nbl", "layers": "all", "args": {"m": m}},
+            "steps": [{"method": "nbl", "layers": "all", "args": {"m": m, "criterion": criterion}},
                       {"method": "latentllm", "layers": "rest", "args": latent}]}
 
 
@@ -39,6 +39,11 @@ def variants(windows: int) -> dict[str, dict[str, Any]]:
         "nbl6-lat-kv60": composed("nbl6-lat-kv60", 6, {**kv, "kv_ratio": 0.6}, windows),
         "nbl9-lat-kv70": composed("nbl9-lat-kv70", 9, {**kv, "kv_ratio": 0.7}, windows),
         "nbl12-lat-kv80": composed("nbl12-lat-kv80", 12, {**kv, "kv_ratio": 0.8}, windows),
+        "lat-80-kv75": {"name": "lat-80-kv75", "calibration": calibration(windows),
+                        "steps": [{"method": "latentllm", "layers": "all", "args": {"ratio": 0.8, "kv_ratio": 0.75}}]},
+        "nblprobe6-lat-80-kv75": composed("nblprobe6-lat-80-kv75", 6, {"ratio": 0.8, "kv_ratio": 0.75}, windows,
+                                          "probe"),
+        "nblprobe6-lat-kv60": composed("nblprobe6-lat-kv60", 6, {**kv, "kv_ratio": 0.6}, windows, "probe"),
         "nbl9-lat-50": composed("nbl9-lat-50", 9, {"ratio": 0.5, "kv_ratio": 0.7}, windows),
         # cache=values: rotated keys stay dense, values become absorbed latents (decode-speed neutral with RoPE)
         "nbl6-val-kv62": composed("nbl6-val-kv62", 6, {**kv, "cache": "values", "kv_ratio": 0.62}, windows),

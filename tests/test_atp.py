@@ -134,6 +134,39 @@ def test_pivot_tokens_span_low_rank_then_fill_by_recency():
     assert idx[0, 3:].tolist() == rest  # rank exhausted: the most recent tokens
 
 
+def _pivot_reference(u: torch.Tensor, avail: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook greedy: pick the available row of largest residual, project every row off it."""
+    b, n, _ = u.shape
+    res, avail, rows = u.double().clone(), avail.clone(), torch.arange(b)
+    norms = res.square().sum(-1)
+    tol = norms.amax(-1, keepdim=True) * 1e-10
+    pos = torch.arange(n, dtype=torch.float64).expand(b, n)
+    picks, valid = [], []
+    for _ in range(r):
+        best, arg = torch.where(avail, norms, torch.full_like(norms, -1.0)).max(-1)
+        spanning = best > tol[:, 0]
+        pick = torch.where(spanning, arg, torch.where(avail, pos, torch.full_like(pos, -1.0)).argmax(-1))
+        valid.append(avail[rows, pick])
+        row = res[rows, pick]
+        qv = row / row.norm(dim=-1, keepdim=True).clamp_min(1e-300) * spanning[:, None].double()
+        res = res - (res @ qv[..., None]) * qv[:, None, :]
+        norms = res.square().sum(-1)
+        avail[rows, pick] = False
+        picks.append(pick)
+    return torch.stack(picks, -1), torch.stack(valid, -1)
+
+
+@pytest.mark.parametrize("n, m, r", [(200, 40, 40), (120, 10, 30), (30, 8, 30)])
+def test_pivot_tokens_match_the_textbook_greedy(n, m, r):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(2, n, 64, generator=gen) @ torch.randn(64, 64, generator=gen) * torch.rand(64, generator=gen) ** 3
+    u = torch.linalg.svd(x, full_matrices=False).U[..., :m]
+    avail = torch.ones(2, n, dtype=torch.bool)
+    avail[:, :4], avail[1, -7:] = False, False  # sinks, and padding in one row
+    fast, ref = pivot_tokens(u, avail, r), _pivot_reference(u, avail, r)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+
+
 def test_compress_prefix_shapes_and_mass():
     gen = torch.Generator().manual_seed(0)
     x, k, v = (torch.randn(*s, generator=gen) for s in ((2, 24, 16), (2, 2, 24, 8), (2, 2, 24, 8)))

@@ -72,26 +72,32 @@ def pivot_tokens(u: torch.Tensor, avail: torch.Tensor, r: int) -> tuple[torch.Te
     avail (b, n) bool marks selectable tokens. Once the residual is numerically zero (r > rank), the most
     recent available token is taken. Returns (indices, valid); valid is False for a pick made when no
     selectable token was left (fewer real tokens than r).
+    Each step keeps the picked directions Q (orthonormalised twice, CGS2) instead of rewriting every row's
+    residual: a new direction q ⊥ Q gives residual·q = u·q, so the squared residual norms are downdated by
+    (u q)² — one (n, m) matvec per pick, ~10x faster than updating the (n, m) residual at n = 1024.
     """
-    b, n, _ = u.shape
-    res = u.to(torch.float64).clone()  # (b, n, m) residual rows
-    norms = res.square().sum(-1)  # (b, n)
+    b, n, m = u.shape
+    u64 = u.to(torch.float64)
+    norms = u64.square().sum(-1)  # (b, n) squared norms of the residual rows
     tol = norms.amax(-1, keepdim=True).clamp_min(1e-300) * 1e-10  # (b, 1) squared-norm floor
     pos = torch.arange(n, device=u.device, dtype=torch.float64).expand(b, n)
     avail = avail.clone()
     rows = torch.arange(b, device=u.device)
+    q = u64.new_zeros(b, r, m)  # (b, r, m) directions of the spanning picks (zero rows for the others)
     picks, valid = [], []
-    for _ in range(r):
+    for t in range(r):
         score = torch.where(avail, norms, torch.full_like(norms, -1.0))
         best, arg = score.max(-1)  # (b,)
         spanning = best > tol[:, 0]
         recent = torch.where(avail, pos, torch.full_like(pos, -1.0)).argmax(-1)
         pick = torch.where(spanning, arg, recent)  # (b,)
         valid.append(avail[rows, pick])
-        row = res[rows, pick]  # (b, m)
+        row = u64[rows, pick]  # (b, m)
+        for _ in range(2):  # the residual of the picked row against Q (twice: classical Gram-Schmidt is unstable)
+            row = row - ((q[:, :t] @ row[..., None]).transpose(1, 2) @ q[:, :t])[:, 0]
         qv = row / row.norm(dim=-1, keepdim=True).clamp_min(1e-300) * spanning[:, None].to(row.dtype)
-        res = res - (res @ qv[..., None]) * qv[:, None, :]  # project every row off the chosen direction
-        norms = res.square().sum(-1)
+        q[:, t] = qv
+        norms = (norms - (u64 @ qv[..., None])[..., 0].square()).clamp_min(0.0)  # (b, n)
         avail[rows, pick] = False
         picks.append(pick)
     return torch.stack(picks, -1), torch.stack(valid, -1)
