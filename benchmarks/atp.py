@@ -93,7 +93,7 @@ def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None) -> A
 def serving_variants(window: int) -> dict[str, dict[str, Any] | None]:
     out: dict[str, dict[str, Any] | None] = {}
     for label, f in FRACTIONS.items():
-        for compress in ("principal", "recent", "sink"):
+        for compress in ("principal", "hybrid", "recent", "sink"):
             out[f"{compress} r={label}"] = {"rank": f, "form": "serving", "window": window, "compress": compress}
     out["principal-mix r=1/4"] = {"rank": 0.25, "form": "serving", "window": window, "compress": "principal-mix"}
     out["principal no-mass r=1/4"] = {"rank": 0.25, "form": "serving", "window": window, "mass": False}

@@ -21,6 +21,8 @@ SECTIONS = {
     "composed": ("Composed recipes: NBL + LatentLLM (issue 8 targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
+    "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
+    "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run)", "benchmarks/nbl.py"),
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
 }
 

@@ -167,6 +167,17 @@ def test_pivot_tokens_match_the_textbook_greedy(n, m, r):
     assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
 
 
+def test_hybrid_keeps_the_most_recent_half_exactly():
+    gen = torch.Generator().manual_seed(1)
+    x, k, v = (torch.randn(*s, generator=gen) for s in ((1, 40, 16), (1, 2, 40, 8), (1, 2, 40, 8)))
+    kc, vc, _ = compress_prefix(x, k, v, torch.ones(1, 40, dtype=torch.bool), 12, "hybrid", sinks=2)
+    src = [int(((k[0, 0] - kc[0, 0, j]).abs().sum(-1) == 0).nonzero()[0]) for j in range(12)]  # token of entry j
+    torch.testing.assert_close(vc, v[:, :, src])  # exact keys and values of those tokens
+    # 2 sinks, then 5 principal picks among the older tokens 2..34, then the 5 most recent tokens 35..39
+    assert sorted(src[:2]) == [0, 1] and src[-5:] == [35, 36, 37, 38, 39], src
+    assert all(2 <= p < 35 for p in src[2:7]) and len(set(src)) == 12, src
+
+
 def test_compress_prefix_shapes_and_mass():
     gen = torch.Generator().manual_seed(0)
     x, k, v = (torch.randn(*s, generator=gen) for s in ((2, 24, 16), (2, 2, 24, 8), (2, 2, 24, 8)))

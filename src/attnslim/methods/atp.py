@@ -8,8 +8,9 @@ What is approximated: each attention layer's softmax over the L tokens of a sequ
                   entries (+ an exact recent `window`) that generated tokens attend to. `compress` picks the
                   compression: "principal" (`sinks` first tokens + the top principal subspace of the layer
                   input in its interpolative basis: the keys/values of the tokens that span it, with the dropped
-                  tokens' softmax mass merged into the most similar kept key when `mass`), "principal-mix" (the
-                  paper's UᵀK, UᵀV), and the equal-budget baselines "recent" and "sink".
+                  tokens' softmax mass merged into the most similar kept key when `mass`), "hybrid" (half the
+                  budget to the most recent prompt tokens, half to principal picks among the older ones),
+                  "principal-mix" (the paper's UᵀK, UᵀV), and the equal-budget baselines "recent" and "sink".
 Statistics needed: none (decompositions are per sequence, online). Weights stay the original q/k/v/o.
 Cost: parameters unchanged. Paper form: attention O(L·r·d′) + SVD per layer per sequence; no decoding.
   Serving form: KV cache min(r, P − window) + window + generated entries per layer instead of P + generated,
@@ -48,7 +49,7 @@ class Atp(Method):
     key_path: str = "cheap"  # paper form: cheap (RoPE(U·X′W_k)) | full (RoPE(X W_k)), both projected by Uᵀ
     value_scale: str = "none"  # paper form: none (paper) | inv_sqrt_len (notes G8 ablation: V′ / √L)
     window: int = 32  # serving form: exact recent tokens kept beside the compressed prompt
-    compress: str = "principal"  # serving form: principal | principal-mix | recent | sink
+    compress: str = "principal"  # serving form: principal | hybrid | principal-mix | recent | sink
     sinks: int = 4  # serving form: first real tokens always kept exactly (attention sinks); not for "recent"
     mass: bool = True  # serving form, compress=principal: dropped tokens' softmax mass moves to the nearest key
     sequential = False

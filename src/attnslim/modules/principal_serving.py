@@ -20,6 +20,10 @@ is unremarkable, while its key is not):
                   prefix tokens. With `mass` (default) each dropped token's softmax mass is credited to the kept
                   token whose key is most similar (cosine, per KV head) as a log-count logit bias, so the
                   compressed prompt keeps its share of the softmax denominator (token-merging style).
+  "hybrid"        half of the budget after the sinks to the most recent prefix tokens (exact), the other half
+                  to "principal" picks among the older tokens: recency carries the local context a continuation
+                  leans on (the sink + recent baseline is hard to beat on C4), the pivots the rest of the
+                  prompt's principal subspace; dropped tokens' mass is merged as for "principal".
   "principal-mix" the paper's literal principal keys K′ = Uᵀ·RoPE(K), V′ = UᵀV (orthonormal basis; keys
                   rotated at their own positions before projection, notes §3.5 "full path"); an ablation.
   "recent"        baseline at equal KV budget: the last r prefix tokens (cache = the most recent r + window).
@@ -62,7 +66,7 @@ from attnslim.linalg.pca import component_mask, principal_components
 from attnslim.modules.principal import SpecAttention, SvdMethod, check_rank, compute_dtype, layer_rank
 from attnslim.registry import register_module
 
-COMPRESSORS = ("principal", "principal-mix", "recent", "sink")
+COMPRESSORS = ("principal", "hybrid", "principal-mix", "recent", "sink")
 MASKED = torch.finfo(torch.float32).min  # additive bias of a masked entry (finite: never NaN)
 
 
@@ -170,14 +174,21 @@ def compress_prefix(
     ks, vs = _gather(k, v, sink_idx)
     if s == r:
         return ks, vs, keep_bias(sink_keep, n_kv)
-    rest = real & ~sink_tokens(real, s)  # (b, n) tokens the principal part describes
-    u, xp = principal_components(x, r - s, svd, iters, mask=rest, compute_dtype=compute_dtype(x))  # (b, n, r-s)
+    rest = real & ~sink_tokens(real, s)  # (b, n) tokens the compressed part describes
+    n_recent = (r - s) // 2 if compress == "hybrid" else 0
+    older = rest
+    if n_recent:  # the most recent prefix tokens, kept exactly; the principal picks come from the older ones
+        rec_idx, rec_keep = priority_tokens(rest, n_recent, 0)  # (b, n_recent)
+        older = rest & ~torch.zeros_like(rest).scatter(1, rec_idx, rec_keep)
+    u, xp = principal_components(x, r - s - n_recent, svd, iters, mask=older, compute_dtype=compute_dtype(x))
     if compress == "principal-mix":
         u = u.to(k.dtype)
         kp, vp = torch.einsum("bnr,bhnd->bhrd", u, k), torch.einsum("bnr,bhnd->bhrd", u, v)
         keep = torch.cat((sink_keep, component_mask(xp)), -1)
         return torch.cat((ks, kp), 2), torch.cat((vs, vp), 2), keep_bias(keep, n_kv)
-    idx, keep = pivot_tokens(u, rest, r - s)
+    idx, keep = pivot_tokens(u, older, r - s - n_recent)  # (b, r - s - n_recent)
+    if n_recent:
+        idx, keep = torch.cat((rec_idx, idx), -1), torch.cat((rec_keep, keep), -1)
     idx, order = idx.sort(dim=-1)
     keep = keep.gather(-1, order)
     kp, vp = _gather(k, v, idx)
