@@ -45,7 +45,8 @@ def test_packaged_recipes_present_and_load():
         assert load_recipe(RECIPES_DIR / f"{name}.yaml") == r  # a path works too
         assert r.resolve(30, METHODS)[0][1] == list(range(30))
     default = load_recipe("default")
-    assert default.name == "default" and default.steps == load_recipe("svdllm").steps
+    assert default.name == "default" and [s.method for s in default.steps] == ["latentllm"]
+    assert default.steps[0].args == {"ratio": 0.8, "kv_ratio": 0.75}  # the measured lat-80-kv75 of composed.py
     assert load_recipe("asvd").steps[0].args == {"ratio": 0.8, "alpha": 0.5, "linears": ["q", "k", "v", "o"]}
     assert load_recipe("drop").steps[0].args == {"count": 6, "select": "similarity"}
 
