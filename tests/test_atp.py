@@ -443,7 +443,7 @@ def test_real_serving_continuation_beats_recent_window():
     adapter = get_adapter(model)
     dense = {i: adapter.attention(i) for i in range(adapter.num_layers())}
     nll = {}
-    for name in ("dense", "principal", "recent"):
+    for name in ("dense", "principal", "hybrid", "recent"):
         for i, module in dense.items():
             adapter.replace_attention(i, module)
         if name != "dense":
@@ -452,4 +452,5 @@ def test_real_serving_continuation_beats_recent_window():
         nll[name] = total / count
     assert all(math.isfinite(v) for v in nll.values()), nll
     assert nll["principal"] < nll["dense"] + math.log(1.5), nll  # within 1.5x of full-cache perplexity
-    assert nll["principal"] < nll["recent"], nll
+    assert nll["principal"] < nll["recent"] and nll["hybrid"] < nll["recent"], nll
+    assert nll["hybrid"] < nll["dense"] + math.log(1.5), nll

@@ -49,9 +49,9 @@ class Atp(Method):
     key_path: str = "cheap"  # paper form: cheap (RoPE(U·X′W_k)) | full (RoPE(X W_k)), both projected by Uᵀ
     value_scale: str = "none"  # paper form: none (paper) | inv_sqrt_len (notes G8 ablation: V′ / √L)
     window: int = 32  # serving form: exact recent tokens kept beside the compressed prompt
-    compress: str = "principal"  # serving form: principal | hybrid | principal-mix | recent | sink
+    compress: str = "hybrid"  # serving form: hybrid | principal | principal-mix | recent | sink
     sinks: int = 4  # serving form: first real tokens always kept exactly (attention sinks); not for "recent"
-    mass: bool = True  # serving form, compress=principal: dropped tokens' softmax mass moves to the nearest key
+    mass: bool = True  # serving form, compress=principal|hybrid: dropped tokens' softmax mass moves to the nearest key
     sequential = False
 
     def __post_init__(self) -> None:
