@@ -23,6 +23,10 @@ Deviations from the paper / reference implementation, and why:
   Y + h, which is dominated by the scale of h, not by whether Y is linear; it is also scale-free per canonical
   direction, so 500+ low-variance directions outweigh the few that carry Y's energy. `resid` measures what a
   linearization changes — the error the next norm sees relative to the stream. Measured in benchmarks/nbl.py.
+- measured on SmolLM2-135M (benchmarks/nbl.py, small run, wiki/ptb/c4 ppl ×dense at m = 6): resid
+  1.08/1.76/1.29, similarity 1.06/1.32/1.21, probe 1.07/1.51/1.24, cca (the paper) 1.59/1.84/1.74; at m = 12
+  probe falls to 1.65x wiki (single-layer costs do not add up) while resid and similarity give 1.22x. The
+  selection by LLM-Drop's cosine similarity, with NBL's fitted map, is the best measured on this model.
 - default input "normed" (X = norm(h), the attention's own input) instead of the raw residual h: a linear map
   of h cannot represent the norm's per-token 1/rms(h), which dominates the error; input="residual" is the
   reference's choice (the pre-attention norm is then replaced by an identity).
