@@ -206,11 +206,12 @@ def test_spectrum_allocation_keeps_the_budget_and_lowers_the_error():
     assert errors["spectrum"] < errors["uniform"], errors
 
 
-def test_global_allocation_keeps_the_model_budget_and_moves_rank_across_layers(tmp_path):
+@pytest.mark.parametrize("mlp", ["local", "joint_ud"])
+def test_global_allocation_keeps_the_model_budget_and_moves_rank_across_layers(tmp_path, mlp):
     kept, ranks = {}, {}
     for alloc in ("uniform", "global"):
         model = tiny_llama()
-        report = _compress(model, {"ratio": 0.7, "mlp": "local", "alloc": alloc}, windows=16, seq_len=64)
+        report = _compress(model, {"ratio": 0.7, "mlp": mlp, "alloc": alloc}, windows=16, seq_len=64)
         kept[alloc] = {g: report.params_after[g] / report.params_before[g] for g in ("attention", "mlp")}
         ranks[alloc] = [e["ranks"] for e in report.steps[0]["plan"]["layers"].values()]
     for g in ("attention", "mlp"):

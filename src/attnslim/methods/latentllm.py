@@ -212,7 +212,7 @@ class LatentLLM(Method):
     def collector(self, adapter: Any, layer: int) -> Collector:
         o_in = self.vo == "separate" or (self.vo == "joint" and self.alloc == "spectrum")
         sites = {"attn_in"} | ({"o_in"} if o_in else set())
-        if self.mlp == "local" or (self.mlp != "none" and self.alloc == "spectrum"):
+        if self.mlp == "local" or (self.mlp != "none" and self.alloc in ("spectrum", "global")):
             sites |= {"mlp_in", "down_in"}
         return LatentCollector(sites, self.ud_tokens if self.mlp == "joint_ud" else 0, self.seed + layer)
 
