@@ -49,6 +49,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--source", default="wiki")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="also write the analysis' figures to this SVG file")
 
     p = sub.add_parser("bench", help="params, KV bytes, FLOPs, prefill/decode speed (interleaved vs --vs)")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -207,6 +208,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     report, text = _analysis(args, model, tokenizer)
     print(text)
+    if args.plot:
+        from pathlib import Path
+
+        from attnslim.analysis.plots import analysis_svg
+
+        Path(args.plot).write_text(analysis_svg(args.what, report))
+        print(f"figures: {args.plot}")
     if args.json:
         emit_json(report)
     return 0

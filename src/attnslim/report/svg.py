@@ -61,3 +61,24 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in coords]
         parts.append(f'<text x="{W - 120}" y="{34 + 14 * k}" fill="{color}">{escape(name)}</text>')
     return "".join(parts) + "</svg>"
+
+
+def heat_map(title: str, matrix: list[list[float]], label: str = "") -> str:
+    """A square matrix as cells shaded white (0) -> dark blue (max); row/column index = layer."""
+    n = max(len(matrix), 1)
+    v_max = max([v for row in matrix for v in row] or [1.0]) or 1.0
+    size = min((W - 2 * PAD) / n, (H * 2 - 2 * PAD) / n)
+    side = 2 * PAD + n * size
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{side:.0f}" height="{side + 20:.0f}" '
+             f'font-family="sans-serif" font-size="10"><text x="{side / 2:.0f}" y="16" text-anchor="middle" '
+             f'font-size="13">{escape(title)} (max {v_max:.3g}{", " + escape(label) if label else ""})</text>']
+    for i, row in enumerate(matrix):
+        for j, v in enumerate(row):
+            t = max(0.0, min(1.0, v / v_max))
+            rgb = (int(255 - 181 * t), int(255 - 133 * t), int(255 - 74 * t))  # white -> #4a7ab5
+            parts.append(f'<rect x="{PAD + j * size:.1f}" y="{PAD + i * size:.1f}" width="{size:.1f}" '
+                         f'height="{size:.1f}" fill="rgb{rgb}"><title>{i}, {j}: {v:.4g}</title></rect>')
+        if n <= 40 and i % max(1, n // 10) == 0:
+            parts.append(f'<text x="{PAD - 4}" y="{PAD + (i + 0.7) * size:.1f}" text-anchor="end">{i}</text>')
+            parts.append(f'<text x="{PAD + (i + 0.5) * size:.1f}" y="{PAD - 4}" text-anchor="middle">{i}</text>')
+    return "".join(parts) + "</svg>"
