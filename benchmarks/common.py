@@ -82,15 +82,19 @@ class Harness:
             "plans": [{"method": s["method"], "plan": s["plan"]} for s in report.steps],
             "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
             "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),
-            "command": environment()["command"],
-            "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in self.sources},
-            "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
-            **(extra or {}),
+            "command": environment()["command"], **(extra or {}),
         })
+        return self.record(key, result, dense)
+
+    def record(self, key: str, result: dict[str, Any], dense: dict[str, Any], note: str = "") -> dict[str, Any]:
+        """Add ratios to the dense model and kept fractions to an evaluated variant, save it, print a line."""
+        result["ppl_ratio"] = {s: result["ppl"][s] / dense["ppl"][s] for s in self.sources}
+        result["kept"] = {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")}
         self.data["variants"][key] = result
         self.save()
         ratios = ", ".join(f"{s} {v:.3f}x" for s, v in result["ppl_ratio"].items())
-        print(f"[done] {key}: {ratios}; kept attention {result['kept']['attention']:.3f}", flush=True)
+        note = note or f"kept attention {result['kept']['attention']:.3f}"
+        print(f"[done] {key}: {ratios}; {note}", flush=True)
         return result
 
     def save(self) -> None:

@@ -135,13 +135,8 @@ def run_shared(h: Harness, shared: SharedFits, key: str, cal: dict[str, Any], ar
         "plans": [{"method": "nbl", "plan": plan}], "calibration": shared.calibration,
         "compress_seconds": round(shared.seconds, 1), "statistics": "shared dense pass (see module docstring)",
         "wall_seconds": round(time.time() - start, 1),
-        "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in h.sources},
-        "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
     })
-    h.data["variants"][key] = result
-    h.save()
-    ratios = ", ".join(f"{s} {v:.3f}x" for s, v in result["ppl_ratio"].items())
-    print(f"[done] {key}: {ratios}; layers {plan['chosen']}", flush=True)
+    h.record(key, result, dense, note=f"layers {plan['chosen']}")
 
 
 def chosen_layers(h: Harness, key: str) -> list[int] | None:

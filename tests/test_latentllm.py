@@ -170,7 +170,7 @@ def test_total_ratio_solves_one_fraction_for_the_whole_model():
 
 
 def test_reservoir_keeps_a_seeded_uniform_sample():
-    from attnslim.methods.latentllm import Reservoir
+    from attnslim.methods.latentllm_stats import Reservoir
 
     def sample(seed):
         res = Reservoir(200, seed)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from attnslim.calib.runner import LayerRunner
+from attnslim.eval.perplexity import window_nll
 from attnslim.methods.base import Method
 
 
@@ -55,16 +55,11 @@ def run_step(
     return plan
 
 
-@torch.no_grad()
 def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
     """Mean next-token NLL of the windows ids (n, t) under the model as it is now."""
-    total, count = 0.0, 0
-    for start in range(0, ids.shape[0], batch_size):
-        batch = ids[start : start + batch_size].to(next(model.parameters()).device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (b, t − 1, vocab)
-        total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
-        count += batch[:, 1:].numel()
-    return total / count
+    device = next(model.parameters()).device
+    parts = [window_nll(model, ids[s : s + batch_size].to(device)) for s in range(0, ids.shape[0], batch_size)]
+    return sum(nll for nll, _ in parts) / sum(n for _, n in parts)
 
 
 def _probe(model: Any, adapter: Any, method: Method, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,

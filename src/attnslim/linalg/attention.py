@@ -57,8 +57,9 @@ def grouped_attention(
     Query head j·g + i (g = h / n) uses key head j, HF's GQA convention; a single value head (a shared latent)
     serves every key head by broadcasting. Scores are materialised as (b, n, g·t, kv) with no copy of K or V:
     meant for few queries (decode), where SDPA copies KV heads or, with e_v ≠ e, falls back to a math kernel
-    (measured ~9x slower for one query over 512 latent values on the CPU). keep=None attends to every key, so
-    pass None only for t == 1 (or a non-causal use). Rows with no allowed key give zeros, never NaN.
+    (one query over 512 latents of width 192: 619 µs against 57 µs here, benchmarks/kernels.py).
+    keep=None attends to every key, so pass None only for t == 1 (or a non-causal use). Rows with no allowed
+    key give zeros, never NaN.
     """
     b, h, t, e = q.shape
     n = k.shape[1]

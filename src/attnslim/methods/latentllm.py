@@ -61,7 +61,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnslim.calib.stats import GramStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.joint_ud import joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
@@ -70,6 +69,7 @@ from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
 from attnslim.linalg.vo import joint_vo
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import Collector, Method, require
+from attnslim.methods.latentllm_stats import LatentCollector
 from attnslim.methods.lowrank_baselines import to_input_stats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
@@ -84,60 +84,6 @@ SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": 
 # HF activation name -> joint_ud's name; un-gated MLPs need ReLU (closed-form z update)
 UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                   "gelu_new": "gelu_tanh"}
-
-
-class Reservoir:
-    """A seeded uniform sample of at most `cap` rows (tokens) of a stream (Algorithm R), float32 on the CPU."""
-
-    def __init__(self, cap: int, seed: int) -> None:
-        self.cap, self.seen = cap, 0
-        self.buf: torch.Tensor | None = None  # (cap, d)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def add(self, x: torch.Tensor) -> None:
-        rows = x.reshape(-1, x.shape[-1]).to("cpu", torch.float32)  # (N, d)
-        if self.buf is None:
-            self.buf = torch.empty(self.cap, rows.shape[1])
-        fill = max(0, min(self.cap - self.seen, rows.shape[0]))
-        self.buf[self.seen : self.seen + fill] = rows[:fill]
-        rest = rows[fill:]
-        if rest.shape[0]:
-            pos = self.seen + fill + torch.arange(rest.shape[0], dtype=torch.float64)  # global indices
-            slot = (torch.rand(rest.shape[0], generator=self.gen, dtype=torch.float64) * (pos + 1)).long()
-            hit = torch.nonzero(slot < self.cap).flatten()
-            if hit.numel():  # a slot hit twice keeps the later token, as the sequential algorithm would
-                uniq, inv = torch.unique(slot[hit], return_inverse=True)
-                last = torch.full((uniq.numel(),), -1, dtype=torch.long).scatter_reduce(0, inv, hit, "amax")
-                self.buf[uniq] = rest[last]
-        self.seen += rows.shape[0]
-
-    def tokens(self) -> torch.Tensor:
-        if self.buf is None:
-            raise AttnslimError("latentllm joint_ud: no MLP-input tokens reached this layer; check the calibration")
-        return self.buf[: min(self.seen, self.cap)]
-
-
-@dataclass
-class LayerStats:
-    grams: dict[str, GramStats]
-    tokens: torch.Tensor | None  # (N, d) MLP-input sample for joint_ud
-
-
-class LatentCollector(Collector):
-    def __init__(self, gram_sites: set[str], ud_tokens: int, seed: int) -> None:
-        self.gram_sites = set(gram_sites)
-        self.sites = self.gram_sites | ({"mlp_in"} if ud_tokens else set())
-        self.grams: dict[str, GramStats] = {}
-        self.reservoir = Reservoir(ud_tokens, seed) if ud_tokens else None
-
-    def __call__(self, site: str, x: torch.Tensor) -> None:
-        if site in self.gram_sites:
-            self.grams.setdefault(site, GramStats.empty(x.shape[-1])).update(x.to("cpu"))
-        if site == "mlp_in" and self.reservoir is not None:
-            self.reservoir.add(x)
-
-    def result(self) -> LayerStats:
-        return LayerStats(self.grams, None if self.reservoir is None else self.reservoir.tokens())
 
 
 def _whitening_stats(st: InputStats, p: torch.Tensor) -> InputStats:

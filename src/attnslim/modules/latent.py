@@ -199,7 +199,8 @@ class LatentAttention(nn.Module):
         """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), n | h: grouped heads without copies.
         keep=None: causal (t == kv) or one query attending to everything (t == 1).
         Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
-        width differs from the query width (absorbed latents), falls back to a kernel ~9x slower on the CPU."""
+        width differs from the query width (absorbed latents), falls back to a kernel ~10x slower on the CPU
+        (benchmarks/kernels.py)."""
         t, kv = q.shape[2], k.shape[2]
         if t <= FEW_QUERIES:
             if keep is None and t > 1:  # causal over the last t of kv positions
