@@ -8,7 +8,8 @@ token and decode speed against the dense model in the same run.
 
 Layers: `select_layers(30, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity
 sweep (never the first 3 layers nor the last). Training: `train/distill.py` with the budget of --steps x
---batch x --seq-len tokens from the wiki calibration split, teacher = the dense model.
+--batch x --seq-len tokens from the --source calibration split (wiki, or a mixture such as wiki+c4),
+teacher = the dense model.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class LisaBench:
             self.h.data = {**old, **{k: self.h.data[k] for k in ("model", "eval", "environment")}}
         self.dense, self.tokenizer = load_model("smollm2-135m")
         self.h.data["dense_key_cache_bytes_per_token"] = key_cache_bytes(self.dense)
-        self.train = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr)
+        self.train = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr,
+                                   source=args.source)
 
     def analyses(self) -> dict[int, float] | None:
         a = self.args
@@ -116,7 +118,7 @@ class LisaBench:
 
 def notes(data: dict[str, Any], train: DistillConfig, args: argparse.Namespace) -> list[str]:
     out = [f"Training budget per LISA variant: {train.steps} steps x {train.batch_size} x {train.seq_len} tokens "
-           f"= {train.steps * train.batch_size * train.seq_len:,} wiki calibration tokens (lr {train.lr}, "
+           f"= {train.steps * train.batch_size * train.seq_len:,} {train.source} calibration tokens (lr {train.lr}, "
            f"beta {train.beta}); decode speed: context {args.context}, {args.new_tokens} new tokens, "
            f"median of {args.repeats}, interleaved with the dense model.", "",
            "| variant | layers | train s | loss first→last | K B/token (shared layers) | decode tok/s (×dense) |",
@@ -152,6 +154,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--source", default="wiki", help="training text: a source or a mixture such as wiki+c4")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--fractions", default="0.5,0.7")

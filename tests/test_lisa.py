@@ -16,7 +16,8 @@ from attnslim.api import compress
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers
-from attnslim.modules.shared import ScoreLink, SharedAttention, SharingConfig
+from attnslim.modules.score_link import ScoreLink
+from attnslim.modules.shared import SharedAttention, SharingConfig
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
 from conftest import tiny_llama
 from helpers import ByteTokenizer, one_step

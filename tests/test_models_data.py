@@ -78,6 +78,17 @@ def test_windows_are_seeded_and_fixed():
     assert e.ids.shape == (4, 64) and e.fingerprint() == eval_windows("tiny", tok, 256, 64).fingerprint()
 
 
+def test_mixture_windows_interleave_parts_and_keep_each_part_seeded():
+    tok = ByteTokenizer()
+    mix = calib_windows("tiny+c4", tok, 5, 32, seed=2)
+    tiny, c4 = calib_windows("tiny", tok, 3, 32, seed=2), calib_windows("c4", tok, 2, 32, seed=2)
+    assert torch.equal(mix.ids[0::2], tiny.ids) and torch.equal(mix.ids[1::2], c4.ids)
+    assert "tiny: first 90% of documents, 3x32" in mix.description
+    assert "c4: first 90% of documents, 2x32" in mix.description
+    with pytest.raises(AttnslimError, match="empty part"):
+        calib_windows("tiny++c4", tok, 2, 32)
+
+
 def test_user_file_source(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("\n\n".join(f"paragraph {i} " * 20 for i in range(20)))

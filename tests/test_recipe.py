@@ -193,7 +193,8 @@ def test_unknown_and_missing_keys(mutate, fragments):
         (lambda d: d["calibration"].update(windows=0), ["calibration.windows must be >= 1"]),
         (lambda d: d["calibration"].update(batch_size=True), ["calibration.batch_size must be an int"]),
         (lambda d: d["calibration"].update(source="wiki2"), ["calibration.source", "'wiki2'", "file:PATH"]),
-        (lambda d: d["calibration"].update(source=3), ["calibration.source must be a str"]),
+        (lambda d: d["calibration"].update(source=3), ["calibration.source must be one of", "got 3"]),
+        (lambda d: d["calibration"].update(source="wiki+"), ["a mixture such as 'wiki+c4'", "'wiki+'"]),
         (lambda d: d.update(name=5), ["name must be a non-empty str", "int 5"]),
         (lambda d: d.update(steps={"method": "svd"}), ["steps must be a list"]),
         (lambda d: d.update(steps=[]), ["has no steps"]),
@@ -225,6 +226,7 @@ def test_args_must_be_plain_data_and_are_copied():
 def test_calibration_file_source_and_defaults():
     assert Calibration() == Calibration(source="wiki", windows=32, seq_len=512, seed=0, batch_size=4)
     assert Calibration(source="file:/tmp/x.txt").source == "file:/tmp/x.txt"
+    assert Calibration(source="wiki+c4+tiny").source == "wiki+c4+tiny"
     with pytest.raises(AttnslimError, match="file:PATH"):
         Calibration(source="file:")
 

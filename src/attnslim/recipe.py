@@ -59,8 +59,10 @@ class Calibration:
 
     def __post_init__(self) -> None:
         src = self.source
-        if not isinstance(src, str) or not (src in SOURCES or (src.startswith("file:") and len(src) > 5)):
-            raise AttnslimError(f"calibration.source must be a str in {SOURCES} or 'file:PATH', got {src!r}")
+        parts = src.split("+") if isinstance(src, str) and not src.startswith("file:") else [src]
+        if not all(isinstance(p, str) and (p in SOURCES or (p.startswith("file:") and len(p) > 5)) for p in parts):
+            raise AttnslimError(f"calibration.source must be one of {SOURCES}, 'file:PATH', or a mixture such as "
+                                f"'wiki+c4', got {src!r}")
         _check_int("calibration.windows", self.windows, 1)
         _check_int("calibration.seq_len", self.seq_len, 2, 32768)
         _check_int("calibration.seed", self.seed)

@@ -26,8 +26,9 @@ from tqdm import tqdm
 from attnslim.adapters import get_adapter
 from attnslim.data import eval_windows
 from attnslim.eval.perplexity import window_nll
+from attnslim.linalg.scores import spec_qkv_scores
 from attnslim.methods.lisa import temporary_sharing
-from attnslim.modules.shared import SharingConfig, spec_qkv_scores
+from attnslim.modules.shared import SharingConfig
 
 PARTS = ("x", "q", "k", "v", "scores", "probs", "pv", "out")
 EPS = 1e-10

@@ -69,11 +69,34 @@ def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int =
     return TokenWindows(ids[: n * seq_len].view(n, seq_len), source, "eval", desc)
 
 
+def mixture(source: str) -> list[str]:
+    """The sources of a mixture "wiki+c4" (one name gives a list of one); empty parts are refused."""
+    parts = source.split("+") if not source.startswith("file:") else [source]
+    if any(not p for p in parts):
+        raise AttnslimError(f"text source {source!r} has an empty part; write a mixture as e.g. 'wiki+c4'")
+    return parts
+
+
 def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0) -> TokenWindows:
-    """`n` windows of `seq_len` tokens drawn from the calibration split with a seeded generator."""
+    """`n` windows of `seq_len` tokens drawn from the calibration split with a seeded generator.
+
+    A mixture "wiki+c4" takes windows round-robin from each part's calibration split (window k from part
+    k mod parts), each part with its own generator seeded `seed`, so a part's windows do not depend on the others.
+    """
     check_lengths(seq_len)
     if n < 1:
         raise AttnslimError(f"number of calibration windows must be >= 1, got {n}")
+    parts = mixture(source)
+    counts = [len(range(j, n, len(parts))) for j in range(len(parts))]
+    drawn = [_draw(p, tokenizer, c, seq_len, seed) for p, c in zip(parts, counts, strict=True) if c]
+    order = [drawn[k % len(parts)][k // len(parts)] for k in range(n)]
+    desc = " + ".join(f"{describe_split(p, 'calib')}, {c}x{seq_len} tokens" for p, c in zip(parts, counts, strict=True)
+                      if c)
+    return TokenWindows(torch.stack(order), source, "calib", f"{desc}, seed {seed}")
+
+
+def _draw(source: str, tokenizer: Any, n: int, seq_len: int, seed: int) -> torch.Tensor:
+    """(n, seq_len) windows at seeded random starts in one source's calibration split."""
     ids = token_ids(source, "calib", tokenizer)
     if ids.numel() < seq_len + 1:
         raise AttnslimError(
@@ -82,6 +105,4 @@ def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int =
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (n,), generator=gen)
-    windows = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
-    desc = f"{describe_split(source, 'calib')}, {n}x{seq_len} tokens, seed {seed}"
-    return TokenWindows(windows, source, "calib", desc)
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])

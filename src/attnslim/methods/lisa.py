@@ -38,7 +38,8 @@ from torch import nn
 
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method, require
-from attnslim.modules.shared import INTEGRATE, DonorAttention, ScoreLink, SharedAttention, SharingConfig
+from attnslim.modules.score_link import ScoreLink
+from attnslim.modules.shared import INTEGRATE, DonorAttention, SharedAttention, SharingConfig
 from attnslim.registry import register_method
 
 # Paper Table 4 (LLaMA2-7B / LLaMA3-8B, 32 layers), converted to 0-based HF indices.

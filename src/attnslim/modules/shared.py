@@ -1,10 +1,11 @@
-"""Cross-layer attention sharing (LISA, arXiv 2408.01890): `SharedAttention`, `DonorAttention`, `ScoreLink`.
+"""Cross-layer attention sharing (LISA, arXiv 2408.01890): `SharedAttention`, `DonorAttention`.
 
 A receiver layer n reuses the *unmasked pre-softmax* scores A_{n-1} (b, h, q, t) of layer n-1. They travel
-through a `ScoreLink`, a small object that exactly two modules hold (no global state): the donor `put`s its
-scores during its forward, the receiver `take`s them later in the same forward. A standard donor is rebuilt
-as `DonorAttention` from its `AttentionSpec` (same weights, same output, plus the export); a receiver that is
-itself a donor (chains n-1 -> n -> n+1) exports its own integrated scores A_n.
+through a `ScoreLink` (modules/score_link.py), a small object that exactly two modules hold (no global
+state): the donor `put`s its scores during its forward, the receiver `take`s them later in the same
+forward. A standard donor is rebuilt as `DonorAttention` from its `AttentionSpec` (same weights, same
+output, plus the export); a receiver that is itself a donor (chains n-1 -> n -> n+1) exports its own
+integrated scores A_n.
 
 SharedAttention computes (shapes per head h, KV head g, head dim d, rank r)
     A_delta = Q_LR K_LR^T / sqrt(r)             Q_LR = x W_q_lr (b, h, q, r), K_LR = x W_k_lr (b, g, t, r)
@@ -35,8 +36,10 @@ from torch import nn
 
 from attnslim import _compat
 from attnslim.errors import AttnslimError
-from attnslim.linalg.attention import repeat_kv, sliding_keep
+from attnslim.linalg.attention import sliding_keep
 from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.scores import attend, heads, qk_scores
+from attnslim.modules.score_link import ScoreLink
 from attnslim.registry import register_module
 
 if TYPE_CHECKING:
@@ -44,102 +47,6 @@ if TYPE_CHECKING:
 
 INTEGRATE = ("fusion", "add")
 ScoreSink = Callable[[int, torch.Tensor], None]
-
-
-class ScoreLink:
-    """Carries one donor layer's unmasked scores (b, h, q, t) to its receiver within one forward pass.
-
-    Not a Module: it holds no weights and is not saved; convert/skeleton create it. A receiver that finds
-    no fresh scores, or scores the donor overwrote before they were read, raises instead of reusing stale
-    ones: layers run one at a time (calibration of a later recipe step) or re-run in backward (HF gradient
-    checkpointing) break the one-forward order sharing needs.
-    """
-
-    def __init__(self, donor: int, receiver: int) -> None:
-        self.donor, self.receiver = donor, receiver
-        self._scores: torch.Tensor | None = None
-        self._overrun = False
-
-    def put(self, scores: torch.Tensor) -> None:
-        self._overrun = self._scores is not None
-        self._scores = scores
-
-    def take(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
-        scores, overrun = self._scores, self._overrun
-        self.clear()
-        where = f"layer {self.receiver} (reads the scores of layer {self.donor})"
-        if scores is None:
-            raise AttnslimError(
-                f"{where}: layer {self.donor} produced no scores in this forward pass; shared layers must run "
-                "inside one model forward (no HF gradient checkpointing, no layer-by-layer runs)"
-            )
-        if overrun:
-            raise AttnslimError(
-                f"{where}: layer {self.donor} ran twice before its scores were read (layer-by-layer calibration "
-                "or an interrupted forward); put sharing steps last in a recipe, or call "
-                "attnslim.modules.shared.reset_links(model)"
-            )
-        if tuple(scores.shape) != tuple(shape):
-            raise AttnslimError(
-                f"{where}: got scores {tuple(scores.shape)}, expected (batch, heads, queries, keys) = {tuple(shape)}"
-                "; donor and receiver must have the same number of query heads and the same cache length"
-            )
-        return scores
-
-    def clear(self) -> None:
-        self._scores, self._overrun = None, False
-
-
-def reset_links(model: nn.Module) -> None:
-    """Drop scores left in every ScoreLink of `model` (after a forward pass that raised midway)."""
-    for module in model.modules():
-        for name in ("link", "export"):
-            link = getattr(module, name, None)
-            if isinstance(link, ScoreLink):
-                link.clear()
-
-
-# --- math shared by the modules, the teacher and the analyses ----------------------------------------
-def _heads(y: torch.Tensor, dim: int) -> torch.Tensor:
-    """(b, t, n*dim) -> (b, n, t, dim)."""
-    return y.view(*y.shape[:2], -1, dim).transpose(1, 2)
-
-
-def qk_scores(
-    q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None = None
-) -> torch.Tensor:
-    """q (b, h, l, d), k (b, g, t, d) -> unmasked scores (b, h, l, t) = scaling * q k^T (tanh-capped)."""
-    scores = (q @ repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2)) * scaling
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-
-
-def attend(scores: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """scores (b, h, l, t), v (b, g, t, d), keep (b|1, 1, l, t) -> (b, l, h*d); the mask is applied here only.
-
-    Masked entries get finfo.min (not -inf), so a query row with no allowed key (padding) stays finite.
-    """
-    masked = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(masked, dim=-1, dtype=torch.float32).to(v.dtype)
-    out = probs @ repeat_kv(v, scores.shape[1] // v.shape[1])  # (b, h, l, d)
-    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-
-
-def spec_qkv_scores(
-    spec: AttentionSpec, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (b, l, hidden) -> q (b, h, l, d), k, v (b, g, l, d) post-norm/RoPE, unmasked scores (b, h, l, l)."""
-    q = _heads(F.linear(x, spec.q, spec.q_bias), spec.head_dim)
-    k = _heads(F.linear(x, spec.k, spec.k_bias), spec.head_dim)
-    v = _heads(F.linear(x, spec.v, spec.v_bias), spec.head_dim)
-    if spec.q_norm is not None:
-        q = spec.q_norm(q)
-    if spec.k_norm is not None:
-        k = spec.k_norm(k)
-    if spec.rope is not None:
-        if cos_sin is None:
-            raise AttnslimError(f"layer {spec.layer}: RoPE layer needs (cos, sin) position embeddings")
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-    return q, k, v, qk_scores(q, k, spec.scaling, spec.softcap)
 
 
 def _linear_from(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
@@ -190,7 +97,7 @@ class _OriginalQK(nn.Module):
 def _qk(owner: Any, x: torch.Tensor, position_embeddings: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Original q (b, h, l, d), k (b, g, l, d) of `owner` (which holds q_proj/k_proj/q_norm/k_norm)."""
     s: AttnShape = owner.shape
-    q, k = _heads(owner.q_proj(x), s.head_dim), _heads(owner.k_proj(x), s.head_dim)
+    q, k = heads(owner.q_proj(x), s.head_dim), heads(owner.k_proj(x), s.head_dim)
     if owner.q_norm is not None:
         q = owner.q_norm(q)
     if owner.k_norm is not None:
@@ -230,7 +137,7 @@ class DonorAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         x = hidden_states  # (b, l, hidden)
         q, k = _qk(self, x, position_embeddings)
-        v = _heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
+        v = heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
         k, v = _compat.cache_update(past_key_values, self.layer_idx, k, v)  # (b, g, t, d)
         scores = qk_scores(q, k, self.shape.scaling, self.shape.softcap)  # (b, h, l, t)
         if self.export is not None:
@@ -398,7 +305,7 @@ class SharedAttention(nn.Module):
         x, s, cfg = hidden_states, self.shape, self.cfg  # x (b, l, hidden)
         b, l, _ = x.shape
         past = _compat.cache_seq_length(past_key_values, self.layer_idx)
-        v = _heads(self.v_proj(x), s.head_dim)  # (b, g, l, d)
+        v = heads(self.v_proj(x), s.head_dim)  # (b, g, l, d)
         k_lr = self._k_lr(x, position_embeddings) if self.k_lr is not None else None  # (b, g, l, r)
         k_lr, v = self._cache(past_key_values, x, k_lr, v)  # every token so far: (b, g, t, r), (b, g, t, d)
         t = v.shape[-2]
@@ -423,7 +330,7 @@ class SharedAttention(nn.Module):
 
     def _k_lr(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
         assert self.k_lr is not None
-        k = _heads(self.k_lr(x), self.cfg.rank)  # (b, g, l, r)
+        k = heads(self.k_lr(x), self.cfg.rank)  # (b, g, l, r)
         return apply_rope(k, *_lr_cos_sin(position_embeddings, self.cfg.rank)) if self.cfg.rope_lr else k
 
     def _cache(
@@ -443,7 +350,7 @@ class SharedAttention(nn.Module):
         """A_{n-1} (b, h, l, t) -> A_n (b, h, l, t)."""
         delta = None
         if k_lr is not None and self.q_lr is not None:
-            q = _heads(self.q_lr(x), self.cfg.rank)  # (b, h, l, r)
+            q = heads(self.q_lr(x), self.cfg.rank)  # (b, h, l, r)
             if self.cfg.rope_lr:
                 q = apply_rope(q, *_lr_cos_sin(position_embeddings, self.cfg.rank))
             delta = qk_scores(q, k_lr, 1.0 / math.sqrt(self.cfg.rank))  # (b, h, l, t)

@@ -32,9 +32,10 @@ from torch import nn
 from tqdm import tqdm
 
 from attnslim.adapters import get_adapter
-from attnslim.data import calib_windows, token_ids
+from attnslim.data import calib_windows, mixture, token_ids
 from attnslim.errors import AttnslimError
-from attnslim.modules.shared import SharedAttention, spec_qkv_scores
+from attnslim.linalg.scores import spec_qkv_scores
+from attnslim.modules.shared import SharedAttention
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ class DistillConfig:
 
 def training_windows(cfg: DistillConfig, tokenizer: Any) -> Any:
     """steps * batch_size windows of seq_len tokens from the source's calibration split (seeded)."""
-    available = int(token_ids(cfg.source, "calib", tokenizer).numel())
     need = cfg.batch_size * cfg.seq_len + 1
+    available, source = min((int(token_ids(s, "calib", tokenizer).numel()), s) for s in mixture(cfg.source))
     if available < need:
         raise AttnslimError(
-            f"training data too short: the {cfg.source!r} calibration split has {available} tokens, fewer than "
+            f"training data too short: the {source!r} calibration split has {available} tokens, fewer than "
             f"one batch of {cfg.batch_size}x{cfg.seq_len} (+1); lower train.seq_len / train.batch_size or use a "
             "longer source"
         )
