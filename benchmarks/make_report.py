@@ -22,6 +22,9 @@ SECTIONS = {
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
     "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
+    "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
+    "nbl-calib": ("NBL: calibration-size sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
+    "latentllm-attn50": ("LatentLLM: attention-only at 50% kept attention parameters", "benchmarks/latentllm.py"),
     "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run)", "benchmarks/nbl.py"),
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
 }

@@ -6,7 +6,8 @@ Groups (--groups, comma-separated; default all):
            measured damage of linearizing each layer alone (NLL on 2 held-out *calibration-split* windows)
   sweep    wiki/ptb/c4 perplexity for m in --m: NBL one-shot with the default criterion, the paper's
            configuration (cca bound, X = raw residual h), NBL with layers chosen by the cca bound / LLM-Drop
-           cosine similarity / random (seeded) / highest bound; attention drop (LLM-Drop) on the layers the
+           cosine similarity / relative fit error (resid) / random (seeded) / highest bound (whichever is not
+           the default); attention drop (LLM-Drop) on the layers the
            default NBL, the paper and similarity chose; NBL sequential at --seq-m
   probe    NBL with criterion "probe" (each candidate linearized alone, the increase of the NLL of the first
            --probe-windows calibration windows measured; the m cheapest chosen), and drop on the same layers
@@ -37,6 +38,7 @@ from common import Harness, calibration
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved
+from attnslim.bench.flops import flops_per_token
 from attnslim.calib.runner import LayerRunner
 from attnslim.data import calib_windows
 from attnslim.eval import perplexity
@@ -45,7 +47,8 @@ from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, Nbl
 from attnslim.models import load_model
 from attnslim.recipe import fingerprint, recipe_from_dict
 
-SELECTIONS = ("cca", "similarity", "random", "highest")  # NBL (X = norm(h)) with other layer choices
+SELECTIONS = tuple(c for c in ("cca", "similarity", "resid", "random", "highest") if c != DEFAULT_CRITERION)
+# NBL (X = norm(h)) with the other layer choices
 PAPER = {"criterion": "cca", "input": "residual"}  # the paper's configuration
 
 
@@ -158,13 +161,20 @@ def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repea
             Nbl(m=m).skeleton(adapter, i, {"input": "normed"})
         models[f"nbl-m{m}"] = model.eval()
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
+    # the decode ratio a pure FLOP count predicts: linearizing removes q/k/v/o and the core, not the MLP or LM head
+    flops = {n: {str(c): flops_per_token(mdl, c)["total"] for c in contexts} for n, mdl in models.items()}
+    result["flop_ratio"] = {n: {c: flops["dense"][c] / f for c, f in fl.items()} for n, fl in flops.items()}
     h.data["speed"] = result
     lines = ["Decode speed (greedy, HF DynamicCache, float32, 1 thread; medians of interleaved repetitions, ratio to "
-             f"dense; target decode ratio ≥ 0.9/(1 − m/{n_layers})):", "",
-             "| model | " + " | ".join(f"decode tok/s @{c} (×dense) | prefill ms @{c} (×dense)" for c in contexts)
-             + " |", "|---|" + "---|---|" * len(contexts)]
+             f"dense; target decode ratio ≥ 0.9/(1 − m/{n_layers})). \"FLOP model\" = dense FLOPs per token ÷ the "
+             "model's (attnslim.bench.flops): the speed-up if time followed FLOPs. The target assumes whole layers "
+             "vanish; a linearized layer keeps its MLP (3x its attention weights) and the LM head stays, so the FLOP "
+             "model stays far below it:", "",
+             "| model | " + " | ".join(f"decode tok/s @{c} (×dense) | FLOP model @{c} | prefill ms @{c} (×dense)"
+                                    for c in contexts) + " |", "|---|" + "---|---|---|" * len(contexts)]
     for name, rows in result["models"].items():
         cells = " | ".join(f"{rows[str(c)]['decode_tok_s']:.1f} ({rows[str(c)]['decode_ratio']:.2f}×) | "
+                           f"{result['flop_ratio'][name][str(c)]:.2f}× | "
                            f"{rows[str(c)]['prefill_s'] * 1000:.0f} ({rows[str(c)]['prefill_ratio']:.2f}×)"
                            for c in contexts)
         lines.append(f"| {name} | {cells} |")
@@ -234,7 +244,7 @@ def main() -> None:
             for key, nbl_args in variants.items():
                 if wanted(key):
                     run_shared(h, shared, key, cal, nbl_args)
-            for source in (default, "nbl-paper", "nbl-similarity"):  # attention drop on the same layers
+            for source in dict.fromkeys((default, "nbl-paper", "nbl-similarity")):  # attention drop, same layers
                 drop(f"drop-{source.removeprefix('nbl-')}-layers-m{m}", chosen_layers(h, f"{source}-m{m}"))
             if m in seq_ms:
                 run(f"nbl-seq-{DEFAULT_CRITERION}-m{m}", nbl({"m": m, "sequential": True}))

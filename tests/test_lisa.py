@@ -13,6 +13,7 @@ import torch
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
+from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers
@@ -171,6 +172,25 @@ def test_cache_holds_low_rank_keys_and_v_only_for_ds():
     per_token = [b / t for b in _compat.cache_bytes_per_layer(cache)]
     assert per_token == [2 * g * d * 4, g * (r + d) * 4, 2 * g * d * 4, 1 + g * d * 4]
     assert [m.kv_cache_bytes_per_token() for m in _shared(model).values()] == [per_token[1], per_token[3]]
+
+
+def test_flops_count_scores_aligner_and_values_per_entry():
+    model = tiny_llama()
+    dense = flops_per_token(model, 64)
+    _compress(model, "lisa", {}, layers=[1])
+    _compress(model, "ds", {}, layers=[3])
+    after = flops_per_token(model, 64)
+    lisa, h, d, t = _shared(model)[1], 4, 16, 64
+    r, align = lisa.cfg.rank, lisa.align
+    assert align is not None and r > 0
+    per_entry = 2 * sum(lin.weight.numel() for lin in (align.l1, align.l2) if lin is not None)
+    expected_lisa = 2 * h * d * t + 2 * h * r * t + t * per_entry + h * t
+    assert lisa.attention_flops(t) == expected_lisa and _shared(model)[3].attention_flops(t) == 2 * h * d * t
+    assert after["attention_core"] == dense["attention_core"] - 2 * 4 * h * d * t + expected_lisa + 2 * h * d * t
+    qk = sum(lin.weight.numel() for lin in (lisa.q_lr, lisa.k_lr) if lin is not None)
+    spec = get_adapter(tiny_llama()).attention_spec(1)
+    saved = (spec.q.numel() + spec.k.numel()) * 2  # layers 1 and 3 drop W_q, W_k; layer 1 adds q_lr, k_lr
+    assert after["linear"] == dense["linear"] - 2 * saved + 2 * qk  # the aligner is not a per-token linear
 
 
 def test_nf_prompt_is_original_and_decode_reads_low_rank_cache():

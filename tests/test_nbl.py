@@ -13,6 +13,7 @@ from torch import nn
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
+from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.methods.nbl import Nbl, RelativeMoments
@@ -56,6 +57,17 @@ def test_m0_leaves_logits_bit_identical(llama):
     assert torch.equal(llama(input_ids=IDS).logits, ref)
     plan = report.steps[0]["plan"]
     assert plan["chosen"] == [] and sorted(plan["scores"]["cca"]) == ["0", "1", "2", "3"]
+
+
+def test_flops_count_the_map_and_no_attention_core(llama):
+    dense = flops_per_token(llama, 64)
+    spec = get_adapter(llama).attention_spec(2)
+    Nbl(m=1).skeleton(get_adapter(llama), 2, {"input": "normed"})
+    after = flops_per_token(llama, 64)
+    cfg = llama.config
+    assert dense["attention_core"] - after["attention_core"] == 4 * 64 * cfg.num_attention_heads * spec.head_dim
+    qkvo = sum(w.numel() for w in (spec.q, spec.k, spec.v, spec.o))
+    assert dense["linear"] - after["linear"] == 2 * (qkvo - cfg.hidden_size**2)
 
 
 def test_module_computes_affine_map_and_stores_no_kv():

@@ -1,9 +1,10 @@
 """FLOPs per generated token at a given context length, counted from the real modules.
 
 Linear layers cost 2 FLOPs per weight (LowRankLinear's real parameter count is used, so the block-identity
-saving shows). The attention core (scores + weighted values) costs 4·context·n_heads·head_dim for standard
-attention; replacement modules report their own through `attention_flops(context)` (0 for dropped or
-linearized layers). Embedding lookups are free; the LM head is counted.
+saving shows; NBL's map W counts as d² weights). The attention core (scores + weighted values) costs
+4·context·n_heads·head_dim for standard attention; replacement modules report their own through
+`attention_flops(context)` (0 for dropped or linearized layers; LISA's low-rank scores, aligner and values).
+Embedding lookups are free; the LM head is counted.
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ from typing import Any
 from torch import nn
 
 from attnslim.adapters import get_adapter
+from attnslim.modules.linearized import LinearizedAttention
 
 
 def _linear_weights(module: nn.Module) -> int:
-    total = 0
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear):
-            total += sub.weight.numel()
-        elif type(sub).__name__ == "LowRankLinear":
-            total += sum(p.numel() for name, p in sub.named_parameters() if name in ("a", "b"))
-    return total
+    """Weights applied once per token; submodules marked `per_entry` (LISA's aligner, applied to every score
+    entry) are left to their owner's attention_flops."""
+    if getattr(module, "per_entry", False):
+        return 0
+    if isinstance(module, nn.Linear):
+        return module.weight.numel()
+    if type(module).__name__ == "LowRankLinear":
+        return sum(p.numel() for name, p in module.named_parameters() if name in ("a", "b"))
+    if isinstance(module, LinearizedAttention):  # the NBL map W (d, d)
+        return module.weight.numel()
+    return sum(_linear_weights(child) for child in module.children())
 
 
 def flops_per_token(model: Any, context: int) -> dict[str, float]:

@@ -60,6 +60,10 @@ class LinearizedAttention(nn.Module):
     def kv_cache_bytes_per_token(self) -> int:
         return 1  # the position marker only
 
+    def attention_flops(self, context: int) -> float:
+        """No attention core: the map W (d, d) is counted with the layer's linear weights (bench/flops.py)."""
+        return 0.0
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "LinearizedAttention", "input": self.input, "params": self.weight.numel() + self.bias.numel()}
 

@@ -165,6 +165,11 @@ class Aligner(nn.Module):
     """
 
     max_elements = 1 << 24  # the (b, rows, t, hidden) activation is chunked over query rows above this
+    per_entry = True  # its weights act on every (query, key) score entry: counted by the owner's attention_flops
+
+    def flops_per_entry(self) -> int:
+        """FLOPs of the FFN for one (query, key) entry: 2 per weight."""
+        return 2 * sum(lin.weight.numel() for lin in (self.l1, self.l2) if lin is not None)
 
     def __init__(self, c_in: int, n_heads: int, hidden: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -362,6 +367,16 @@ class SharedAttention(nn.Module):
         return self.align(torch.cat([prev, delta], dim=1))  # (b, 2h, l, t) -> (b, h, l, t)
 
     # --- reporting -------------------------------------------------------------------------------
+    def attention_flops(self, context: int) -> float:
+        """Per generated token over `context` keys: low-rank scores 2·h·r·T, the aligner on each of the h·T
+        entries' head vectors (T·its per-entry FLOPs), the add (h·T) and the weighted values 2·h·d·T; the donor's
+        scores are free. q_lr/k_lr/v/o are counted with the linear weights."""
+        s, r, t = self.shape, self.cfg.rank, context
+        flops = 2.0 * s.n_heads * s.head_dim * t  # probs @ V
+        flops += 2.0 * s.n_heads * r * t if self.q_lr is not None else 0.0
+        flops += float(t * self.align.flops_per_entry()) if self.align is not None else 0.0
+        return flops + (float(s.n_heads * t) if self.q_lr is not None else 0.0)
+
     def kv_cache_bytes_per_token(self) -> int:
         s, size = self.shape, next(self.v_proj.parameters()).element_size()
         keys = s.n_kv_heads * self.cfg.rank * size if self.cfg.rank else 1  # K_LR, or the 1-byte marker
