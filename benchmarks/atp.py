@@ -12,7 +12,8 @@ Groups (--groups, comma-separated; default all four):
   choice    prompt-level multiple-choice accuracy (eval/choice.py: next-word items, answer read at the last
             position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
             recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
-            interrupted run resumes); dense zero-shot and dense + the same LoRA recipe as references
+            interrupted run resumes); dense zero-shot and dense + the same LoRA recipe as references; the layer
+            at 1/2 keys on only the last --choice-last layers (zero-shot), the trade-off between the two
   speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
             attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
             core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
@@ -76,14 +77,14 @@ class Store:
         tmp.replace(self.path)
 
 
-def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None) -> Any:
-    """Restore the dense attention modules, then (if args) apply atp with `args` to every layer."""
+def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None, last: int | None = None) -> Any:
+    """Restore the dense attention modules, then (if args) apply atp with `args` to every layer (or the last)."""
     adapter = get_adapter(model)
     for i, module in dense.items():
         adapter.replace_attention(i, module)
     if args is not None:
         method = Atp(**args)
-        for i in dense:
+        for i in sorted(dense)[-last if last else 0 :]:
             method.convert(adapter, i, {}, None)
     return model
 
@@ -151,14 +152,15 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch)
     group.update({"items": items.description, "lora": {**vars(recipe), "targets": list(recipe.targets)},
                   "lora_source": "wiki calibration split (first 90% of documents)"})
-    variants: dict[str, dict[str, Any] | None] = {"dense": None}
-    variants |= {f"atp {label}": {"rank": f, "form": "paper"} for label, f in PAPER_FRACTIONS.items()}
-    for key, atp_args in variants.items():
+    variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
+    variants |= {f"atp {label}": ({"rank": f, "form": "paper"}, None) for label, f in PAPER_FRACTIONS.items()}
+    variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, k) for k in args.choice_last}
+    for key, (atp_args, last) in variants.items():
         for lora in (False, True):
             name = f"{key} + LoRA" if lora else key
-            if name in group["results"] or (lora and args.lora_steps == 0):
+            if name in group["results"] or (lora and (args.lora_steps == 0 or last)):  # partial: no LoRA run
                 continue
-            install(model, dense, atp_args)
+            install(model, dense, atp_args, last)
             state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
             log: dict[str, Any] = {}
             if lora:
@@ -286,6 +288,7 @@ def main() -> None:
     p.add_argument("--lowrank-lengths", default="128,256,512,1024")
     p.add_argument("--choice-n", type=int, default=200)
     p.add_argument("--choice-context", type=int, default=256)
+    p.add_argument("--choice-last", default="3,10", help="also the paper's layer at 1/2 keys on the last K layers only")
     p.add_argument("--lora-steps", type=int, default=300)
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")
@@ -297,6 +300,7 @@ def main() -> None:
     args = p.parse_args()
     args.sources = args.sources.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.choice_last = [int(x) for x in args.choice_last.split(",") if x]
     groups = set(args.groups.split(","))
     store = Store(args.name, args)
     model, tokenizer = load_model(args.model)
