@@ -16,6 +16,7 @@ from attnslim.data import calib_windows
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.registry import METHODS, lookup
+from attnslim.train.heal import HealConfig, heal
 
 
 def peak_rss_mb() -> float:
@@ -37,6 +38,7 @@ class CompressionReport:
     seconds: float
     peak_rss_mb: float
     versions: dict[str, str] = field(default_factory=dict)
+    heal: dict[str, Any] | None = None  # train/heal.heal's report when the recipe heals
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +75,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
+    original = _frozen_copy(model) if recipe.heal is not None else None  # the heal's teacher
     for step, candidates in steps:
         converted = {int(k) for d in done for k in d["plan"]["layers"]}
         layers = rest_layers(adapter.num_layers(), converted) if candidates is None else candidates
@@ -84,6 +87,10 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
             plan["training"] = method.train_step(model, tokenizer, teacher, progress)
             del teacher
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
+    healed = None
+    if original is not None and recipe.heal is not None:
+        healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)
+        del original
     kv_after = kv_bytes_per_token(model)
     return CompressionReport(
         recipe=recipe_to_dict(recipe), recipe_fingerprint=fingerprint(recipe), steps=done,
@@ -92,7 +99,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         params_before=before, params_after=adapter.param_groups(),
         kv_bytes_per_token_before=kv_before["total"], kv_bytes_per_token_after=kv_after["total"],
         kv_bytes_per_layer_dense=kv_before["per_layer"], kv_bytes_per_layer_after=kv_after["per_layer"],
-        seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(),
+        seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
     )
 
 

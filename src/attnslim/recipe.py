@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,15 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     steps: tuple[Step, ...] = ()
     description: str = ""
+    heal: dict[str, Any] | None = None  # settings of train/heal.HealConfig: distil the result after the steps
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise AttnslimError(f"name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
+        if self.heal is not None:
+            from attnslim.train.heal import HealConfig  # validates keys and values; errors name them
+
+            object.__setattr__(self, "heal", asdict(HealConfig.from_dict(self.heal)))
         if not isinstance(self.description, str):
             raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
         object.__setattr__(self, "steps", tuple(self.steps))
@@ -191,7 +196,7 @@ def _keys(where: str, d: object, valid: Sequence[str], required: Sequence[str] =
 
 def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
     """Build and validate a Recipe from plain data (as read from YAML)."""
-    d = _keys("recipe", d, ("name", "description", "calibration", "steps"), ("name", "steps"))
+    d = _keys("recipe", d, ("name", "description", "calibration", "steps", "heal"), ("name", "steps"))
     cal = _keys("calibration", d.get("calibration") or {}, tuple(f.name for f in fields(Calibration)))
     if not isinstance(d["steps"], list):
         raise AttnslimError(f"steps must be a list of steps, got {type(d['steps']).__name__} {d['steps']!r}")
@@ -202,7 +207,7 @@ def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
             steps.append(Step(s["method"], s.get("layers", "all"), s.get("args") or {}))
         except AttnslimError as e:
             raise AttnslimError(f"steps[{i}]: {e}") from e
-    return Recipe(d["name"], Calibration(**cal), tuple(steps), d.get("description") or "")
+    return Recipe(d["name"], Calibration(**cal), tuple(steps), d.get("description") or "", d.get("heal"))
 
 
 def recipe_to_dict(r: Recipe) -> dict[str, Any]:
@@ -210,7 +215,8 @@ def recipe_to_dict(r: Recipe) -> dict[str, Any]:
     steps = [{"method": s.method, "layers": list(s.layers) if isinstance(s.layers, tuple) else s.layers,
               "args": json.loads(json.dumps(s.args))} for s in r.steps]
     cal = {f.name: getattr(r.calibration, f.name) for f in fields(Calibration)}
-    return {"name": r.name, "description": r.description, "calibration": cal, "steps": steps}
+    out = {"name": r.name, "description": r.description, "calibration": cal, "steps": steps}
+    return out if r.heal is None else {**out, "heal": dict(r.heal)}  # absent when unset: fingerprints unchanged
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
@@ -245,13 +251,16 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
         parts = key.split(".")
         is_slice = parts[-1] == "layers" and _SLICE.match(raw)
         value = raw.strip() if is_slice else yaml.load(raw, Loader=_Loader)
+        if parts[0] == "heal" and d.get("heal") is None:
+            d["heal"] = {}  # `--set heal.steps=200` or `--set heal={}` turns healing on (HealConfig validates)
         node = d
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
             if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
                 idx: Any = int(part)
-            elif isinstance(node, dict) and (part in node or (last and parts[depth - 1 : depth] == ["args"])):
-                idx = part  # a new key is allowed only directly under args (the method validates it)
+            elif isinstance(node, dict) and (part in node or (last and parts[depth - 1 : depth] in (["args"],
+                                                                                                   ["heal"]))):
+                idx = part  # a new key is allowed only directly under args or heal (validated there)
             else:
                 valid = (f"indices 0..{len(node) - 1}" if isinstance(node, list) else ", ".join(node)
                          if isinstance(node, dict) else "nothing, it is a value")

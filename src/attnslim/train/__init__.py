@@ -1,5 +1,5 @@
-"""Training loops used by methods that learn new parameters after conversion (LISA distillation).
+"""Training loops: LISA distillation (`attnslim.train.distill`), healing of any compressed model by logit
+distillation (`attnslim.train.heal`), ATP's LoRA recovery (`attnslim.train.lora`).
 
-`attnslim.train.distill` is the module (DistillConfig, distill); the function is not re-exported here so
-the package attribute keeps naming the module.
+The functions are not re-exported here so the package attributes keep naming the modules.
 """

@@ -18,7 +18,6 @@ history (torch.save, loaded with weights_only=True); a run with the same config 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from attnslim.data import calib_windows, mixture, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.linalg.scores import spec_qkv_scores
 from attnslim.modules.shared import SharedAttention
+from attnslim.train.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,6 @@ def training_windows(cfg: DistillConfig, tokenizer: Any) -> Any:
             "longer source"
         )
     return calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed)
-
-
-def learning_rate(cfg: DistillConfig, step: int) -> float:
-    warm = max(1, round(cfg.warmup * cfg.steps))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def trainable_layers(model: Any) -> dict[int, SharedAttention]:
@@ -199,7 +191,7 @@ def distill(
         bar = tqdm(range(start, cfg.steps), desc="distill", disable=not progress, initial=start, total=cfg.steps)
         for step in bar:
             ids = windows.ids[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
-            lr = learning_rate(cfg, step)
+            lr = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, kd, lm = distill_loss(student, teacher, layers, ids, cfg)

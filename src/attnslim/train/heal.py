@@ -1,0 +1,131 @@
+"""Healing: a short logit distillation of a compressed model against the model it was compressed from.
+
+    loss = T² · mean_tokens KL(softmax(z_teacher / T) ‖ softmax(z_student / T))        (every position)
+
+Which parameters train (`params`):
+  changed   the tensors compression created or reshaped: a student parameter whose name is missing from the
+            teacher or whose shape differs (low-rank factors, latent projections, NBL maps, LISA's q/k/aligner);
+            pretrained tensors the methods left as they were stay frozen. The default.
+  all       every parameter except the (tied) token embedding.
+The teacher is the model before the recipe's first step (api.compress keeps a frozen copy when `heal` is set).
+Data: steps · batch_size windows of seq_len tokens from the calibration split of `source` (a source or a
+mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the statistics windows of the same
+seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints: a heal of
+a few hundred steps is minutes; rerun the recipe to repeat it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attnslim.data import calib_windows
+from attnslim.errors import AttnslimError
+from attnslim.train.schedule import warmup_cosine
+
+PARAMS = ("changed", "all")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int = 100
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of steps
+    temperature: float = 1.0
+    params: str = "changed"
+    source: str = "wiki"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key, lo in {"steps": 1, "batch_size": 1, "seq_len": 2}.items():
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise AttnslimError(f"heal.{key}={value!r} is invalid; valid: an int >= {lo}")
+        checks = {"lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
+                  "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0")}
+        for key, (ok, valid) in checks.items():
+            if not ok:
+                raise AttnslimError(f"heal.{key}={getattr(self, key)!r} is invalid; valid: {valid}")
+        if self.params not in PARAMS:
+            raise AttnslimError(f"heal.params={self.params!r} is invalid; valid: {' | '.join(PARAMS)}")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> HealConfig:
+        if not isinstance(d, dict):
+            raise AttnslimError(f"heal must be a mapping of settings, got {type(d).__name__} {d!r}")
+        valid = {f.name for f in fields(cls)}
+        if unknown := sorted(set(d) - valid):
+            raise AttnslimError(f"heal has unknown key(s) {unknown}; valid: {sorted(valid)}")
+        return cls(**d)
+
+
+def healing_parameters(student: Any, teacher: Any, which: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters `which` selects (see the module docstring), by name."""
+    if which not in PARAMS:
+        raise AttnslimError(f"heal.params={which!r} is invalid; valid: {' | '.join(PARAMS)}")
+    embed = student.get_input_embeddings().weight
+    if which == "all":
+        return {n: p for n, p in student.named_parameters() if p is not embed}
+    before = {n: tuple(p.shape) for n, p in teacher.named_parameters()}
+    return {n: p for n, p in student.named_parameters() if before.get(n) != tuple(p.shape) and p is not embed}
+
+
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T² · mean over positions of KL(teacher ‖ student) at temperature T; logits (..., vocab)."""
+    t = temperature
+    s = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)  # (n, vocab)
+    q = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
+    return F.kl_div(s, q, log_target=True, reduction="batchmean") * t * t
+
+
+def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: bool = True) -> dict[str, Any]:
+    """Train the selected parameters of `student` towards `teacher`'s logits; returns a JSON-ready report."""
+    params = healing_parameters(student, teacher, cfg.params)
+    if not params:
+        raise AttnslimError("heal: no parameter was changed by compression (params='changed'); nothing to train. "
+                            "Use heal.params='all' to fine-tune every parameter")
+    windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+    device = next(student.parameters()).device
+    flags = {n: p.requires_grad for n, p in student.named_parameters()}
+    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
+    teacher.eval()
+    was_training = student.training
+    history: list[float] = []
+    began = time.time()
+    try:
+        student.requires_grad_(False)
+        for p in params.values():
+            p.requires_grad_(True)
+        student.train()
+        for step in tqdm(range(cfg.steps), desc="heal", disable=not progress):
+            ids = windows.ids[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
+            for group in opt.param_groups:
+                group["lr"] = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
+            with torch.no_grad():
+                target = teacher(input_ids=ids, use_cache=False).logits  # (b, l, vocab)
+            loss = distill_kl(student(input_ids=ids, use_cache=False).logits, target, cfg.temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+            opt.step()
+            history.append(float(loss.detach()))
+    finally:
+        student.train(was_training)
+        for n, p in student.named_parameters():
+            p.requires_grad_(flags[n])
+    k = max(1, min(10, len(history) // 5))
+    return {
+        "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "data": windows.description,
+        "trainable_params": sum(p.numel() for p in params.values()), "tensors": len(params),
+        "seconds": round(time.time() - began, 1), "config": asdict(cfg),
+        "kl_first": sum(history[:k]) / k, "kl_last": sum(history[-k:]) / k,
+        "history": [round(v, 5) for v in history],
+    }

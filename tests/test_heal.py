@@ -1,0 +1,119 @@
+"""Healing (train/heal.py): which parameters train, the KL objective, the recipe `heal` section, bad input."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnslim.api import compress
+from attnslim.errors import AttnslimError
+from attnslim.recipe import apply_overrides, fingerprint, recipe_from_dict, recipe_to_dict
+from attnslim.train.heal import HealConfig, distill_kl, heal, healing_parameters
+from conftest import tiny_llama
+from helpers import ByteTokenizer, one_step
+
+IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+SOURCE = {"source": "tiny", "seq_len": 32, "batch_size": 2}
+
+
+def _sharp_llama():
+    """A tiny Llama with peaked output distributions (a random init is near uniform, so every KL is ~0)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    return model
+
+
+def _held_out():
+    from attnslim.data import eval_windows
+
+    return eval_windows("tiny", ByteTokenizer(), tokens=128, seq_len=32).ids  # (4, 32)
+
+
+def _svd(model, ratio=0.3):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compress(model, ByteTokenizer(), one_step("svd", {"ratio": ratio, "linears": ["q", "o"]}, layers=[1, 2]),
+                 progress=False)
+    return model
+
+
+def test_distill_kl_is_zero_for_equal_logits_and_matches_the_definition():
+    t = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0))
+    s = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(1))
+    assert float(distill_kl(t, t, 2.0)) == pytest.approx(0.0, abs=1e-6)
+    p = F.softmax(t / 2.0, -1)
+    manual = (p * (F.log_softmax(t / 2.0, -1) - F.log_softmax(s / 2.0, -1))).sum(-1).mean() * 4.0
+    assert float(distill_kl(s, t, 2.0)) == pytest.approx(float(manual), rel=1e-5)
+
+
+def test_changed_parameters_are_the_new_factors_and_all_excludes_the_embedding():
+    teacher = tiny_llama()
+    student = _svd(copy.deepcopy(teacher))
+    changed = healing_parameters(student, teacher, "changed")
+    assert changed and all(".layers.1." in n or ".layers.2." in n for n in changed)
+    assert all(n.endswith((".a", ".b")) for n in changed)
+    everything = healing_parameters(student, teacher, "all")
+    assert "model.embed_tokens.weight" not in everything and set(changed) < set(everything)
+
+
+def test_heal_lowers_the_kl_and_trains_only_the_selected_parameters():
+    teacher = _sharp_llama()
+    student = _svd(copy.deepcopy(teacher))
+    frozen = {n: p.detach().clone() for n, p in student.named_parameters()
+              if n not in healing_parameters(student, teacher, "changed")}
+    flags = {n: p.requires_grad for n, p in student.named_parameters()}
+    ids = _held_out()  # the eval split: healing trains on the calibration split
+    with torch.no_grad():
+        before = float(distill_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits, 1.0))
+    report = heal(student, teacher, ByteTokenizer(), HealConfig(steps=30, batch_size=2, seq_len=32, lr=3e-3,
+                                                                  source="tiny"), progress=False)
+    with torch.no_grad():
+        after = float(distill_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits, 1.0))
+    assert after < 0.85 * before, (before, after)
+    assert report["kl_last"] < report["kl_first"] and len(report["history"]) == 30
+    assert all(torch.equal(p, frozen[n]) for n, p in student.named_parameters() if n in frozen)
+    assert {n: p.requires_grad for n, p in student.named_parameters()} == flags and not student.training
+
+
+def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
+    base = recipe_to_dict(one_step("svd", {"ratio": 0.3, "linears": ["q", "o"]}, layers=[1, 2]))
+    base["calibration"].update(SOURCE)
+    plain = recipe_from_dict(base)
+    assert "heal" not in recipe_to_dict(plain)  # fingerprints of recipes without healing do not change
+    healed = apply_overrides(plain, ["heal.steps=20", "heal.lr=0.01", "heal.source=tiny", "heal.seq_len=32"])
+    assert healed.heal is not None and healed.heal["steps"] == 20 and healed.heal["params"] == "changed"
+    assert fingerprint(healed) != fingerprint(plain)
+    assert recipe_from_dict(recipe_to_dict(healed)) == healed
+    teacher = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = compress(tiny_llama(), ByteTokenizer(), plain, progress=False)
+        model = tiny_llama()
+        b = compress(model, ByteTokenizer(), healed, progress=False)
+    assert a.heal is None and b.heal is not None and b.heal["kl_last"] < b.heal["kl_first"]
+    assert b.params_after == a.params_after
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+        assert float(distill_kl(logits, teacher(input_ids=IDS).logits, 1.0)) > 0
+
+
+@pytest.mark.parametrize(
+    ("heal_args", "match"),
+    [({"steps": 0}, "heal.steps=0"), ({"lr": -1}, "heal.lr=-1"), ({"params": "some"}, "changed | all"),
+     ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature")],
+)
+def test_bad_heal_settings_name_the_key(heal_args, match):
+    d = recipe_to_dict(one_step("svd", {"ratio": 0.5}))
+    with pytest.raises(AttnslimError, match=match):
+        recipe_from_dict({**d, "heal": heal_args})
+
+
+def test_heal_refuses_when_nothing_was_compressed():
+    model = tiny_llama()
+    with pytest.raises(AttnslimError, match="no parameter was changed"):
+        heal(model, tiny_llama(), ByteTokenizer(), HealConfig(steps=1, source="tiny", seq_len=32), progress=False)
