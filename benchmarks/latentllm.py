@@ -10,6 +10,8 @@ Groups (--groups, comma-separated; default all):
              LatentLLM with every attention/MLP linear at 90/80/70% of its weights (the paper's convention)
   kv         KV bytes/token against perplexity: LatentLLM at more ratios, and kv_ratio sweeps (q, o full rank)
   speed      decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved)
+  heal       whole-model LatentLLM at 80% followed by the recipe's `heal` section (train/heal.py: logit
+             distillation against the dense model, 200 steps x 4 x 256 tokens of wiki+c4): not in the default run
 
     .venv/bin/python benchmarks/latentllm.py                         # the full run (hours on a 2-core CPU)
     .venv/bin/python benchmarks/latentllm.py --groups whole --only latentllm-total-80   # alone: honest peak RSS
@@ -83,6 +85,14 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
     return out
 
 
+HEAL = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 1e-4, "source": "wiki+c4"}  # recipe `heal` section
+
+
+def heal_variants(whole: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Whole-model variants followed by healing (train/heal.py): what a short distillation buys back."""
+    return {f"{key}-heal{HEAL['steps']}": (whole[key], HEAL) for key in ("latentllm-total-80", "latentllm-linears-80")}
+
+
 def kv_variants() -> dict[str, list[dict[str, Any]]]:
     out = {f"latentllm-{int(r * 100)}": [step("latentllm", {"ratio": r})] for r in (0.9, 0.7, 0.6)}
     for kv in (0.75, 0.6, 0.5, 0.4):  # q and o at full rank: only the cached projections are cut
@@ -152,7 +162,12 @@ def main() -> None:
         variants |= whole_variants(*model_shapes(h.model_name))
     if "kv" in groups:
         variants |= kv_variants()
-    recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
+    heals: dict[str, dict[str, Any]] = {}
+    if "heal" in groups:
+        for key, (steps, heal) in heal_variants(whole_variants(*model_shapes(h.model_name))).items():
+            variants[key], heals[key] = steps, heal
+    recipes = {k: {"name": k, "calibration": cal, "steps": s, **({"heal": heals[k]} if k in heals else {})}
+               for k, s in variants.items()}
     recipes["latentllm-80"] = {"name": "latentllm-80", "calibration": cal, "steps": [step("latentllm", {"ratio": 0.8})]}
     recipes["latentllm-densecache-80"] = {"name": "latentllm-densecache-80", "calibration": cal,
                                           "steps": [step("latentllm", {"ratio": 0.8, "cache": "dense"})]}
