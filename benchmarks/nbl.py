@@ -137,6 +137,7 @@ def run_shared(h: Harness, shared: SharedFits, key: str, cal: dict[str, Any], ar
         "recipe": recipe(key, cal, nbl(args)), "recipe_fingerprint": fingerprint(rec),
         "plans": [{"method": "nbl", "plan": plan}], "calibration": shared.calibration,
         "compress_seconds": round(shared.seconds, 1), "statistics": "shared dense pass (see module docstring)",
+        "command": h.data["environment"]["command"],
         "wall_seconds": round(time.time() - start, 1),
     })
     h.record(key, result, dense, note=f"layers {plan['chosen']}")

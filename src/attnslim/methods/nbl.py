@@ -29,7 +29,8 @@ Deviations from the paper / reference implementation, and why:
   `resid` (the fit error relative to the stream) ranks single layers well but picks the last six layers in
   a row, where errors compound; weighting the fit by 1/‖h + Y‖² (the same objective) changed nothing
   (≤ 0.01× ppl), and a greedy measured selection on 2x256 probe tokens overfits the probe (m = 12: 1.26x).
-  The 8192-token protocol numbers are in BENCHMARKS.md (results/nbl.json).
+  8192-token protocol (results/nbl.json, nbl-calib.json): similarity m = 6 1.065x wiki, m = 12 1.211x with 32
+  calibration windows; 1.050x and 1.163x with 256 (the d x d maps need the data; recipes/nbl.yaml uses 256).
 - default input "normed" (X = norm(h), the attention's own input) instead of the raw residual h: a linear map
   of h cannot represent the norm's per-token 1/rms(h), which dominates the error; input="residual" is the
   reference's choice (the pre-attention norm is then replaced by an identity).
