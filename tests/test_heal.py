@@ -117,3 +117,28 @@ def test_heal_refuses_when_nothing_was_compressed():
     model = tiny_llama()
     with pytest.raises(AttnslimError, match="no parameter was changed"):
         heal(model, tiny_llama(), ByteTokenizer(), HealConfig(steps=1, source="tiny", seq_len=32), progress=False)
+
+
+@pytest.mark.real
+def test_heal_on_smollm2_lowers_held_out_kl():
+    from attnslim.data import eval_windows
+    from attnslim.models import load_model
+
+    teacher, tokenizer = load_model("smollm2-135m")
+    student = copy.deepcopy(teacher)
+    recipe = recipe_from_dict({
+        "name": "t", "calibration": {"source": "wiki", "windows": 4, "seq_len": 128},
+        "steps": [{"method": "svdllm", "layers": "20:24", "args": {"ratio": 0.4, "linears": ["q", "k", "v", "o"]}}],
+    })
+    compress(student, tokenizer, recipe, progress=False)
+    ids = eval_windows("wiki", tokenizer, tokens=256, seq_len=128).ids  # held out: the eval split
+
+    def kl() -> float:
+        with torch.no_grad():
+            return float(distill_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits, 1.0))
+
+    before = kl()
+    report = heal(student, teacher, tokenizer, HealConfig(steps=10, batch_size=2, seq_len=128, lr=5e-4),
+                  progress=False)
+    assert report["tensors"] == 4 * 4 * 2  # A and B of q, k, v, o in 4 layers
+    assert kl() < 0.9 * before
