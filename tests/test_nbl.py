@@ -181,6 +181,42 @@ def test_selection_baselines_follow_their_scores():
     assert Nbl(fraction=0.5).count(30) == 15
 
 
+def test_scores_see_what_the_stream_receives_behind_an_output_norm():
+    """Gemma-3 adds post_attention_layernorm(Y): similarity is 1 - mean cos(h, h + norm(Y)), not of raw Y."""
+    from attnslim.calib.runner import LayerRunner
+    from conftest import tiny_gemma3
+
+    model = tiny_gemma3()
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        adapter.attention_output_norm(1).weight.fill_(3.0)  # a gain far from 1, as in the real model
+    seen: dict[str, torch.Tensor] = {}
+    layer = model.model.layers[1]
+
+    def grab_h(module, args, kwargs):
+        seen["h"] = args[0] if args else kwargs["hidden_states"]  # the residual stream entering layer 1
+
+    hooks = [layer.register_forward_pre_hook(grab_h, with_kwargs=True),
+             adapter.attention(1).register_forward_hook(lambda m, a, out: seen.__setitem__("y", out[0]))]
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))  # 128 tokens > d + 1
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hk in hooks:
+        hk.remove()
+    h, y = seen["h"].double(), seen["y"]
+    with torch.no_grad():
+        added = adapter.attention_output_norm(1)(y).double()
+    expected = 1 - float(torch.nn.functional.cosine_similarity(h, h + added, dim=-1).mean())
+    raw = 1 - float(torch.nn.functional.cosine_similarity(h, h + y.double(), dim=-1).mean())
+    runner = LayerRunner(model, adapter, ids, 2)
+    runner.run_layer(0)
+    collector = Nbl(m=0).collector(adapter, 1)
+    with torch.no_grad():
+        runner.run_layer(1, collector.sites, collector, advance=True)
+    got = collector.result().scores["similarity"]
+    assert got == pytest.approx(expected, rel=1e-6) and abs(got - raw) > 1e-3
+
+
 def test_relative_moments_match_a_direct_computation():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(300, 6, generator=g, dtype=F64), torch.randn(300, 6, generator=g, dtype=F64)

@@ -31,6 +31,10 @@ Deviations from the paper / reference implementation, and why:
   (≤ 0.01× ppl), and a greedy measured selection on 2x256 probe tokens overfits the probe (m = 12: 1.26x).
   8192-token protocol (results/nbl.json, nbl-calib.json): similarity m = 6 1.065x wiki, m = 12 1.211x with 32
   calibration windows; 1.050x and 1.163x with 256 (the d x d maps need the data; recipes/nbl.yaml uses 256).
+- architectures with a norm on the attention output (Gemma-3's post_attention_layernorm): the fit target stays
+  the attention output (the replacement sits before that norm), but `similarity` and `resid` score what the
+  stream receives, norm(Y), with the norm's per-token gain ‖norm(y)‖/‖y‖ on the fit error (its per-channel
+  weights are averaged out). Scoring raw Y made every Gemma-3 layer look alike (1 − cos ≈ 1e-6).
 - default input "normed" (X = norm(h), the attention's own input) instead of the raw residual h: a linear map
   of h cannot represent the norm's per-token 1/rms(h), which dominates the error; input="residual" is the
   reference's choice (the pre-attention norm is then replaced by an identity).
@@ -99,13 +103,16 @@ class RelativeMoments:
         f64 = torch.float64
         return cls(torch.zeros(d + 1, d + 1, dtype=f64, device=device), torch.zeros(d, d + 1, dtype=f64, device=device))
 
-    def update(self, x: torch.Tensor, y: torch.Tensor, h_out: torch.Tensor) -> None:
-        """x, y, h_out (..., d): fit input, attention output, residual stream after the add."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, h_out: torch.Tensor, gain: torch.Tensor | None = None) -> None:
+        """x, y, h_out (..., d): fit input, attention output, residual stream after the add; gain (...,): the
+        per-token factor an output norm applies to y before the add (ω_t = gain_t² / ‖h_t + norm(y_t)‖²)."""
         d = y.shape[-1]
         dev = self.s_xx.device
         x2 = x.reshape(-1, x.shape[-1]).to(dev, torch.float64)  # (N, d)
         y2 = y.reshape(-1, d).to(dev, torch.float64)  # (N, d)
         root = h_out.reshape(-1, d).to(dev, torch.float64).norm(dim=-1).clamp_min(1e-30).reciprocal()  # (N,) √ω
+        if gain is not None:
+            root = root * gain.reshape(-1).to(dev, torch.float64)
         xa = torch.cat([x2, torch.ones_like(x2[:, :1])], dim=1) * root[:, None]  # (N, d+1)
         ya = y2 * root[:, None]  # (N, d)
         self.s_xx.addmm_(xa.T, xa)
@@ -134,8 +141,9 @@ class RelativeMoments:
 class LinearityCollector(Collector):
     """Streams (X, Y) and (h, Y) statistics of one layer; `result()` fits the map and scores the layer."""
 
-    def __init__(self, layer: int, input: str, ridge: float) -> None:
+    def __init__(self, layer: int, input: str, ridge: float, out_norm: nn.Module | None = None) -> None:
         self.layer, self.input, self.ridge = layer, input, ridge
+        self.out_norm = out_norm  # a norm the decoder layer applies to the attention output (Gemma-3), or None
         self.sites = {"resid_in", "attn_out"} | ({"attn_in"} if input == "normed" else set())
         self.h: torch.Tensor | None = None  # (b, t, d) residual stream of the running batch
         self.x: torch.Tensor | None = None  # (b, t, d) normed input of the running batch
@@ -166,8 +174,14 @@ class LinearityCollector(Collector):
             x_fit = self.x
             self.fit.update(x_fit, y)
         h64 = h.to(torch.float64)
-        h_out = h64 + y.to(torch.float64)  # (b, t, d) residual stream after the add
-        self.rel.update(x_fit, y, h_out)
+        if self.out_norm is None:
+            h_out = h64 + y.to(torch.float64)  # (b, t, d) residual stream after the add
+            self.rel.update(x_fit, y, h_out)
+        else:  # the stream receives norm(y): score what is added, with the norm's per-token gain on the error
+            added = self.out_norm(y).to(torch.float64)  # (b, t, d)
+            h_out = h64 + added
+            gain = added.norm(dim=-1) / y.to(torch.float64).norm(dim=-1).clamp_min(1e-30)  # (b, t)
+            self.rel.update(x_fit, y, h_out, gain)
         self.cos_sum += float(F.cosine_similarity(h64, h_out, dim=-1).sum())
         self.seq_len = int(h.shape[1])
         self.h = self.x = None
@@ -264,7 +278,7 @@ class Nbl(Method):
     def collector(self, adapter: Any, layer: int) -> Collector:
         if self.m is not None and self.m > adapter.num_layers():  # fail before any statistics are collected
             self.count(adapter.num_layers())
-        return LinearityCollector(layer, self.input, self.ridge)
+        return LinearityCollector(layer, self.input, self.ridge, adapter.attention_output_norm(layer))
 
     def probe_windows(self) -> int:
         return self.probe if self.criterion == MEASURED else 0
