@@ -25,7 +25,8 @@ SECTIONS = {
     "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
     "nbl-calib": ("NBL: calibration-size sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
     "latentllm-attn50": ("LatentLLM: attention-only at 50% kept attention parameters", "benchmarks/latentllm.py"),
-    "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run)", "benchmarks/nbl.py"),
+    "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run, 16 calibration windows)", "benchmarks/nbl.py"),
+    "nbl-gemma3": ("NBL on Gemma-3 270M (2048 evaluation tokens, 64 calibration windows)", "benchmarks/nbl.py"),
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
 }
 
