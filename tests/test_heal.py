@@ -85,21 +85,24 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
     base["calibration"].update(SOURCE)
     plain = recipe_from_dict(base)
     assert "heal" not in recipe_to_dict(plain)  # fingerprints of recipes without healing do not change
-    healed = apply_overrides(plain, ["heal.steps=20", "heal.lr=0.01", "heal.source=tiny", "heal.seq_len=32"])
-    assert healed.heal is not None and healed.heal["steps"] == 20 and healed.heal["params"] == "changed"
+    healed = apply_overrides(plain, ["heal.steps=30", "heal.lr=0.003", "heal.source=tiny", "heal.seq_len=32",
+                                     "heal.batch_size=2"])
+    assert healed.heal is not None and healed.heal["steps"] == 30 and healed.heal["params"] == "changed"
     assert fingerprint(healed) != fingerprint(plain)
     assert recipe_from_dict(recipe_to_dict(healed)) == healed
-    teacher = tiny_llama()
+    teacher, unhealed, model = _sharp_llama(), _sharp_llama(), _sharp_llama()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        a = compress(tiny_llama(), ByteTokenizer(), plain, progress=False)
-        model = tiny_llama()
+        a = compress(unhealed, ByteTokenizer(), plain, progress=False)
         b = compress(model, ByteTokenizer(), healed, progress=False)
     assert a.heal is None and b.heal is not None and b.heal["kl_last"] < b.heal["kl_first"]
     assert b.params_after == a.params_after
+    ids = _held_out()
     with torch.no_grad():
-        logits = model(input_ids=IDS).logits
-        assert float(distill_kl(logits, teacher(input_ids=IDS).logits, 1.0)) > 0
+        target = teacher(input_ids=ids).logits
+        kl_plain = float(distill_kl(unhealed(input_ids=ids).logits, target, 1.0))
+        kl_healed = float(distill_kl(model(input_ids=ids).logits, target, 1.0))
+    assert kl_healed < kl_plain, (kl_plain, kl_healed)  # the heal ran inside compress, after the steps
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
             del teacher
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
     healed = None
-    if original is not None and recipe.heal is not None:
+    if recipe.heal is not None:  # `original` was kept above
         healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)
         del original
     kv_after = kv_bytes_per_token(model)

@@ -15,6 +15,7 @@ from torch import nn
 
 from attnslim.adapters import get_adapter
 from attnslim.modules.linearized import LinearizedAttention
+from attnslim.modules.lowrank import LowRankLinear
 
 
 def _linear_weights(module: nn.Module) -> int:
@@ -24,8 +25,8 @@ def _linear_weights(module: nn.Module) -> int:
         return 0
     if isinstance(module, nn.Linear):
         return module.weight.numel()
-    if type(module).__name__ == "LowRankLinear":
-        return sum(p.numel() for name, p in module.named_parameters() if name in ("a", "b"))
+    if isinstance(module, LowRankLinear):
+        return module.a.numel() + module.b.numel()
     if isinstance(module, LinearizedAttention):  # the NBL map W (d, d)
         return module.weight.numel()
     return sum(_linear_weights(child) for child in module.children())

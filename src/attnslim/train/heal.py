@@ -10,8 +10,9 @@ Which parameters train (`params`):
 The teacher is the model before the recipe's first step (api.compress keeps a frozen copy when `heal` is set).
 Data: steps · batch_size windows of seq_len tokens from the calibration split of `source` (a source or a
 mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the statistics windows of the same
-seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints: a heal of
-a few hundred steps is minutes; rerun the recipe to repeat it.
+seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints or resume (unlike
+LISA's distill): a 200-step heal of SmolLM2-135M took about an hour on one contended CPU thread
+(benchmarks/latentllm.py --groups heal), so an interrupted heal restarts with the recipe.
 """
 
 from __future__ import annotations
