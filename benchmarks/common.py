@@ -82,7 +82,8 @@ class Harness:
             "plans": [{"method": s["method"], "plan": s["plan"]} for s in report.steps],
             "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
             "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),
-            "command": environment()["command"], **({"heal": report.heal} if report.heal else {}), **(extra or {}),
+            "command": environment()["command"], "threads": torch.get_num_threads(),
+            **({"heal": report.heal} if report.heal else {}), **(extra or {}),
         })
         return self.record(key, result, dense)
 

@@ -1,6 +1,8 @@
 """Composed recipes (issue 8) on smollm2-135m: NBL linearizes the most linear attention blocks (no KV cache there),
 LatentLLM turns the rest into latent attention; measured against the issue's targets for the default recipe
-(KV ≤ 0.5× dense, total parameters ≤ 0.85×, wiki perplexity ≤ 1.25×, decode tokens/s ≥ dense).
+(KV ≤ 0.5× dense, total parameters ≤ 0.85×, wiki perplexity ≤ 1.25×, zero-shot accuracy within 3 points on
+the demo's tasks, decode tokens/s ≥ dense). Variants named *-healN end with the recipe's `heal` section
+(train/heal.py: N steps of logit distillation against the dense model on wiki+c4).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py                   # results/composed.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py --only nbl6-lat-kv60
@@ -19,14 +21,19 @@ from common import Harness, calibration
 
 from attnslim.api import compress
 from attnslim.bench import interleaved
+from attnslim.demo import TASKS
+from attnslim.eval.tasks import evaluate_tasks
 from attnslim.models import load_model
 from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 
-TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "decode": 1.0}
+TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "acc_points": 3.0, "decode": 1.0}
+HEAL = {"batch_size": 4, "seq_len": 256, "lr": 1e-4, "source": "wiki+c4"}  # recipe `heal` section, less steps
 
 
-def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid") -> dict[str, Any]:
-    return {"name": name, "calibration": calibration(windows),
+def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid",
+             heal_steps: int = 0) -> dict[str, Any]:
+    heal = {"heal": {**HEAL, "steps": heal_steps}} if heal_steps else {}
+    return {"name": name, "calibration": calibration(windows), **heal,
             "steps": [{"method": "nbl", "layers": "all", "args": {"m": m, "criterion": criterion}},
                       {"method": "latentllm", "layers": "rest", "args": latent}]}
 
@@ -49,6 +56,11 @@ def variants(windows: int) -> dict[str, dict[str, Any]]:
         "nbl6-val-kv62": composed("nbl6-val-kv62", 6, {**kv, "cache": "values", "kv_ratio": 0.62}, windows),
         "nbl9-val-kv70": composed("nbl9-val-kv70", 9, {**kv, "cache": "values", "kv_ratio": 0.7}, windows),
         "nbl12-val-kv80": composed("nbl12-val-kv80", 12, {**kv, "cache": "values", "kv_ratio": 0.8}, windows),
+        # NBL's default criterion (similarity) and a short heal: the demo's time budget allows tens of steps
+        "nbl12sim-val-kv80": composed("nbl12sim-val-kv80", 12, {**kv, "cache": "values", "kv_ratio": 0.8}, windows,
+                                      "similarity"),
+        "nbl12sim-val-kv80-heal40": composed("nbl12sim-val-kv80-heal40", 12,
+                                             {**kv, "cache": "values", "kv_ratio": 0.8}, windows, "similarity", 40),
     }
 
 
@@ -56,7 +68,13 @@ def targets(result: dict[str, Any], dense: dict[str, Any]) -> dict[str, bool]:
     return {"kv": result["kv_bytes_per_token"] <= TARGETS["kv"] * dense["kv_bytes_per_token"],
             "total": result["kept"]["total"] <= TARGETS["total"],
             "wiki": result["ppl_ratio"]["wiki"] <= TARGETS["wiki"],
+            "acc": all(100 * (dense["acc"][t] - result["acc"][t]) <= TARGETS["acc_points"] for t in TASKS),
             "decode": result["speed"]["decode_ratio"] >= TARGETS["decode"]}
+
+
+def accuracy(model: Any, tokenizer: Any, limit: int | None) -> dict[str, float]:
+    """acc of the demo's zero-shot tasks (first `limit` items each, all if None)."""
+    return {t: r["acc"] for t, r in evaluate_tasks(model, tokenizer, list(TASKS), limit, progress=False).items()}
 
 
 def main() -> None:
@@ -68,9 +86,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated variant keys")
+    ap.add_argument("--task-limit", type=int, default=None, help="zero-shot items per task (all if omitted)")
     args = ap.parse_args()
     h = Harness(args.name, tokens=args.tokens)
-    dense_model, _ = load_model(h.model_name)
+    dense_model, tokenizer = load_model(h.model_name)
+    if "acc" not in h.dense():
+        h.data["dense"]["acc"] = accuracy(dense_model, tokenizer, args.task_limit)
+        h.save()
     dense = h.dense()
     todo = variants(args.windows)
     for key in [k for k in args.only.split(",") if k] or list(todo):
@@ -91,12 +113,14 @@ def main() -> None:
             "kv_ratio": result["kv_bytes_per_token"] / dense["kv_bytes_per_token"],
             "speed": speed["models"][key][str(args.context)],
             "dense_speed": speed["models"]["dense"][str(args.context)],
+            "acc": accuracy(model, tokenizer, args.task_limit),
+            **({"heal": report.heal} if report.heal else {}),
         })
         result["targets_met"] = targets(result, dense)
         h.data["variants"][key] = result
         h.save()
         print(f"[done] {key}: wiki {result['ppl_ratio']['wiki']:.3f}x, KV {result['kv_ratio']:.3f}x, params "
-              f"{result['kept']['total']:.3f}x, decode {result['speed']['decode_ratio']:.2f}x; "
+              f"{result['kept']['total']:.3f}x, decode {result['speed']['decode_ratio']:.2f}x, acc {result['acc']}; "
               f"targets {result['targets_met']}", flush=True)
 
 

@@ -10,8 +10,9 @@ Groups (--groups, comma-separated; default all):
              LatentLLM with every attention/MLP linear at 90/80/70% of its weights (the paper's convention)
   kv         KV bytes/token against perplexity: LatentLLM at more ratios, and kv_ratio sweeps (q, o full rank)
   speed      decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved)
-  heal       whole-model LatentLLM at 80% followed by the recipe's `heal` section (train/heal.py: logit
-             distillation against the dense model, 200 steps x 4 x 256 tokens of wiki+c4): not in the default run
+  heal       whole-model LatentLLM at 80% (also with the KV cache at 50%) and the KV-only 50% variant, followed
+             by the recipe's `heal` section (train/heal.py: logit distillation against the dense model,
+             --heal-steps x 4 x 256 tokens of wiki+c4): not in the default run
 
     .venv/bin/python benchmarks/latentllm.py                         # the full run (hours on a 2-core CPU)
     .venv/bin/python benchmarks/latentllm.py --groups whole --only latentllm-total-80   # alone: honest peak RSS
@@ -78,6 +79,8 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
         out[f"latentllm-linears-{p}"] = [step("latentllm", {"ratio": ratio, "mlp": "joint_ud"})]
         out[f"latentllm-global-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
                                                                 "mlp": "joint_ud", "alloc": "global"})]
+        out[f"latentllm-total-{p}-kv50"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
+                                                               "mlp": "joint_ud", "kv_ratio": 0.5})]
         out[f"latentllm-localmlp-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
                                                                    "mlp": "local"})]
         kappa = kappa_for_total(shapes, n_layers, total, ratio, "left")  # the same total with dense factors
@@ -88,9 +91,11 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
 HEAL = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 1e-4, "source": "wiki+c4"}  # recipe `heal` section
 
 
-def heal_variants(whole: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
-    """Whole-model variants followed by healing (train/heal.py): what a short distillation buys back."""
-    return {f"{key}-heal{HEAL['steps']}": (whole[key], HEAL) for key in ("latentllm-total-80", "latentllm-linears-80")}
+def heal_variants(compressed: dict[str, list[dict[str, Any]]], steps: int
+                  ) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Variants followed by healing (train/heal.py): what a short distillation buys back."""
+    keys = ("latentllm-total-80", "latentllm-linears-80", "latentllm-total-80-kv50", "latentllm-kvonly-50")
+    return {f"{key}-heal{steps}": (compressed[key], {**HEAL, "steps": steps}) for key in keys}
 
 
 def kv_variants() -> dict[str, list[dict[str, Any]]]:
@@ -144,6 +149,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--groups", default="attn,precond,whole,kv,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run")
+    parser.add_argument("--heal-steps", type=int, default=HEAL["steps"], help="steps of the heal group's variants")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--speed-variants",
                         default="latentllm-80,latentllm-values-80,latentllm-densecache-80,svdllm-attn-80")
@@ -164,7 +170,8 @@ def main() -> None:
         variants |= kv_variants()
     heals: dict[str, dict[str, Any]] = {}
     if "heal" in groups:
-        for key, (steps, heal) in heal_variants(whole_variants(*model_shapes(h.model_name))).items():
+        compressed = whole_variants(*model_shapes(h.model_name)) | kv_variants()
+        for key, (steps, heal) in heal_variants(compressed, args.heal_steps).items():
             variants[key], heals[key] = steps, heal
     recipes = {k: {"name": k, "calibration": cal, "steps": s, **({"heal": heals[k]} if k in heals else {})}
                for k, s in variants.items()}

@@ -108,7 +108,8 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
 @pytest.mark.parametrize(
     ("heal_args", "match"),
     [({"steps": 0}, "heal.steps=0"), ({"lr": -1}, "heal.lr=-1"), ({"params": "some"}, "changed | all"),
-     ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature")],
+     ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature"),
+     ({"source": "wikii"}, "heal.source must be one of"), ({"source": "wiki+"}, "'wiki\\+'")],
 )
 def test_bad_heal_settings_name_the_key(heal_args, match):
     d = recipe_to_dict(one_step("svd", {"ratio": 0.5}))

@@ -354,6 +354,8 @@ def test_analysis_reports_on_tiny_model():
     ("lisa", {"align": False, "compensate": False}, LAYERS, "use method ds"),
     ("lisa", {"integrate": "sum"}, LAYERS, "integrate"),
     ("lisa", {"train": {"stepz": 3}}, LAYERS, "unknown key"),
+    ("lisa", {"train": {"source": "c5"}}, LAYERS, "train.source must be one of"),
+    ("lisa", {"train": [3]}, LAYERS, "a mapping of DistillConfig fields"),
     ("ds", {"nf_min_len": 0}, LAYERS, "nf_min_len"),
 ])
 def test_bad_arguments(method, args, layers, match):

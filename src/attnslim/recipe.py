@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
+from attnslim.data.sources import check_source
 from attnslim.errors import AttnslimError
 
 RECIPES_DIR = Path(__file__).parents[2] / "recipes"
-SOURCES = ("wiki", "ptb", "c4", "tiny")
 SELECTOR_FORMS = ('"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, a list of ints, '
                   'or "rest" (last step only: every layer the earlier steps did not convert)')
 REST = "rest"
@@ -58,11 +58,7 @@ class Calibration:
     batch_size: int = 4
 
     def __post_init__(self) -> None:
-        src = self.source
-        parts = src.split("+") if isinstance(src, str) and not src.startswith("file:") else [src]
-        if not all(isinstance(p, str) and (p in SOURCES or (p.startswith("file:") and len(p) > 5)) for p in parts):
-            raise AttnslimError(f"calibration.source must be one of {SOURCES}, 'file:PATH', or a mixture such as "
-                                f"'wiki+c4', got {src!r}")
+        check_source("calibration.source", self.source)
         _check_int("calibration.windows", self.windows, 1)
         _check_int("calibration.seq_len", self.seq_len, 2, 32768)
         _check_int("calibration.seed", self.seed)

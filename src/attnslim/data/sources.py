@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 from attnslim.errors import AttnslimError
 
@@ -53,6 +54,22 @@ def _documents(source: str) -> list[str]:
             raise AttnslimError(f"text file {path} does not exist; give file:PATH with a readable UTF-8 file")
         return [d.strip() for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
     raise AttnslimError(f"unknown text source {source!r}; valid: {', '.join(SOURCES)}, file:PATH")
+
+
+def mixture(source: str) -> list[str]:
+    """The sources of a mixture "wiki+c4" (one name gives a list of one); empty parts are refused."""
+    parts = source.split("+") if not source.startswith("file:") else [source]
+    if any(not p for p in parts):
+        raise AttnslimError(f"text source {source!r} has an empty part; write a mixture as e.g. 'wiki+c4'")
+    return parts
+
+
+def check_source(where: str, source: Any) -> None:
+    """Refuse anything but a named source, file:PATH or a mixture of named sources, before any work starts."""
+    parts = source.split("+") if isinstance(source, str) and not source.startswith("file:") else [source]
+    if not all(isinstance(p, str) and (p in SOURCES or (p.startswith("file:") and len(p) > 5)) for p in parts):
+        raise AttnslimError(f"{where} must be one of {SOURCES}, 'file:PATH', or a mixture such as 'wiki+c4', "
+                            f"got {source!r}")
 
 
 def load_text(source: str, split: str) -> str:

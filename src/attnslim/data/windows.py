@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from attnslim.data.sources import describe_split, load_text
+from attnslim.data.sources import describe_split, load_text, mixture
 from attnslim.errors import AttnslimError
 
 MAX_SEQ_LEN = 32768
@@ -67,14 +67,6 @@ def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int =
         )
     desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens"
     return TokenWindows(ids[: n * seq_len].view(n, seq_len), source, "eval", desc)
-
-
-def mixture(source: str) -> list[str]:
-    """The sources of a mixture "wiki+c4" (one name gives a list of one); empty parts are refused."""
-    parts = source.split("+") if not source.startswith("file:") else [source]
-    if any(not p for p in parts):
-        raise AttnslimError(f"text source {source!r} has an empty part; write a mixture as e.g. 'wiki+c4'")
-    return parts
 
 
 def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0) -> TokenWindows:

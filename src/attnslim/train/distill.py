@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,11 @@ from torch import nn
 from tqdm import tqdm
 
 from attnslim.adapters import get_adapter
-from attnslim.data import calib_windows, mixture, token_ids
+from attnslim.data import calib_windows, check_source, mixture, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.linalg.scores import spec_qkv_scores
 from attnslim.modules.shared import SharedAttention
+from attnslim.train.config import check_ints, check_ranges, config_from_mapping
 from attnslim.train.schedule import warmup_cosine
 
 
@@ -56,25 +57,16 @@ class DistillConfig:
     checkpoint_every: int = 25
 
     def __post_init__(self) -> None:
-        ints = {"steps": 1, "batch_size": 1, "seq_len": 2, "checkpoint_every": 1}
-        for key, lo in ints.items():
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-                raise AttnslimError(f"train.{key}={value!r} is invalid; valid: an int >= {lo}")
-        checks = {"lr": self.lr > 0, "weight_decay": self.weight_decay >= 0, "warmup": 0 <= self.warmup < 1,
-                  "beta": 0 <= self.beta <= 1, "delta": self.delta > 0, "clip": self.clip > 0}
-        ranges = {"lr": "> 0", "weight_decay": ">= 0", "warmup": "in [0, 1)", "beta": "in [0, 1]",
-                  "delta": "> 0", "clip": "> 0"}
-        for key, ok in checks.items():
-            if not ok:
-                raise AttnslimError(f"train.{key}={getattr(self, key)!r} is invalid; valid: {ranges[key]}")
+        check_source("train.source", self.source)
+        check_ints("train", self, {"steps": 1, "batch_size": 1, "seq_len": 2, "checkpoint_every": 1})
+        check_ranges("train", self, {
+            "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "beta": (0 <= self.beta <= 1, "in [0, 1]"),
+            "delta": (self.delta > 0, "> 0"), "clip": (self.clip > 0, "> 0")})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DistillConfig:
-        valid = {f.name for f in fields(cls)}
-        if unknown := sorted(set(d) - valid):
-            raise AttnslimError(f"train has unknown key(s) {unknown}; valid: {sorted(valid)}")
-        return cls(**d)
+        return config_from_mapping(cls, "train", d)
 
     def resume_key(self) -> dict[str, Any]:
         """The fields a checkpoint must match to be resumed (everything that changes the run)."""

@@ -18,15 +18,16 @@ LISA's distill): a 200-step heal of SmolLM2-135M took about an hour on one conte
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attnslim.data import calib_windows
+from attnslim.data import calib_windows, check_source
 from attnslim.errors import AttnslimError
+from attnslim.train.config import check_ints, check_ranges, config_from_mapping
 from attnslim.train.schedule import warmup_cosine
 
 PARAMS = ("changed", "all")
@@ -46,26 +47,16 @@ class HealConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key, lo in {"steps": 1, "batch_size": 1, "seq_len": 2}.items():
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-                raise AttnslimError(f"heal.{key}={value!r} is invalid; valid: an int >= {lo}")
-        checks = {"lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
-                  "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0")}
-        for key, (ok, valid) in checks.items():
-            if not ok:
-                raise AttnslimError(f"heal.{key}={getattr(self, key)!r} is invalid; valid: {valid}")
-        if self.params not in PARAMS:
-            raise AttnslimError(f"heal.params={self.params!r} is invalid; valid: {' | '.join(PARAMS)}")
+        check_source("heal.source", self.source)
+        check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2})
+        check_ranges("heal", self, {
+            "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
+            "params": (self.params in PARAMS, " | ".join(PARAMS))})
 
     @classmethod
     def from_dict(cls, d: Any) -> HealConfig:
-        if not isinstance(d, dict):
-            raise AttnslimError(f"heal must be a mapping of settings, got {type(d).__name__} {d!r}")
-        valid = {f.name for f in fields(cls)}
-        if unknown := sorted(set(d) - valid):
-            raise AttnslimError(f"heal has unknown key(s) {unknown}; valid: {sorted(valid)}")
-        return cls(**d)
+        return config_from_mapping(cls, "heal", d)
 
 
 def healing_parameters(student: Any, teacher: Any, which: str) -> dict[str, torch.nn.Parameter]:
