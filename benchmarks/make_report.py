@@ -28,27 +28,36 @@ SECTIONS = {
     "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run, 16 calibration windows)", "benchmarks/nbl.py"),
     "nbl-gemma3": ("NBL on Gemma-3 270M (2048 evaluation tokens, 64 calibration windows)", "benchmarks/nbl.py"),
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
+    "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
+    "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
 }
 
 
 def ppl_table(data: dict[str, Any]) -> list[str]:
     sources = data["eval"]["sources"]
     speed = any("decode_ratio" in v.get("speed", {}) for v in data["variants"].values())
+    dense = data["dense"]
+    tasks = list(dense.get("acc", {}))
     head = "| variant | " + " | ".join(f"{s} ppl (×dense)" for s in sources)
     head += " | kept attention | kept total | KV B/token (×dense) | compress s |"
     head += " decode ×dense |" if speed else ""
-    lines = [head, "|" + "---|" * (len(sources) + 5 + speed)]
-    dense = data["dense"]
+    head += "".join(f" {t.removeprefix('attnslim_')} acc (Δ pts) |" for t in tasks)
+    lines = [head, "|" + "---|" * (len(sources) + 5 + speed + len(tasks))]
     cells = " | ".join(f"{dense['ppl'][s]:.3f}" for s in sources)
     kv0 = dense["kv_bytes_per_token"]
-    lines.append(f"| dense | {cells} | 1.000 | 1.000 | {kv0:,.0f} | – |" + (" 1.00 |" if speed else ""))
+    lines.append(f"| dense | {cells} | 1.000 | 1.000 | {kv0:,.0f} | – |" + (" 1.00 |" if speed else "")
+                 + "".join(f" {dense['acc'][t]:.3f} |" for t in tasks))
     for key, v in data["variants"].items():
         cells = " | ".join(f"{v['ppl'][s]:.3f} ({v['ppl_ratio'][s]:.2f}×)" for s in sources)
         decode = f" {v['speed']['decode_ratio']:.2f} |" if "decode_ratio" in v.get("speed", {}) else " – |"
+        seconds = f"{v.get('compress_seconds', '–')}" + (f" ({v['threads']} thr)" if "threads" in v else "")
+        acc = v.get("acc", {})
+        accs = "".join(f" {acc[t]:.3f} ({100 * (acc[t] - dense['acc'][t]):+.1f}) |" if t in acc else " – |"
+                       for t in tasks)
         lines.append(
             f"| {key} | {cells} | {v['kept']['attention']:.3f} | {v['kept']['total']:.3f} | "
             f"{v['kv_bytes_per_token']:,.0f} ({v['kv_bytes_per_token'] / kv0:.2f}×) | "
-            f"{v.get('compress_seconds', '–')} |" + (decode if speed else "")
+            f"{seconds} |" + (decode if speed else "") + accs
         )
     return lines
 
@@ -61,7 +70,7 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     out = [f"## {title}", ""]
     command = env.get("command", script)
     command = command if command.startswith("benchmarks/") else f"benchmarks/{command}"
-    out.append(f"Command (latest run): `OMP_NUM_THREADS=1 .venv/bin/python {command}` → "
+    out.append(f"Command (latest run): `OMP_NUM_THREADS={env['threads']} .venv/bin/python {command}` → "
                f"`benchmarks/results/{name}.json`; variants measured by earlier runs of the script record their own "
                "`command` in the JSON.  ")
     out.append(
