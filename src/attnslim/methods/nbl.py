@@ -127,17 +127,6 @@ class RelativeMoments:
         sse = self.s_yy - 2.0 * float((wa * self.s_yx).sum()) + float(((wa @ self.s_xx) * wa).sum())
         return max(sse, 0.0) / max(self.n, 1)
 
-    def solve(self, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weighted least squares [W, b] = s_yx (s_xx + δ I_x)⁻¹ (ridge on W only, relative to the mean eigenvalue)."""
-        d = self.s_yx.shape[0]
-        reg = torch.zeros(d + 1, dtype=torch.float64, device=self.s_xx.device)
-        reg[:d] = ridge * float(torch.diagonal(self.s_xx)[:d].mean())
-        chol, info = torch.linalg.cholesky_ex(self.s_xx + torch.diag(reg))
-        if int(info) != 0:
-            raise AttnslimError(f"weighted normal equations are not positive definite (ridge={ridge}); raise ridge")
-        wa = torch.cholesky_solve(self.s_yx.T.contiguous(), chol).T  # (d, d+1)
-        return wa[:, :d].contiguous(), wa[:, d].contiguous()
-
 
 class LinearityCollector(Collector):
     """Streams (X, Y) and (h, Y) statistics of one layer; `result()` fits the map and scores the layer."""
