@@ -30,6 +30,7 @@ SECTIONS = {
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
     "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
+    "heal-sweep": ("Healing settings on one composed model (issue 8 targets)", "benchmarks/heal.py"),
 }
 
 
