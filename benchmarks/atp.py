@@ -149,22 +149,26 @@ def run_serving(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any],
 def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], args: argparse.Namespace) -> None:
     group = store.data["groups"].setdefault("choice", {"results": {}})
     items = choice_items("wiki", tokenizer, n=args.choice_n, context=args.choice_context)
-    recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch)
-    group.update({"items": items.description, "lora": {**vars(recipe), "targets": list(recipe.targets)},
-                  "lora_source": "wiki calibration split (first 90% of documents)"})
+    recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch,
+                        lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps))
+    group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
+    group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
     variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
     variants |= {f"atp {label}": ({"rank": f, "form": "paper"}, None) for label, f in PAPER_FRACTIONS.items()}
     variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, k) for k in args.choice_last}
     for key, (atp_args, last) in variants.items():
         for lora in (False, True):
-            name = f"{key} + LoRA" if lora else key
-            if name in group["results"] or (lora and (args.lora_steps == 0 or last)):  # partial: no LoRA run
+            # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
+            tag = f"LoRA {recipe.steps} steps, lr {recipe.lr:g}"
+            name = f"{key} + {tag}" if lora else key
+            wanted = not args.choice_variants or key in args.choice_variants.split(";")
+            if name in group["results"] or not wanted or (lora and args.lora_steps == 0):
                 continue
             install(model, dense, atp_args, last)
             state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
             log: dict[str, Any] = {}
             if lora:
-                work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-")
+                work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-").replace(",", "")
                 model, log = recover_with_lora(model, tokenizer, recipe, work, stop_after=args.lora_stop_after)
                 if log["step"] < recipe.steps:
                     print(f"[paused] {name} at step {log['step']}/{recipe.steps}; rerun to continue", flush=True)
@@ -173,7 +177,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
             res = choice_accuracy(model, items)
             group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
                                       "lora_seconds": round(log.get("seconds", 0.0), 1),
-                                      "lora_final_loss": log["losses"][-1] if log else None}
+                                      "lora_final_loss": log["losses"][-1] if log else None,
+                                      **({"lora_recipe": log["recipe"]} if log else {})}
             if state is not None:
                 model.load_state_dict(state)  # merged LoRA weights out again before the next variant
             store.save()
@@ -252,8 +257,9 @@ def notes(data: dict[str, Any]) -> list[str]:
     if "choice" in groups:
         ch = groups["choice"]
         out += ["### Prompt-level multiple choice, paper layer (non-causal)", "", f"Items: {ch['items']}.  ",
-                f"LoRA: rank {ch['lora']['rank']} on q/k/v, {ch['lora']['steps']} steps × batch "
-                f"{ch['lora']['batch_size']}, lr {ch['lora']['lr']}, on {ch['lora_source']}.", "",
+                f"LoRA: rank {ch['lora']['rank']} on q/k/v, batch {ch['lora']['batch_size']}, on {ch['lora_source']}; "
+                f"rows \"+ LoRA\": {ch['lora']['steps']} steps, lr {ch['lora']['lr']}, warm-up {ch['lora']['warmup']}; "
+                "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe).", "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
             out.append(f"| {key} | {v['acc']:.3f} | {v['acc_norm']:.3f} | {v['lora_seconds']} | "
@@ -291,6 +297,10 @@ def main() -> None:
     p.add_argument("--choice-last", default="3,10", help="also the paper's layer at 1/2 keys on the last K layers only")
     p.add_argument("--lora-steps", type=int, default=300)
     p.add_argument("--lora-batch", type=int, default=4)
+    p.add_argument("--lora-lr", type=float, default=2e-4)
+    p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
+    p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
+                   "e.g. 'atp 1/2, last 3 layers'")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")
     p.add_argument("--lora-dir", default="runs/atp_lora")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: sequence lengths")

@@ -3,8 +3,8 @@
 Groups (--groups, comma-separated; default all):
   attn       attention-only (q, k, v, o) at 80% and 50% kept attention parameters: svd, asvd, svdllm, local
              root-covariance with dense factors and with block identity, LatentLLM (joint QK + separate V/O)
-             with the paper's uniform ranks and with the default spectrum allocation, joint V/O (Remark 11),
-             RoPE-aware joint QK (8-offset window)
+             with the paper's uniform ranks and with the default spectrum allocation, joint V/O (Remark 11)
+             with either allocation, RoPE-aware joint QK (8-offset window)
   precond    joint QK (+ V/O) with each pre-conditioner of Table 1, at 80%, uniform ranks
   whole      attention + MLP at 90/80/70% of all parameters: LatentLLM (joint UD), local MLP, SVD-LLM; and
              LatentLLM with every attention/MLP linear at 90/80/70% of its weights (the paper's convention)
@@ -58,6 +58,7 @@ def attention_variants(ratio: float) -> dict[str, list[dict[str, Any]]]:
         f"latentllm-vojoint-uniform-{p}": [step("latentllm", {**uni, "vo": "joint"})],
         f"local-rootcov-blockid-spectrum-{p}": [step("latentllm", {"ratio": ratio, "qk": "split"})],
         f"latentllm-{p}": [step("latentllm", {"ratio": ratio})],  # defaults: joint QK, alloc spectrum
+        f"latentllm-vojoint-{p}": [step("latentllm", {"ratio": ratio, "vo": "joint"})],
         f"latentllm-rope8-{p}": [step("latentllm", {"ratio": ratio, "rope_window": 8})],
     }
     return out
