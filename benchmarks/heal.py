@@ -39,6 +39,9 @@ BASES = {
     "nbl12-val-kv80": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8}),
     "nbl12-val-kv80-mlp70": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8, "mlp": "local", "mlp_ratio": 0.7}),
     "nbl9-val-kv70-mlp70": nbl_then_latent(9, {**VALUES, "kv_ratio": 0.7, "mlp": "local", "mlp_ratio": 0.7}),
+    # attention is where LatentLLM is cheapest per parameter (50%: 1.08x alone), so less is taken from the MLP
+    "nbl12-val50-kv80-mlp85": nbl_then_latent(12, {**VALUES, "ratio": 0.5, "kv_ratio": 0.8, "mlp": "local",
+                                                   "mlp_ratio": 0.85}),
 }
 
 

@@ -54,11 +54,11 @@ VARIANTS = {
     "joint": {}, "split": {"qk": "split"}, "vo-joint": {"vo": "joint"}, "mlp-local": {"mlp": "local"},
     "mlp-ud": {"mlp": "joint_ud"}, "cache-dense": {"cache": "dense"},
     "cache-values": {"cache": "values"}, "rope-window": {"rope_window": 4},
-    "precond-l2": {"precond": "l2"}, "vo-none": {"vo": "none"},
+    "precond-l2": {"precond": "l2"}, "precond-cov": {"precond": "cov"}, "vo-none": {"vo": "none"},
 }
 # (dense factors cannot reach full rank without growing: that is refused, see the bad-input tests)
 FULL_CASES = [("llama", v) for v in VARIANTS] + [("gemma3", "cache-values"), ("opt", "cache-values")] + [
-    (f, v) for f in ("qwen2", "opt") for v in ("joint", "split", "vo-joint", "mlp-ud", "precond-l2")] + [
+    (f, v) for f in ("qwen2", "opt") for v in ("joint", "split", "vo-joint", "mlp-ud", "precond-l2", "precond-cov")] + [
     ("mistral", "joint"), ("gemma3", "joint"), ("gemma3", "mlp-ud")]
 
 

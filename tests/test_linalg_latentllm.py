@@ -331,3 +331,21 @@ def test_no_warnings_on_well_conditioned_data(data: tuple[torch.Tensor, InputSta
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         factorize(_randn(8, 32, seed=99), None, st, 4)
+
+
+def test_hosvd_in_another_preconditioners_coordinates_handles_rank_deficient_inputs() -> None:
+    """Table-1 ablation path: P = C + λI (cov) passed as `whiten`; its square is far too ill-conditioned to
+    re-factor (the earlier route, through statistics with correlation P², refused rank-deficient inputs)."""
+    x = _randn(20, 32, seed=21)  # 20 tokens in 32 dimensions: rank 20
+    st = InputStats.from_tokens(x)
+    wq, wk, _, _ = _qk(50)
+    pc = preconditioner(st, "cov", damp=1e-2)
+    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV, "bias_aware": False}
+    full = joint_qk(wq, wk, st, 32, 32, whiten=(pc.matrix(), pc.inv_matrix()), **kw)
+    wq_hat, wk_hat = full.weights()
+    assert torch.allclose(wq_hat, wq, atol=1e-8) and torch.allclose(wk_hat, wk, atol=1e-8)
+    low = joint_qk(wq, wk, st, 12, 12, whiten=(pc.matrix(), pc.inv_matrix()), **kw)
+    assert low.a_q.shape == (12, 32) and all(torch.isfinite(t).all() for t in low.weights())
+    with pytest.raises(ValueError, match="exclude each other"):
+        joint_qk(wq, wk, st, 12, 12, n_heads=H, n_kv_heads=KV, b_q=torch.zeros(H * DH, dtype=F64),
+                 b_k=torch.zeros(KV * DH, dtype=F64), whiten=(pc.matrix(), pc.inv_matrix()))

@@ -123,6 +123,7 @@ def joint_qk(
     damp: float = 1e-2,
     junction: str = "none",
     label: str = "layer",
+    whiten: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> JointQKFactors:
     """Joint QK HOSVD (Alg. 1 corrected, block form: no (h, d, d) tensor is ever built).
 
@@ -131,6 +132,8 @@ def joint_qk(
     mean-query terms (§3.7); then b̂ = b + (W − Ŵ) μ. Without it, P = (Sxx/n + λI)^{1/2} and given
     biases still get the b̂ mean correction. rope: Θ_δ (n_off, d_h, d_h) from `rope_rotations`
     (J_i = I under RoPE); rope_weights (n_off,) default 1. junction: "none" | "block_identity" (A_q, A_k).
+    whiten: (P, P⁻¹) (d, d) to run the HOSVD in the coordinates of another pre-conditioner (Table-1 ablation)
+    instead of the damped root correlation; it excludes bias_aware (which needs the centred root covariance).
     """
     d = stats.dim
     d_h = w_q.shape[0] // n_heads
@@ -156,8 +159,13 @@ def joint_qk(
     g = n_heads // n_kv_heads
     th, wt = _rope_or_identity(rope, d_h, rope_weights, dev)
     mu = stats.mean
-    e, qv, _ = damped_eigh(stats.centred_cov if bias_aware else stats.corr, damp, label=label, n=stats.n)
-    p, p_inv = (qv * e.sqrt()) @ qv.T, (qv * e.rsqrt()) @ qv.T  # (d, d)
+    if whiten is None:
+        e, qv, _ = damped_eigh(stats.centred_cov if bias_aware else stats.corr, damp, label=label, n=stats.n)
+        p, p_inv = (qv * e.sqrt()) @ qv.T, (qv * e.rsqrt()) @ qv.T  # (d, d)
+    elif bias_aware:
+        raise ValueError(f"{label}: whiten (another pre-conditioner) and bias_aware=True exclude each other")
+    else:
+        p, p_inv = whiten[0].to(dev, _F64), whiten[1].to(dev, _F64)  # (d, d) each
     wq_t = (w_q @ p).reshape(n_kv_heads, g, d_h, d)  # W̃_q
     wk_t = (w_k @ p).reshape(n_kv_heads, d_h, d)  # W̃_k
     qbar = kbar = None

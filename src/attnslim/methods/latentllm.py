@@ -86,13 +86,6 @@ UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu
                   "gelu_new": "gelu_tanh"}
 
 
-def _whitening_stats(st: InputStats, p: torch.Tensor) -> InputStats:
-    """Statistics whose (undamped) root correlation is the given pre-conditioner p (d, d) or (d,): joint_qk
-    then runs its HOSVD in P-coordinates. The mean (for the b̂ correction) is kept."""
-    p2 = torch.diag(p * p) if p.ndim == 1 else p @ p
-    return InputStats(sxx=st.n * 0.5 * (p2 + p2.T), sx=st.sx, ax=st.ax, n=st.n)
-
-
 @register_method("latentllm")
 @dataclass(frozen=True)
 class LatentLLM(Method):
@@ -288,16 +281,16 @@ class LatentLLM(Method):
         if spec.rope is not None and self.rope_window > 1:
             rope = rope_rotations(spec.head_dim, causal_offsets(self.rope_window), spec.rope.theta,
                                   spec.rope.rotary_dims)
-        qk_stats, damp, bias_aware = st, self.damp, None
+        whiten, bias_aware = None, None
         if self.precond != "rootcov":  # Table-1 ablation: the HOSVD in P-coordinates of another P
             center = self.precond == "cov" and spec.q_bias is not None
             pc = preconditioner(st, self.precond, damp=self.damp, alpha=self.alpha, center=center,
                                 label=f"layer {layer} q/k")
-            qk_stats, damp, bias_aware = _whitening_stats(st, pc.p), 0.0, False
+            whiten, bias_aware = (pc.matrix(), pc.inv_matrix()), False
         f = joint_qk(
-            spec.q, spec.k, qk_stats, ranks["q"], ranks["k"], n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-            b_q=spec.q_bias, b_k=spec.k_bias, bias_aware=bias_aware, rope=rope, n_iter=self.qk_iter, damp=damp,
-            junction="block_identity" if self.block_identity else "none", label=f"layer {layer} q/k",
+            spec.q, spec.k, st, ranks["q"], ranks["k"], n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+            b_q=spec.q_bias, b_k=spec.k_bias, bias_aware=bias_aware, rope=rope, n_iter=self.qk_iter, damp=self.damp,
+            junction="block_identity" if self.block_identity else "none", label=f"layer {layer} q/k", whiten=whiten,
         )
         fq = LowRankFactors(f.b_q.flatten(0, 1), f.a_q, f.bias_q, f.perm_q)
         fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
