@@ -31,6 +31,7 @@ SECTIONS = {
     "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model (issue 8 targets)", "benchmarks/heal.py"),
+    "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression (issue 8 targets)", "benchmarks/heal.py"),
 }
 
 
