@@ -46,7 +46,8 @@ def test_packaged_recipes_present_and_load():
         assert r.resolve(30, METHODS)[0][1] == list(range(30))
     default = load_recipe("default")
     assert default.name == "default" and [s.method for s in default.steps] == ["latentllm"]
-    assert default.steps[0].args == {"ratio": 0.8, "kv_ratio": 0.75}  # the measured lat-80-kv75 of composed.py
+    assert default.steps[0].args == {"ratio": 1.0, "kv_ratio": 0.5}  # latentllm-kvonly-50 of latentllm.py
+    assert default.heal is not None and default.heal["steps"] == 40  # what the demo's ten minutes allow
     assert load_recipe("asvd").steps[0].args == {"ratio": 0.8, "alpha": 0.5, "linears": ["q", "k", "v", "o"]}
     assert load_recipe("drop").steps[0].args == {"count": 6, "select": "similarity"}
 
