@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ def environment() -> dict[str, Any]:
     return {
         **library_versions(), "python": platform.python_version(), "device": "cpu",
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "command": " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
     }
 
 
