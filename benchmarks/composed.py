@@ -1,8 +1,7 @@
 """Composed recipes (issue 8) on smollm2-135m: NBL linearizes the most linear attention blocks (no KV cache there),
 LatentLLM turns the rest into latent attention; measured against the issue's targets for the default recipe
 (KV ≤ 0.5× dense, total parameters ≤ 0.85×, wiki perplexity ≤ 1.25×, zero-shot accuracy within 3 points on
-the demo's tasks, decode tokens/s ≥ dense). Variants named *-healN end with the recipe's `heal` section
-(train/heal.py: N steps of logit distillation against the dense model on wiki+c4).
+the demo's tasks, decode tokens/s ≥ dense). Recipes followed by healing are measured by benchmarks/heal.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py                   # results/composed.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/composed.py --only nbl6-lat-kv60
@@ -27,13 +26,10 @@ from attnslim.models import load_model
 from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 
 TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "acc_points": 3.0, "decode": 1.0}
-HEAL = {"batch_size": 4, "seq_len": 256, "lr": 1e-4, "source": "wiki+c4"}  # recipe `heal` section, less steps
 
 
-def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid",
-             heal_steps: int = 0) -> dict[str, Any]:
-    heal = {"heal": {**HEAL, "steps": heal_steps}} if heal_steps else {}
-    return {"name": name, "calibration": calibration(windows), **heal,
+def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid") -> dict[str, Any]:
+    return {"name": name, "calibration": calibration(windows),
             "steps": [{"method": "nbl", "layers": "all", "args": {"m": m, "criterion": criterion}},
                       {"method": "latentllm", "layers": "rest", "args": latent}]}
 
@@ -56,11 +52,6 @@ def variants(windows: int) -> dict[str, dict[str, Any]]:
         "nbl6-val-kv62": composed("nbl6-val-kv62", 6, {**kv, "cache": "values", "kv_ratio": 0.62}, windows),
         "nbl9-val-kv70": composed("nbl9-val-kv70", 9, {**kv, "cache": "values", "kv_ratio": 0.7}, windows),
         "nbl12-val-kv80": composed("nbl12-val-kv80", 12, {**kv, "cache": "values", "kv_ratio": 0.8}, windows),
-        # NBL's default criterion (similarity) and a short heal: the demo's time budget allows tens of steps
-        "nbl12sim-val-kv80": composed("nbl12sim-val-kv80", 12, {**kv, "cache": "values", "kv_ratio": 0.8}, windows,
-                                      "similarity"),
-        "nbl12sim-val-kv80-heal40": composed("nbl12sim-val-kv80-heal40", 12,
-                                             {**kv, "cache": "values", "kv_ratio": 0.8}, windows, "similarity", 40),
     }
 
 
@@ -70,6 +61,23 @@ def targets(result: dict[str, Any], dense: dict[str, Any]) -> dict[str, bool]:
             "wiki": result["ppl_ratio"]["wiki"] <= TARGETS["wiki"],
             "acc": all(100 * (dense["acc"][t] - result["acc"][t]) <= TARGETS["acc_points"] for t in TASKS),
             "decode": result["speed"]["decode_ratio"] >= TARGETS["decode"]}
+
+
+def dense_with_accuracy(h: Harness, model: Any, tokenizer: Any, limit: int | None) -> dict[str, Any]:
+    """The harness's dense row, with the zero-shot accuracy measured once and stored."""
+    if "acc" not in h.dense():
+        h.data["dense"]["acc"] = accuracy(model, tokenizer, limit)
+        h.save()
+    return h.dense()
+
+
+def report_fields(report: Any, h: Harness) -> dict[str, Any]:
+    """What a results row keeps of a CompressionReport (plans as layer lists) and of the run."""
+    return {"recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
+            "plans": [{"method": s["method"], "layers": sorted(int(k) for k in s["plan"]["layers"])}
+                      for s in report.steps],
+            "calibration": report.calibration, "command": h.data["environment"]["command"],
+            "compress_seconds": round(report.seconds, 1), "peak_rss_mb": round(report.peak_rss_mb)}
 
 
 def accuracy(model: Any, tokenizer: Any, limit: int | None) -> dict[str, float]:
@@ -90,10 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     h = Harness(args.name, tokens=args.tokens)
     dense_model, tokenizer = load_model(h.model_name)
-    if "acc" not in h.dense():
-        h.data["dense"]["acc"] = accuracy(dense_model, tokenizer, args.task_limit)
-        h.save()
-    dense = h.dense()
+    dense = dense_with_accuracy(h, dense_model, tokenizer, args.task_limit)
     todo = variants(args.windows)
     for key in [k for k in args.only.split(",") if k] or list(todo):
         recipe = recipe_from_dict(todo[key])
@@ -103,18 +108,13 @@ def main() -> None:
         speed = interleaved({"dense": dense_model, key: model}, [args.context], new_tokens=args.new_tokens,
                             repeats=args.repeats, progress=False)
         result.update({
-            "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
-            "plans": [{"method": s["method"], "layers": sorted(int(k) for k in s["plan"]["layers"])}
-                      for s in report.steps],
-            "calibration": report.calibration, "command": h.data["environment"]["command"],
-            "compress_seconds": round(report.seconds, 1), "peak_rss_mb": round(report.peak_rss_mb),
+            **report_fields(report, h),
             "ppl_ratio": {s: result["ppl"][s] / dense["ppl"][s] for s in h.sources},
             "kept": {g: result["params"][g] / dense["params"][g] for g in ("attention", "mlp", "total")},
             "kv_ratio": result["kv_bytes_per_token"] / dense["kv_bytes_per_token"],
             "speed": speed["models"][key][str(args.context)],
             "dense_speed": speed["models"]["dense"][str(args.context)],
             "acc": accuracy(model, tokenizer, args.task_limit),
-            **({"heal": report.heal} if report.heal else {}),
         })
         result["targets_met"] = targets(result, dense)
         h.data["variants"][key] = result

@@ -18,7 +18,7 @@ import copy
 from typing import Any
 
 from common import Harness, calibration
-from composed import TARGETS, accuracy, targets
+from composed import TARGETS, accuracy, dense_with_accuracy, report_fields, targets
 
 from attnslim.api import compress
 from attnslim.bench import interleaved
@@ -79,21 +79,13 @@ def main() -> None:
     configs = [HealConfig.from_dict({**HEAL, "steps": args.steps, **s}) for s in settings]  # refuse bad ones now
     h = Harness(args.name, tokens=args.tokens)
     dense_model, tokenizer = load_model(h.model_name)
-    if "acc" not in h.dense():
-        h.data["dense"]["acc"] = accuracy(dense_model, tokenizer, args.task_limit)
-        h.save()
-    dense = h.dense()
+    dense = dense_with_accuracy(h, dense_model, tokenizer, args.task_limit)
     recipe = recipe_from_dict({"name": args.base, "calibration": calibration(args.windows), "steps": BASES[args.base]})
     base, _ = load_model(h.model_name)
     report = compress(base, tokenizer, recipe)
     speed = interleaved({"dense": dense_model, args.base: base}, [args.context], new_tokens=32,
                         repeats=args.repeats, progress=False)["models"][args.base][str(args.context)]
-    common = {"recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
-              "plans": [{"method": s["method"], "layers": sorted(int(k) for k in s["plan"]["layers"])}
-                        for s in report.steps],
-              "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
-              "command": h.data["environment"]["command"], "threads": h.data["environment"]["threads"],
-              "speed": speed}
+    common = {**report_fields(report, h), "threads": h.data["environment"]["threads"], "speed": speed}
 
     def measure(key: str, model: Any, extra: dict[str, Any]) -> None:
         result = {**h.evaluate(model, tokenizer, key), **common, **extra,

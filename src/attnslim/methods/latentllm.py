@@ -45,13 +45,11 @@ Deviations from the paper, and why:
   Joint QK refuses r_q or r_k below head_dim (the issue's rule), which rules out compressing MQA keys.
 - joint QK with a pre-conditioner other than rootcov (Table 1 ablation) runs the same HOSVD with P in place
   of C^{1/2}; rootcov uses the bias-aware form (§3.7) when q and k have biases.
-- Measured against the paper's Table 1/2 (benchmarks/latentllm.py, 8192 tokens, results/latentllm-table.json,
-  wiki ppl x dense at 80% kept attention, uniform ranks): identity 1193, hessian 7.1, l1 2.5, l2 1.11,
-  cov 1.15, rootcov 1.25. Root-covariance minimises each matrix's activation loss (tested), but on SmolLM2 the
-  diagonal l2 and cov pre-conditioners give lower perplexity there; with the default spectrum allocation l2
-  gives 1.000x against 1.010x at 80%, but 1.200x against 1.083x at 50%, so rootcov stays the default.
-  Joint V/O (App. G): 1.18x against 1.25x for separate V/O at uniform ranks, 1.016x against 1.010x with the
-  spectrum allocation: Remark 11 (separate is enough) holds only with the spectrum allocation here.
+- Table 1/2 on SmolLM2 (benchmarks/latentllm.py, results/latentllm-table.json, wiki ppl x dense, 80% kept
+  attention, uniform ranks): identity 1193, hessian 7.1, l1 2.5, l2 1.11, cov 1.15, rootcov 1.25. Root-cov
+  minimises each matrix's activation loss (tested) but not perplexity here; with the spectrum allocation l2
+  gives 1.000x against 1.010x at 80% but 1.200x against 1.083x at 50%, so rootcov stays the default. Joint V/O:
+  1.18x against 1.25x (uniform), 1.016x against 1.010x (spectrum): Remark 11 holds with the spectrum allocation.
 - joint_ud keeps the iterate with the lowest output error on its calibration sample (ud_keep_best, default
   true) instead of the last one: the alternating scheme does not guarantee improvement (notes §13.6), and
   this way it is never worse than local compression on that sample. Its work dtype is float32.
