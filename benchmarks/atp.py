@@ -12,8 +12,10 @@ Groups (--groups, comma-separated; default all four):
   choice    prompt-level multiple-choice accuracy (eval/choice.py: next-word items, answer read at the last
             position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
             recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
-            interrupted run resumes); dense zero-shot and dense + the same LoRA recipe as references; the layer
-            at 1/2 keys on only the last --choice-last layers (zero-shot), the trade-off between the two
+            interrupted run resumes; --lora-loss layer: layer-local distillation instead of the last-token
+            loss); dense zero-shot and dense + the same LoRA recipe as references; the layer
+            at 1/2 keys on only the last --choice-last layers (zero-shot), the trade-off between the two; the
+            same with values scaled by 1/√L ("V/sqrt(L)", value_scale=inv_sqrt_len, notes G8)
   speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
             attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
             core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
@@ -150,26 +152,32 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     group = store.data["groups"].setdefault("choice", {"results": {}})
     items = choice_items("wiki", tokenizer, n=args.choice_n, context=args.choice_context)
     recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch,
-                        lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps))
+                        lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss)
+    teacher = load_model(args.model)[0] if recipe.loss == "layer" else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
     variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
     variants |= {f"atp {label}": ({"rank": f, "form": "paper"}, None) for label, f in PAPER_FRACTIONS.items()}
     variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, k) for k in args.choice_last}
+    scaled = {"rank": 0.5, "form": "paper", "value_scale": "inv_sqrt_len"}  # notes G8 ablation: V′ / √L
+    variants |= {"atp 1/2 V/sqrt(L)": (scaled, None)}
+    variants |= {f"atp 1/2 V/sqrt(L), last {k} layers": (scaled, k) for k in args.choice_last}
     for key, (atp_args, last) in variants.items():
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
-            tag = f"LoRA {recipe.steps} steps, lr {recipe.lr:g}"
+            tag = f"LoRA {'layer-match ' if recipe.loss == 'layer' else ''}{recipe.steps} steps, lr {recipe.lr:g}"
             name = f"{key} + {tag}" if lora else key
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
-            if name in group["results"] or not wanted or (lora and args.lora_steps == 0):
+            no_teacher_target = lora and atp_args is None and recipe.loss == "layer"  # dense matches itself
+            if name in group["results"] or not wanted or (lora and args.lora_steps == 0) or no_teacher_target:
                 continue
             install(model, dense, atp_args, last)
             state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
             log: dict[str, Any] = {}
             if lora:
                 work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-").replace(",", "")
-                model, log = recover_with_lora(model, tokenizer, recipe, work, stop_after=args.lora_stop_after)
+                model, log = recover_with_lora(model, tokenizer, recipe, work, stop_after=args.lora_stop_after,
+                                               teacher=teacher)
                 if log["step"] < recipe.steps:
                     print(f"[paused] {name} at step {log['step']}/{recipe.steps}; rerun to continue", flush=True)
                     model.load_state_dict(state)
@@ -299,6 +307,8 @@ def main() -> None:
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
+    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "layer"],
+                   help="last_token: next-token CE at the last position; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
                    "e.g. 'atp 1/2, last 3 layers'")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")

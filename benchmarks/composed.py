@@ -24,8 +24,7 @@ from attnslim.demo import TASKS
 from attnslim.eval.tasks import evaluate_tasks
 from attnslim.models import load_model
 from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
-
-TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "acc_points": 3.0, "decode": 1.0}
+from attnslim.targets import check_targets, targets_met
 
 
 def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid") -> dict[str, Any]:
@@ -56,11 +55,11 @@ def variants(windows: int) -> dict[str, dict[str, Any]]:
 
 
 def targets(result: dict[str, Any], dense: dict[str, Any]) -> dict[str, bool]:
-    return {"kv": result["kv_bytes_per_token"] <= TARGETS["kv"] * dense["kv_bytes_per_token"],
-            "total": result["kept"]["total"] <= TARGETS["total"],
-            "wiki": result["ppl_ratio"]["wiki"] <= TARGETS["wiki"],
-            "acc": all(100 * (dense["acc"][t] - result["acc"][t]) <= TARGETS["acc_points"] for t in TASKS),
-            "decode": result["speed"]["decode_ratio"] >= TARGETS["decode"]}
+    """{target: met} for one results row (attnslim.targets: the default recipe's targets)."""
+    return targets_met(check_targets(
+        kv=result["kv_bytes_per_token"] / dense["kv_bytes_per_token"], total=result["kept"]["total"],
+        wiki=result["ppl_ratio"]["wiki"], acc_drop={t: 100 * (dense["acc"][t] - result["acc"][t]) for t in TASKS},
+        decode=result["speed"]["decode_ratio"]))
 
 
 def dense_with_accuracy(h: Harness, model: Any, tokenizer: Any, limit: int | None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Healing settings on one compressed model (train/heal.py): compress once, then heal copies of it with each
 setting and evaluate every copy in the same harness as benchmarks/composed.py (perplexity, the demo's zero-shot
 accuracy, KV bytes, parameters; decode speed is measured once, on the unhealed model: healing changes weights,
-not shapes). Checked against the issue-8 targets of the default recipe (composed.TARGETS).
+not shapes). Checked against the issue-8 targets of the default recipe (attnslim.targets).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/heal.py --base nbl12-val-kv80-mlp70 --steps 40 \\
         --configs "lr=1e-4;lr=3e-4;lr=3e-4,params=all"
@@ -18,12 +18,13 @@ import copy
 from typing import Any
 
 from common import Harness, calibration
-from composed import TARGETS, accuracy, dense_with_accuracy, report_fields, targets
+from composed import accuracy, dense_with_accuracy, report_fields, targets
 
 from attnslim.api import compress
 from attnslim.bench import interleaved
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
+from attnslim.targets import TARGETS
 from attnslim.train.heal import HealConfig, heal
 
 HEAL = {"batch_size": 4, "seq_len": 256, "source": "wiki+c4"}
@@ -36,6 +37,7 @@ def nbl_then_latent(m: int, latent: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 BASES = {
+    "latentllm-kv50": [{"method": "latentllm", "layers": "all", "args": {"ratio": 1.0, "kv_ratio": 0.5}}],  # default
     "nbl12-val-kv80": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8}),
     "nbl12-val-kv80-mlp70": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8, "mlp": "local", "mlp_ratio": 0.7}),
     "nbl9-val-kv70-mlp70": nbl_then_latent(9, {**VALUES, "kv_ratio": 0.7, "mlp": "local", "mlp_ratio": 0.7}),

@@ -431,6 +431,36 @@ def test_lora_recovery_trains_qkv_only_and_resumes_exactly(tmp_path):
         assert torch.allclose(resumed.state_dict()[key], value, atol=1e-6), key
 
 
+def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers(tmp_path):
+    from attnslim.data import token_ids
+    from attnslim.train.layer_match import layer_match_loss
+    from attnslim.train.lora import LoraRecipe, batch_at, recover_with_lora
+
+    recipe = LoraRecipe(rank=4, alpha=8, steps=20, batch_size=2, context=16, source="tiny", warmup=1, lr=1e-2,
+                        loss="layer", dropout=0.0)
+    held_out = batch_at(token_ids("tiny", "calib", ByteTokenizer()), recipe, 10_000)[0]  # not a training step
+    teacher, same = tiny_llama(), tiny_llama()
+    same.load_state_dict(teacher.state_dict())
+    layers = list(range(get_adapter(teacher).num_layers()))
+    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student.load_state_dict(teacher.state_dict(), strict=False)  # the ATP modules hold the same q/k/v/o weights
+    with torch.no_grad():
+        assert float(layer_match_loss(same, teacher, layers, held_out)) == pytest.approx(0.0, abs=1e-10)
+        before = float(layer_match_loss(student, teacher, layers, held_out))
+    assert before > 1e-3
+    trained, log = recover_with_lora(student, ByteTokenizer(), recipe, tmp_path / "m", progress=False,
+                                     teacher=teacher)
+    assert log["step"] == 20 and all(math.isfinite(x) for x in log["losses"])
+    with torch.no_grad():
+        assert float(layer_match_loss(trained, teacher, layers, held_out)) < 0.95 * before
+    with pytest.raises(AttnslimError, match="needs the original model"):
+        recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe, tmp_path / "n")
+    with pytest.raises(AttnslimError, match="no attention layer of the model differs"):
+        recover_with_lora(same, ByteTokenizer(), recipe, tmp_path / "o", teacher=teacher)
+    with pytest.raises(AttnslimError, match="loss='mse'"):
+        LoraRecipe(loss="mse")
+
+
 # --- real model -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.real

@@ -10,12 +10,14 @@ from typing import Any
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved, kv_bytes_per_token
+from attnslim.bench.flops import flops_per_token
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
 from attnslim.eval.tasks import evaluate_tasks
 from attnslim.generate import generate_text
 from attnslim.io import COMPRESSION_JSON
 from attnslim.report import write_report
+from attnslim.targets import check_targets, miss_reasons
 
 SOURCES = ("wiki", "ptb", "c4")
 TASKS = ("attnslim_wiki_nextsent", "attnslim_tiny_nextsent")
@@ -56,6 +58,25 @@ def format_table(rows: list[tuple[str, float, float, str]]) -> str:
     return "\n".join(out)
 
 
+def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str, float], dense: Any, compressed: Any
+                 ) -> list[str]:
+    """The issue-8 targets, met or missed, each with its measured value; a missed one also with its reason."""
+    checks = check_targets(
+        kv=after["kv"] / before["kv"], total=after["params"]["total"] / before["params"]["total"],
+        wiki=after["ppl"]["wiki"] / before["ppl"]["wiki"],
+        acc_drop={t.removeprefix("attnslim_"): 100 * (before["acc"][t] - after["acc"][t]) for t in TASKS},
+        decode=speed["compressed"] / speed["dense"])
+    ctx = SPEED["context"]
+    reasons = miss_reasons(before["params"], after["params"], flops_per_token(dense, ctx),
+                           flops_per_token(compressed, ctx), ctx)
+    lines = []
+    for c in checks:
+        lines.append(f"  [{'met' if c.met else 'MISSED'}] {c.goal}: {c.measured}")
+        if not c.met and c.key in reasons:
+            lines.append(f"           why: {reasons[c.key]}")
+    return lines
+
+
 def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int) -> None:
     """Add the measured before/after metrics to compression.json (the report reads them)."""
     path = Path(out) / COMPRESSION_JSON
@@ -86,8 +107,10 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     model, tokenizer = load(out)
     after = measure(model, tokenizer, tokens, task_limit)
     dense, _ = load_model(model_name)
-    rows = table_rows(before, after, decode_speed(dense, model), tokens)
+    speed = decode_speed(dense, model)
+    rows = table_rows(before, after, speed, tokens)
     print(format_table(rows))
+    print("targets of the default recipe:\n" + "\n".join(target_lines(before, after, speed, dense, model)))
     record_metrics(out, rows, tokens)
     html, _ = write_report(out)
     print(f"report: {html}")

@@ -37,6 +37,7 @@ from attnslim.linalg.scores import spec_qkv_scores
 from attnslim.modules.shared import SharedAttention
 from attnslim.train.config import check_ints, check_ranges, config_from_mapping
 from attnslim.train.schedule import warmup_cosine
+from attnslim.train.teacher import teacher_attention
 
 
 @dataclass(frozen=True)
@@ -105,39 +106,21 @@ def student_scores(layers: dict[int, SharedAttention], detach_chain: bool) -> It
             m.score_sink, m.detach_donor = None, False
 
 
-class _TeacherDone(Exception):
-    """Raised after the deepest needed layer: the rest of the teacher (and its LM head) is not run."""
-
-
 @contextmanager
 def teacher_scores(teacher: Any, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Collect the teacher's unmasked scores (b, h, l, l) at `layers`, recomputed from each layer's spec.
 
-    The forward run inside the block stops after the deepest layer (the exception is swallowed on exit).
+    The forward run inside the block stops after the deepest layer.
     """
-    adapter = get_adapter(teacher)
-    specs = {i: adapter.attention_spec(i) for i in layers}
+    specs = {i: get_adapter(teacher).attention_spec(i) for i in layers}
     store: dict[int, torch.Tensor] = {}
-    handles = []
 
-    def hook(i: int) -> Any:
-        def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = args[0] if args else kwargs["hidden_states"]
-            store[i] = spec_qkv_scores(specs[i], x, kwargs.get("position_embeddings"))[3].detach()
-            if i == max(layers):
-                raise _TeacherDone
+    def collect(i: int, call: dict[str, Any], _out: torch.Tensor) -> None:
+        x = call["hidden_states"]
+        store[i] = spec_qkv_scores(specs[i], x, call.get("position_embeddings"))[3].detach()
 
-        return capture
-
-    try:
-        for i in layers:
-            handles.append(adapter.attention(i).register_forward_pre_hook(hook(i), with_kwargs=True))
+    with teacher_attention(teacher, layers, collect):
         yield store
-    except _TeacherDone:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def distill_loss(

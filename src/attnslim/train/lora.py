@@ -2,8 +2,13 @@
 
 Loss (notes G1b): the paper's layer is not causal, so a teacher-forced next-token loss over a sequence would
 see the targets. Each example is a prompt-only window of `context` tokens from the training split of the
-text source and the loss is cross-entropy of the *next* token at the last position over the full vocabulary
-— the same last-position protocol the evaluation uses (eval/choice.py), with no target inside the input.
+text source, and `loss` picks the objective:
+  "last_token"  cross-entropy of the *next* token at the last position over the full vocabulary — the same
+                last-position protocol the evaluation uses (eval/choice.py), with no target inside the input;
+                one target per sequence (the paper's task loss, adapted to a prompt-only window)
+  "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
+                attention layer matches the dense layer's output at every position, on the dense input — not
+                in the paper; b·t·d targets per layer per batch instead of b, so far fewer steps recover more.
 Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
 for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
@@ -27,8 +32,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from attnslim.adapters import get_adapter
 from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
+from attnslim.train.layer_match import layer_match_loss
+
+LOSSES = ("last_token", "layer")
 
 
 @dataclass(frozen=True)
@@ -46,11 +55,14 @@ class LoraRecipe:
     source: str = "wiki"
     seed: int = 0
     save_every: int = 25
+    loss: str = "last_token"  # last_token | layer (needs the teacher)
 
     def __post_init__(self) -> None:
         for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
             if getattr(self, key) < 1:
                 raise AttnslimError(f"LoRA recipe: {key}={getattr(self, key)} must be ≥ 1")
+        if self.loss not in LOSSES:
+            raise AttnslimError(f"LoRA recipe: loss={self.loss!r}; valid: {' | '.join(LOSSES)}")
         if not 0.0 <= self.dropout < 1.0 or self.lr <= 0 or self.warmup < 0:
             raise AttnslimError(f"LoRA recipe: dropout={self.dropout} (need [0, 1)), lr={self.lr} (> 0), "
                                 f"warmup={self.warmup} (≥ 0)")
@@ -70,6 +82,22 @@ def last_token_loss(model: Any, prompts: torch.Tensor, targets: torch.Tensor) ->
     return F.cross_entropy(logits, targets)
 
 
+def replaced_layers(model: Any, teacher: Any) -> list[int]:
+    """Layers whose attention module is not the teacher's type (what loss="layer" trains); refuses none."""
+    if teacher is None:
+        raise AttnslimError("LoRA recipe loss='layer' needs the original model: pass teacher=<the dense model>")
+    student, dense = get_adapter(model), get_adapter(teacher)
+    if student.num_layers() != dense.num_layers():
+        raise AttnslimError(f"teacher has {dense.num_layers()} layers, the model {student.num_layers()}; "
+                            "pass the model the compressed one was made from")
+    layers = [i for i in range(student.num_layers())
+              if type(student.attention(i)) is not type(dense.attention(i))]
+    if not layers:
+        raise AttnslimError("loss='layer': no attention layer of the model differs from the teacher's; "
+                            "convert layers first (e.g. method atp)")
+    return layers
+
+
 def _lr_factor(recipe: LoraRecipe, step: int) -> float:
     if step < recipe.warmup:
         return (step + 1) / recipe.warmup
@@ -79,17 +107,20 @@ def _lr_factor(recipe: LoraRecipe, step: int) -> float:
 
 def recover_with_lora(
     model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
-    stop_after: int | None = None,
+    stop_after: int | None = None, teacher: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Fine-tune LoRA adapters on q/k/v of `model` (resuming from `out_dir`); returns (model, log).
 
     With merge=True the adapters are merged into the q/k/v weights and the plain model is returned, so it
     saves and loads like any compressed model. `stop_after` runs at most that many steps in this call (a time
     box); the checkpoint written on stopping lets the next call continue exactly where this one stopped.
+    `teacher` (the original model) is required by loss="layer"; the layers trained are those whose attention
+    module differs in type from the teacher's (the replaced ones).
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
+    layers = replaced_layers(model, teacher) if recipe.loss == "layer" else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)  # LoRA A initialisation
@@ -128,7 +159,10 @@ def recover_with_lora(
     start = time.time()
     for step in bar:
         prompts, targets = batch_at(ids, recipe, step)
-        loss = last_token_loss(peft_model, prompts.to(device), targets.to(device))
+        if recipe.loss == "layer":
+            loss = layer_match_loss(peft_model.get_base_model(), teacher, layers, prompts.to(device))
+        else:
+            loss = last_token_loss(peft_model, prompts.to(device), targets.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
