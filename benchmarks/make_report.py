@@ -32,6 +32,8 @@ SECTIONS = {
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model (issue 8 targets)", "benchmarks/heal.py"),
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression (issue 8 targets)", "benchmarks/heal.py"),
+    "heal-default": ("Healing the default recipe's compression: which text to heal on (issue 8 targets)",
+                     "benchmarks/heal.py"),
 }
 
 
