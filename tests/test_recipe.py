@@ -48,6 +48,7 @@ def test_packaged_recipes_present_and_load():
     assert default.name == "default" and [s.method for s in default.steps] == ["latentllm"]
     assert default.steps[0].args == {"ratio": 1.0, "kv_ratio": 0.5}  # latentllm-kvonly-50 of latentllm.py
     assert default.heal is not None and default.heal["steps"] == 40  # what the demo's ten minutes allow
+    assert default.heal["source"] == "wiki+c4+tiny"  # heal-default.json: tiny acc -2.5 pts (wiki+c4: -4.3)
     assert load_recipe("asvd").steps[0].args == {"ratio": 0.8, "alpha": 0.5, "linears": ["q", "k", "v", "o"]}
     assert load_recipe("drop").steps[0].args == {"count": 6, "select": "similarity"}
 
