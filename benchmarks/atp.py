@@ -267,7 +267,10 @@ def notes(data: dict[str, Any]) -> list[str]:
         out += ["### Prompt-level multiple choice, paper layer (non-causal)", "", f"Items: {ch['items']}.  ",
                 f"LoRA: rank {ch['lora']['rank']} on q/k/v, batch {ch['lora']['batch_size']}, on {ch['lora_source']}; "
                 f"rows \"+ LoRA\": {ch['lora']['steps']} steps, lr {ch['lora']['lr']}, warm-up {ch['lora']['warmup']}; "
-                "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe).", "",
+                "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe); \"layer-match\" "
+                "rows train with the layer-local loss (every converted layer's output matched to the dense layer's on "
+                "the dense input, train/layer_match.py; final loss = mean relative squared error), the others with "
+                "next-token cross-entropy at the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8).", "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
             out.append(f"| {key} | {v['acc']:.3f} | {v['acc_norm']:.3f} | {v['lora_seconds']} | "
