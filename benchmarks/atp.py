@@ -159,9 +159,10 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
     variants |= {f"atp {label}": ({"rank": f, "form": "paper"}, None) for label, f in PAPER_FRACTIONS.items()}
     variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, k) for k in args.choice_last}
-    scaled = {"rank": 0.5, "form": "paper", "value_scale": "inv_sqrt_len"}  # notes G8 ablation: V′ / √L
-    variants |= {"atp 1/2 V/sqrt(L)": (scaled, None)}
-    variants |= {f"atp 1/2 V/sqrt(L), last {k} layers": (scaled, k) for k in args.choice_last}
+    for label, f in PAPER_FRACTIONS.items():  # notes G8 ablation: V′ / √L
+        scaled = {"rank": f, "form": "paper", "value_scale": "inv_sqrt_len"}
+        variants |= {f"atp {label} V/sqrt(L)": (scaled, None)}
+        variants |= {f"atp {label} V/sqrt(L), last {k} layers": (scaled, k) for k in args.choice_last}
     for key, (atp_args, last) in variants.items():
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
@@ -186,6 +187,7 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
             group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
                                       "lora_seconds": round(log.get("seconds", 0.0), 1),
                                       "lora_final_loss": log["losses"][-1] if log else None,
+                                      "command": store.data["environment"]["command"],
                                       **({"lora_recipe": log["recipe"]} if log else {})}
             if state is not None:
                 model.load_state_dict(state)  # merged LoRA weights out again before the next variant
