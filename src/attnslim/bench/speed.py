@@ -62,7 +62,8 @@ def interleaved(
                 if rep >= warmup:
                     samples[name].append(t)
             if progress:
-                print(f"  context {ctx}: repetition {rep + 1}/{warmup + repeats}", flush=True)
+                what = f"warm-up {rep + 1}/{warmup}" if rep < warmup else f"repetition {rep + 1 - warmup}/{repeats}"
+                print(f"  context {ctx}: {what}", flush=True)
         for name in names:
             prefill = statistics.median(s[0] for s in samples[name])
             per_token = statistics.median(s[1] for s in samples[name])
