@@ -152,7 +152,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     group = store.data["groups"].setdefault("choice", {"results": {}})
     items = choice_items("wiki", tokenizer, n=args.choice_n, context=args.choice_context)
     recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch,
-                        lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss)
+                        lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss,
+                        targets=tuple(f"{t}_proj" for t in args.lora_targets.split(",")))
     teacher = load_model(args.model)[0] if recipe.loss == "layer" else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
@@ -166,7 +167,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     for key, (atp_args, last) in variants.items():
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
-            tag = f"LoRA {'layer-match ' if recipe.loss == 'layer' else ''}{recipe.steps} steps, lr {recipe.lr:g}"
+            on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
+            tag = f"LoRA{on} {'layer-match ' if recipe.loss == 'layer' else ''}{recipe.steps} steps, lr {recipe.lr:g}"
             name = f"{key} + {tag}" if lora else key
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
             no_teacher_target = lora and atp_args is None and recipe.loss == "layer"  # dense matches itself
@@ -267,7 +269,8 @@ def notes(data: dict[str, Any]) -> list[str]:
     if "choice" in groups:
         ch = groups["choice"]
         out += ["### Prompt-level multiple choice, paper layer (non-causal)", "", f"Items: {ch['items']}.  ",
-                f"LoRA: rank {ch['lora']['rank']} on q/k/v, batch {ch['lora']['batch_size']}, on {ch['lora_source']}; "
+                f"LoRA: rank {ch['lora']['rank']} on q/k/v (rows \"LoRA on q/k/v/o\": also o), batch "
+                f"{ch['lora']['batch_size']}, on {ch['lora_source']}; "
                 f"rows \"+ LoRA\": {ch['lora']['steps']} steps, lr {ch['lora']['lr']}, warm-up {ch['lora']['warmup']}; "
                 "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe); \"layer-match\" "
                 "rows train with the layer-local loss (every converted layer's output matched to the dense layer's on "
@@ -312,6 +315,7 @@ def main() -> None:
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
+    p.add_argument("--lora-targets", default="q,k,v", help="projections that get LoRA (the paper: q,k,v)")
     p.add_argument("--lora-loss", default="last_token", choices=["last_token", "layer"],
                    help="last_token: next-token CE at the last position; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "

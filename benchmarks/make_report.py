@@ -20,6 +20,7 @@ SECTIONS = {
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
     "composed": ("Composed recipes: NBL + LatentLLM (issue 8 targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
+    "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers, losses compared", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
     "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
     "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
@@ -88,7 +89,8 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
         f"{env['transformers']}, attnslim {env['attnslim']}."
     )
     out.append("")
-    out.extend(ppl_table(data))
+    if data.get("dense", {}).get("ppl"):  # a run of only non-perplexity groups (e.g. atp.py --groups choice)
+        out.extend(ppl_table(data))
     notes = data.get("notes")
     if notes:
         out += ["", *notes]
