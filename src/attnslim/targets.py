@@ -49,12 +49,11 @@ def miss_reasons(params_before: dict[str, int], params_after: dict[str, int], fl
     params_*: adapter.param_groups(); flops_*: bench.flops_per_token at the decode context.
     """
     share = {g: params_before[g] / params_before["total"] for g in ("embedding", "attention", "mlp")}
-    kept = {g: params_after[g] / params_before[g] for g in ("attention", "mlp") if params_before[g]}
+    kept = {g: params_after[g] / params_before[g] for g in ("embedding", "attention", "mlp") if params_before[g]}
     core_b, core_a = flops_before["attention_core"], flops_after["attention_core"]
     return {
         "total": ("dense parameters are " + ", ".join(f"{g} {v:.0%}" for g, v in share.items())
-                  + "; the compressed model keeps " + ", ".join(f"{g} {k:.2f}×" for g, k in kept.items())
-                  + " and the embeddings whole"),
+                  + "; the compressed model keeps " + ", ".join(f"{g} {k:.2f}×" for g, k in kept.items())),
         "decode": (f"FLOPs per new token at {context} context: {flops_after['total'] / flops_before['total']:.2f}× "
                    f"dense (attention core {core_a / 1e6:.1f} vs {core_b / 1e6:.1f} MFLOPs, linear layers "
                    f"{flops_after['linear'] / flops_before['linear']:.2f}×)"),
