@@ -151,10 +151,11 @@ def run_serving(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any],
 def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], args: argparse.Namespace) -> None:
     group = store.data["groups"].setdefault("choice", {"results": {}})
     items = choice_items("wiki", tokenizer, n=args.choice_n, context=args.choice_context)
-    recipe = LoraRecipe(steps=args.lora_steps, context=args.choice_context, batch_size=args.lora_batch,
+    # --lora-steps 0 runs the zero-shot rows only (the recipe, which needs steps >= 1, is then never used)
+    recipe = LoraRecipe(steps=max(1, args.lora_steps), context=args.choice_context, batch_size=args.lora_batch,
                         lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss,
                         targets=tuple(f"{t}_proj" for t in args.lora_targets.split(",")))
-    teacher = load_model(args.model)[0] if recipe.loss == "layer" else None
+    teacher = load_model(args.model)[0] if recipe.loss == "layer" and args.lora_steps else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
     variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
