@@ -24,7 +24,7 @@ SECTIONS = {
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
     "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
     "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
-    "nbl-calib": ("NBL: calibration-size sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
+    "nbl-calib": ("NBL: calibration-size and ridge sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
     "latentllm-attn50": ("LatentLLM: attention-only at 50% kept attention parameters", "benchmarks/latentllm.py"),
     "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run, 16 calibration windows)", "benchmarks/nbl.py"),
     "nbl-gemma3": ("NBL on Gemma-3 270M (2048 evaluation tokens, 64 calibration windows)", "benchmarks/nbl.py"),

@@ -12,6 +12,7 @@ Groups (--groups, comma-separated; default all):
   probe    NBL with criterion "probe" (each candidate linearized alone, the increase of the NLL of the first
            --probe-windows calibration windows measured; the m cheapest chosen), and drop on the same layers
   calib    calibration-size sensitivity: the default NBL at --calib-m with --calib-windows windows
+  ridge    ridge sensitivity: the default NBL at --calib-m with the relative ridges --ridges (default 1e-6)
   speed    decode tokens/s and prefill time against dense at --contexts (attnslim.bench.interleaved);
            linearized layers are built with `Nbl.skeleton` (timing does not depend on the fitted values)
 
@@ -200,6 +201,7 @@ def main() -> None:
     parser.add_argument("--probe-windows", type=int, default=4, help="calibration windows of the probe criterion")
     parser.add_argument("--calib-m", default="6", help="m for the calibration-size sensitivity")
     parser.add_argument("--calib-windows", default="64,256")
+    parser.add_argument("--ridges", default="1e-4,1e-2", help="ridge group: ridges relative to mean eig(C_XX)")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--speed-m", default="6,12")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -259,6 +261,10 @@ def main() -> None:
         for m in [int(m) for m in args.calib_m.split(",") if m]:
             for windows in [int(w) for w in args.calib_windows.split(",") if w]:
                 run(f"{default}-m{m}-cal{windows}", nbl({"m": m}), calibration(windows, args.seq_len))
+    if "ridge" in groups:
+        for m in [int(m) for m in args.calib_m.split(",") if m]:
+            for ridge in [float(r) for r in args.ridges.split(",") if r]:
+                run(f"{default}-m{m}-ridge{ridge:g}", nbl({"m": m, "ridge": ridge}))
     if "speed" in groups:
         contexts = [int(c) for c in args.contexts.split(",")]
         speed(h, [int(m) for m in args.speed_m.split(",")], contexts, args.new_tokens, args.repeats)
