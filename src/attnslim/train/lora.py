@@ -86,7 +86,7 @@ def last_token_loss(model: Any, prompts: torch.Tensor, targets: torch.Tensor) ->
 
 
 def replaced_layers(model: Any, teacher: Any) -> list[int]:
-    """Layers whose attention module is not the teacher's type (what loss="layer" trains); refuses none."""
+    """Layers whose attention module is not the teacher's type (what loss="layer" trains); none is an error."""
     if teacher is None:
         raise AttnslimError("LoRA recipe loss='layer' needs the original model: pass teacher=<the dense model>")
     student, dense = get_adapter(model), get_adapter(teacher)
@@ -112,7 +112,7 @@ def recover_with_lora(
     model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
     stop_after: int | None = None, teacher: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Fine-tune LoRA adapters on q/k/v of `model` (resuming from `out_dir`); returns (model, log).
+    """Fine-tune LoRA adapters on `recipe.targets` of `model` (resuming from `out_dir`); returns (model, log).
 
     With merge=True the adapters are merged into the q/k/v weights and the plain model is returned, so it
     saves and loads like any compressed model. `stop_after` runs at most that many steps in this call (a time
