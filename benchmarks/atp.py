@@ -155,7 +155,7 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     recipe = LoraRecipe(steps=max(1, args.lora_steps), context=args.choice_context, batch_size=args.lora_batch,
                         lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss,
                         targets=tuple(f"{t}_proj" for t in args.lora_targets.split(",")))
-    teacher = load_model(args.model)[0] if recipe.loss == "layer" and args.lora_steps else None
+    teacher = load_model(args.model)[0] if recipe.loss != "last_token" and args.lora_steps else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
     variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
@@ -169,10 +169,11 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
             on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
-            tag = f"LoRA{on} {'layer-match ' if recipe.loss == 'layer' else ''}{recipe.steps} steps, lr {recipe.lr:g}"
+            kind = {"layer": "layer-match ", "last_kd": "last-position KD "}.get(recipe.loss, "")
+            tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}"
             name = f"{key} + {tag}" if lora else key
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
-            no_teacher_target = lora and atp_args is None and recipe.loss == "layer"  # dense matches itself
+            no_teacher_target = lora and atp_args is None and recipe.loss != "last_token"  # dense matches itself
             if name in group["results"] or not wanted or (lora and args.lora_steps == 0) or no_teacher_target:
                 continue
             install(model, dense, atp_args, last)
@@ -275,8 +276,10 @@ def notes(data: dict[str, Any]) -> list[str]:
                 f"rows \"+ LoRA\": {ch['lora']['steps']} steps, lr {ch['lora']['lr']}, warm-up {ch['lora']['warmup']}; "
                 "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe); \"layer-match\" "
                 "rows train with the layer-local loss (every converted layer's output matched to the dense layer's on "
-                "the dense input, train/layer_match.py; final loss = mean relative squared error), the others with "
-                "next-token cross-entropy at the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8).", "",
+                "the dense input, train/layer_match.py; final loss = mean relative squared error), \"last-position "
+                "KD\" rows with KL(dense ‖ model) of the next-token distributions at the last position, the others "
+                "with next-token cross-entropy at the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8).",
+                "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
             out.append(f"| {key} | {v['acc']:.3f} | {v['acc_norm']:.3f} | {v['lora_seconds']} | "
@@ -317,8 +320,9 @@ def main() -> None:
     p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
     p.add_argument("--lora-targets", default="q,k,v", help="projections that get LoRA (the paper: q,k,v)")
-    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "layer"],
-                   help="last_token: next-token CE at the last position; layer: layer-local distillation")
+    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "last_kd", "layer"],
+                   help="last_token: next-token CE at the last position; last_kd: KL to the dense model's "
+                   "distribution there; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
                    "e.g. 'atp 1/2, last 3 layers'")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")

@@ -434,7 +434,7 @@ def test_lora_recovery_trains_qkv_only_and_resumes_exactly(tmp_path):
 def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers(tmp_path):
     from attnslim.data import token_ids
     from attnslim.train.layer_match import layer_match_loss
-    from attnslim.train.lora import LoraRecipe, batch_at, recover_with_lora
+    from attnslim.train.lora import LoraRecipe, batch_at, last_kd_loss, recover_with_lora
 
     recipe = LoraRecipe(rank=4, alpha=8, steps=20, batch_size=2, context=16, source="tiny", warmup=1, lr=1e-2,
                         loss="layer", dropout=0.0)
@@ -453,6 +453,14 @@ def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers
     assert log["step"] == 20 and all(math.isfinite(x) for x in log["losses"])
     with torch.no_grad():
         assert float(layer_match_loss(trained, teacher, layers, held_out)) < 0.95 * before
+    kd = LoraRecipe(rank=4, alpha=8, steps=2, batch_size=2, context=16, source="tiny", warmup=1, loss="last_kd")
+    _, log = recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "k",
+                               progress=False, teacher=teacher)
+    assert log["step"] == 2 and all(math.isfinite(x) and x >= 0 for x in log["losses"])  # a KL divergence
+    with torch.no_grad():
+        assert float(last_kd_loss(same, teacher, held_out)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(AttnslimError, match="needs the original model"):
+        recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "p")
     with pytest.raises(AttnslimError, match="needs the original model"):
         recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe, tmp_path / "n")
     with pytest.raises(AttnslimError, match="no attention layer of the model differs"):

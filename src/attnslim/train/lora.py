@@ -6,6 +6,9 @@ text source, and `loss` picks the objective:
   "last_token"  cross-entropy of the *next* token at the last position over the full vocabulary — the same
                 last-position protocol the evaluation uses (eval/choice.py), with no target inside the input;
                 one target per sequence (the paper's task loss, adapted to a prompt-only window)
+  "last_kd"     distillation at the last position: KL(teacher ‖ model) of the next-token distributions of the
+                original model (`teacher`) and the model at the prompt's last position — leak-free like
+                "last_token", but a full distribution per sequence instead of one token (not in the paper)
   "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
                 attention layer matches the dense layer's output at every position, on the dense input — not
                 in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
@@ -40,7 +43,7 @@ from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
 from attnslim.train.layer_match import layer_match_loss
 
-LOSSES = ("last_token", "layer")
+LOSSES = ("last_token", "last_kd", "layer")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class LoraRecipe:
     source: str = "wiki"
     seed: int = 0
     save_every: int = 25
-    loss: str = "last_token"  # last_token | layer (needs the teacher)
+    loss: str = "last_token"  # last_token | last_kd | layer (the last two need the teacher)
 
     def __post_init__(self) -> None:
         for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
@@ -85,10 +88,16 @@ def last_token_loss(model: Any, prompts: torch.Tensor, targets: torch.Tensor) ->
     return F.cross_entropy(logits, targets)
 
 
+def last_kd_loss(model: Any, teacher: Any, prompts: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ model) of the next-token distributions at the last prompt position (batch mean)."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=prompts, use_cache=False).logits[:, -1].float(), dim=-1)
+    got = F.log_softmax(model(input_ids=prompts, use_cache=False).logits[:, -1].float(), dim=-1)  # (b, vocab)
+    return F.kl_div(got, target, log_target=True, reduction="batchmean")
+
+
 def replaced_layers(model: Any, teacher: Any) -> list[int]:
     """Layers whose attention module is not the teacher's type (what loss="layer" trains); none is an error."""
-    if teacher is None:
-        raise AttnslimError("LoRA recipe loss='layer' needs the original model: pass teacher=<the dense model>")
     student, dense = get_adapter(model), get_adapter(teacher)
     if student.num_layers() != dense.num_layers():
         raise AttnslimError(f"teacher has {dense.num_layers()} layers, the model {student.num_layers()}; "
@@ -123,6 +132,9 @@ def recover_with_lora(
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
+    if recipe.loss != "last_token" and teacher is None:
+        raise AttnslimError(f"LoRA recipe loss={recipe.loss!r} needs the original model: "
+                            "pass teacher=<the dense model>")
     layers = replaced_layers(model, teacher) if recipe.loss == "layer" else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +176,8 @@ def recover_with_lora(
         prompts, targets = batch_at(ids, recipe, step)
         if recipe.loss == "layer":
             loss = layer_match_loss(peft_model.get_base_model(), teacher, layers, prompts.to(device))
+        elif recipe.loss == "last_kd":
+            loss = last_kd_loss(peft_model, teacher, prompts.to(device))
         else:
             loss = last_token_loss(peft_model, prompts.to(device), targets.to(device))
         loss.backward()
