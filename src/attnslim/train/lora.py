@@ -9,7 +9,8 @@ text source, and `loss` picks the objective:
   "last_kd"     distillation at the last position: KL(teacher ‖ model) of the next-token distributions of the
                 original model (`teacher`) and the model at the prompt's last position — leak-free like
                 "last_token", but a full distribution per sequence instead of one token (not in the paper;
-                from the V′/√L layer on all 30 layers at 0.53: 0.41 after 40 steps at lr 1e-3, 0.45 at 2e-4, 0.47 after 120 steps at 2e-4)
+                from the V′/√L layer on all 30 layers at 0.53: 0.41 after 40 steps at lr 1e-3, 0.45 at 2e-4,
+                0.47 after 120 steps at 2e-4)
   "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
                 attention layer matches the dense layer's output at every position, on the dense input — not
                 in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
