@@ -12,10 +12,11 @@ Groups (--groups, comma-separated; default all four):
   choice    prompt-level multiple-choice accuracy (eval/choice.py: next-word items, answer read at the last
             position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
             recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
-            interrupted run resumes; --lora-loss layer: layer-local distillation instead of the last-token
-            loss); dense zero-shot and dense + the same LoRA recipe as references; the layer
-            at 1/2 keys on only the last --choice-last layers (zero-shot), the trade-off between the two; the
-            same with values scaled by 1/√L ("V/sqrt(L)", value_scale=inv_sqrt_len, notes G8)
+            interrupted run resumes; --lora-loss: last_token (default), last_kd (KL to the dense model at
+            the last position) or layer (layer-local distillation)); dense zero-shot and dense + the same
+            LoRA recipe as references; the layer at 1/2 keys on only the last --choice-last layers
+            (zero-shot), the trade-off between the two; the same with values scaled by 1/√L ("V/sqrt(L)",
+            value_scale=inv_sqrt_len, notes G8)
   speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
             attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
             core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians

@@ -13,7 +13,6 @@ reason (`miss_reasons`); benchmarks/composed.py and heal.py record it per recipe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 TARGETS = {"kv": 0.5, "total": 0.85, "wiki": 1.25, "acc_points": 3.0, "decode": 1.0}
 
@@ -33,7 +32,7 @@ def check_targets(kv: float, total: float, wiki: float, acc_drop: dict[str, floa
     drops = ", ".join(f"{t} {0.0 - d:+.1f}" for t, d in acc_drop.items())  # 0.0 - d: no "-0.0"
     t = TARGETS
     return [
-        TargetCheck("kv", f"KV bytes/token ≤ {t['kv']}× dense", f"{kv:.3f}×", kv <= t["kv"] + 1e-9),
+        TargetCheck("kv", f"KV bytes/token ≤ {t['kv']}× dense", f"{kv:.3f}×", kv <= t["kv"]),
         TargetCheck("total", f"total parameters ≤ {t['total']}× dense", f"{total:.3f}×", total <= t["total"]),
         TargetCheck("wiki", f"wiki perplexity ≤ {t['wiki']}× dense", f"{wiki:.3f}×", wiki <= t["wiki"]),
         TargetCheck("acc", f"zero-shot accuracy within {t['acc_points']:g} points of dense", f"{drops} points",
@@ -60,6 +59,6 @@ def miss_reasons(params_before: dict[str, int], params_after: dict[str, int], fl
     }
 
 
-def targets_met(checks: list[TargetCheck]) -> dict[str, Any]:
+def targets_met(checks: list[TargetCheck]) -> dict[str, bool]:
     """{key: met} in the order of TARGETS (benchmarks store this per row)."""
     return {c.key: c.met for c in checks}

@@ -16,7 +16,7 @@ text source, and `loss` picks the objective:
                 in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
                 layer at 1/2 keys with V′/√L on all 30 layers, 40 steps at lr 1e-3, acc 0.53 before): "layer"
                 0.59 in 270 s, "last_token" 0.44 in 317 s; on the last 3 layers without V′/√L (0.68 before)
-                both reach 0.78, "layer" in 90 s, "last_token" in 790 s.
+                both reach 0.78, "layer" in 90 s, "last_token" in 790 s (partly contended).
 Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
 for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
