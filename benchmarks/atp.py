@@ -13,7 +13,8 @@ Groups (--groups, comma-separated; default all four):
             position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
             recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
             interrupted run resumes; --lora-loss: last_token (default), last_kd (KL to the dense model at
-            the last position) or layer (layer-local distillation)); dense zero-shot and dense + the same
+            the last position), kd (the same KL at every position) or layer (layer-local distillation));
+            dense zero-shot and dense + the same
             LoRA recipe as references; the layer at 1/2 keys on only the last --choice-last layers
             (zero-shot), the trade-off between the two; the same with values scaled by 1/√L ("V/sqrt(L)",
             value_scale=inv_sqrt_len, notes G8)
@@ -170,7 +171,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
             on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
-            kind = {"layer": "layer-match ", "last_kd": "last-position KD "}.get(recipe.loss, "")
+            kind = {"layer": "layer-match ", "last_kd": "last-position KD ", "kd": "all-position KD "}.get(
+                recipe.loss, "")
             tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}"
             name = f"{key} + {tag}" if lora else key
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
@@ -321,9 +323,9 @@ def main() -> None:
     p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
     p.add_argument("--lora-targets", default="q,k,v", help="projections that get LoRA (the paper: q,k,v)")
-    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "last_kd", "layer"],
+    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "last_kd", "kd", "layer"],
                    help="last_token: next-token CE at the last position; last_kd: KL to the dense model's "
-                   "distribution there; layer: layer-local distillation")
+                   "distribution there; kd: that KL at every position; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
                    "e.g. 'atp 1/2, last 3 layers'")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")

@@ -469,6 +469,29 @@ def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers
         LoraRecipe(loss="mse")
 
 
+def test_all_position_kd_is_the_mean_of_last_position_kd_over_prefixes_and_trains(tmp_path):
+    from attnslim.data import token_ids
+    from attnslim.train.lora import LoraRecipe, batch_at, kd_loss, last_kd_loss, recover_with_lora
+
+    recipe = LoraRecipe(rank=4, alpha=8, steps=30, batch_size=8, context=12, source="tiny", warmup=1, lr=5e-3,
+                        loss="kd", dropout=0.0)
+    held_out = batch_at(token_ids("tiny", "calib", ByteTokenizer()), recipe, 10_000)[0]
+    teacher, causal = tiny_llama(), tiny_llama()
+    with torch.no_grad():  # for a causal model, position t of the window is the last position of its prefix
+        every = float(kd_loss(causal, teacher, held_out))
+        prefixes = [float(last_kd_loss(causal, teacher, held_out[:, : t + 1])) for t in range(held_out.shape[1])]
+    assert every == pytest.approx(sum(prefixes) / len(prefixes), rel=1e-4)
+    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    with torch.no_grad():
+        before = float(kd_loss(student, teacher, held_out))
+    trained, log = recover_with_lora(student, ByteTokenizer(), recipe, tmp_path / "kd", progress=False,
+                                     teacher=teacher)
+    assert log["step"] == 30 and all(math.isfinite(x) and x >= 0 for x in log["losses"])
+    with torch.no_grad():
+        assert float(kd_loss(trained, teacher, held_out)) < 0.9 * before
+
+
 # --- real model -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.real
