@@ -13,11 +13,13 @@ Groups (--groups, comma-separated; default all four):
             position) of the paper's non-causal layer at 1/2, 1/3, 1/4 principal keys, zero-shot and after LoRA
             recovery (train/lora.py: rank 32 on q/k/v, --lora-steps steps, checkpoints in runs/atp_lora/ so an
             interrupted run resumes; --lora-loss: last_token (default), last_kd (KL to the dense model at
-            the last position), kd (the same KL at every position) or layer (layer-local distillation));
+            the last position), kd (the same KL at every position), hidden (hidden states of every layer at
+            every position) or layer (layer-local distillation));
             dense zero-shot and dense + the same
             LoRA recipe as references; the layer at 1/2 keys on only the last --choice-last layers
             (zero-shot), the trade-off between the two; the same with values scaled by 1/√L ("V/sqrt(L)",
-            value_scale=inv_sqrt_len, notes G8)
+            value_scale=inv_sqrt_len, notes G8), also on the --choice-cheapest K layers whose lone conversion
+            costs least (analysis/conversion.py: last-position KL on calibration windows)
   speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
             attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
             core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
@@ -43,6 +45,7 @@ from common import RESULTS, environment
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
+from attnslim.analysis.conversion import calibration_prompts, cheapest_layers, conversion_costs
 from attnslim.analysis.lowrank import format_lowrank, lowrank_report
 from attnslim.data import eval_windows
 from attnslim.eval.choice import choice_accuracy, choice_items
@@ -55,6 +58,8 @@ from attnslim.train.lora import LoraRecipe, recover_with_lora
 
 FRACTIONS = {"1/2": 0.5, "1/4": 0.25, "1/8": 0.125}
 PAPER_FRACTIONS = {"1/2": 0.5, "1/3": 1 / 3, "1/4": 0.25}
+LOSS_TAGS = {"layer": "layer-match ", "last_kd": "last-position KD ", "kd": "all-position KD ",
+             "hidden": "hidden-state "}  # how a "+ LoRA" row names its loss (last_token: untagged)
 
 
 class Store:
@@ -81,16 +86,34 @@ class Store:
         tmp.replace(self.path)
 
 
-def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None, last: int | None = None) -> Any:
-    """Restore the dense attention modules, then (if args) apply atp with `args` to every layer (or the last)."""
+def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None, layers: list[int] | None = None) -> Any:
+    """Restore the dense attention modules, then (if args) apply atp with `args` to `layers` (default: all)."""
     adapter = get_adapter(model)
     for i, module in dense.items():
         adapter.replace_attention(i, module)
     if args is not None:
         method = Atp(**args)
-        for i in sorted(dense)[-last if last else 0 :]:
+        for i in sorted(dense) if layers is None else layers:
             method.convert(adapter, i, {}, None)
     return model
+
+
+def choice_layers(model: Any, tokenizer: Any, dense: dict[int, Any], group: dict[str, Any], args: dict[str, Any],
+                  which: tuple[str, int] | None, context: int) -> list[int] | None:
+    """The layers a choice variant converts: all (None), the last k, or the k of lowest lone conversion cost
+    (analysis/conversion.py on 32 calibration windows; cached in the group per atp arguments)."""
+    if which is None:
+        return None
+    kind, k = which
+    if kind == "last":
+        return sorted(dense)[-k:]
+    key = json.dumps(args, sort_keys=True)
+    if key not in group.setdefault("conversion_costs", {}):
+        install(model, dense, None)
+        prompts = calibration_prompts(tokenizer, "wiki", n=32, context=context)
+        group["conversion_costs"][key] = conversion_costs(model, Atp(**args), prompts)
+    costs = {int(i): c for i, c in group["conversion_costs"][key].items()}
+    return cheapest_layers(costs, k)
 
 
 # --- serving ----------------------------------------------------------------------------------------------------
@@ -160,26 +183,29 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     teacher = load_model(args.model)[0] if recipe.loss != "last_token" and args.lora_steps else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
-    variants: dict[str, tuple[dict[str, Any] | None, int | None]] = {"dense": (None, None)}
+    Which = tuple[str, int] | None  # converted layers: all (None), ("last", k) or ("cheapest", k)
+    variants: dict[str, tuple[dict[str, Any] | None, Which]] = {"dense": (None, None)}
     variants |= {f"atp {label}": ({"rank": f, "form": "paper"}, None) for label, f in PAPER_FRACTIONS.items()}
-    variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, k) for k in args.choice_last}
+    variants |= {f"atp 1/2, last {k} layers": ({"rank": 0.5, "form": "paper"}, ("last", k)) for k in args.choice_last}
     for label, f in PAPER_FRACTIONS.items():  # notes G8 ablation: V′ / √L
         scaled = {"rank": f, "form": "paper", "value_scale": "inv_sqrt_len"}
         variants |= {f"atp {label} V/sqrt(L)": (scaled, None)}
-        variants |= {f"atp {label} V/sqrt(L), last {k} layers": (scaled, k) for k in args.choice_last}
-    for key, (atp_args, last) in variants.items():
+        variants |= {f"atp {label} V/sqrt(L), last {k} layers": (scaled, ("last", k)) for k in args.choice_last}
+        variants |= {f"atp {label} V/sqrt(L), cheapest {k} layers": (scaled, ("cheapest", k))
+                     for k in args.choice_cheapest}
+    for key, (atp_args, which) in variants.items():
         for lora in (False, True):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
             on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
-            kind = {"layer": "layer-match ", "last_kd": "last-position KD ", "kd": "all-position KD "}.get(
-                recipe.loss, "")
+            kind = LOSS_TAGS.get(recipe.loss, "")
             tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}"
             name = f"{key} + {tag}" if lora else key
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
             no_teacher_target = lora and atp_args is None and recipe.loss != "last_token"  # dense matches itself
             if name in group["results"] or not wanted or (lora and args.lora_steps == 0) or no_teacher_target:
                 continue
-            install(model, dense, atp_args, last)
+            layers = choice_layers(model, tokenizer, dense, group, atp_args or {}, which, args.choice_context)
+            install(model, dense, atp_args, layers)
             state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
             log: dict[str, Any] = {}
             if lora:
@@ -192,6 +218,7 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
                     continue
             res = choice_accuracy(model, items)
             group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
+                                      "layers": "all" if layers is None else layers,
                                       "lora_seconds": round(log.get("seconds", 0.0), 1),
                                       "lora_final_loss": log["losses"][-1] if log else None,
                                       "command": store.data["environment"]["command"],
@@ -318,14 +345,17 @@ def main() -> None:
     p.add_argument("--choice-n", type=int, default=200)
     p.add_argument("--choice-context", type=int, default=256)
     p.add_argument("--choice-last", default="3,10", help="also the paper's layer at 1/2 keys on the last K layers only")
+    p.add_argument("--choice-cheapest", default="", help="also the layer (V/sqrt(L)) on the K layers of lowest lone "
+                   "conversion cost (analysis/conversion.py, calibration split), e.g. '10,15'")
     p.add_argument("--lora-steps", type=int, default=300)
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--lora-warmup", type=int, default=20, help="warm-up steps (capped at --lora-steps)")
     p.add_argument("--lora-targets", default="q,k,v", help="projections that get LoRA (the paper: q,k,v)")
-    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "last_kd", "kd", "layer"],
+    p.add_argument("--lora-loss", default="last_token", choices=["last_token", "last_kd", "kd", "hidden", "layer"],
                    help="last_token: next-token CE at the last position; last_kd: KL to the dense model's "
-                   "distribution there; kd: that KL at every position; layer: layer-local distillation")
+                   "distribution there; kd: that KL at every position; hidden: every layer's hidden states at every "
+                   "position; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
                    "e.g. 'atp 1/2, last 3 layers'")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")
@@ -338,6 +368,7 @@ def main() -> None:
     args.sources = args.sources.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.choice_last = [int(x) for x in args.choice_last.split(",") if x]
+    args.choice_cheapest = [int(x) for x in args.choice_cheapest.split(",") if x]
     groups = set(args.groups.split(","))
     store = Store(args.name, args)
     model, tokenizer = load_model(args.model)

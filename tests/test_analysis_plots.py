@@ -19,6 +19,7 @@ REPORTS = {
                                      "global_match": [[0, 1], [1, 0], [0, 1]]}},
     "sensitivity": {"single": {"ds": {"1": 0.3, "2": 0.1}, "avg": {"1": 0.2, "2": 0.1}},
                     "suffix": {"ds": {"1": 5.0, "2": 4.0}, "avg": {"1": 6.0, "2": 3.0}}},
+    "conversion": {"method": "atp", "costs": {"0": 0.8, "1": 0.05, "2": 0.1}},
 }
 
 
@@ -28,7 +29,7 @@ def test_figures_are_well_formed_svg(what):
     ns = "{http://www.w3.org/2000/svg}"
     charts = root.findall(f"{ns}g/{ns}svg")
     assert root.tag == f"{ns}svg" and len(charts) == {"linearity": 2, "lowrank": 1, "similarity": 2,
-                                                       "sensitivity": 2}[what]
+                                                       "sensitivity": 2, "conversion": 1}[what]
     assert float(root.get("height")) >= sum(float(c.get("height")) for c in charts)
 
 

@@ -492,6 +492,28 @@ def test_all_position_kd_is_the_mean_of_last_position_kd_over_prefixes_and_train
         assert float(kd_loss(trained, teacher, held_out)) < 0.9 * before
 
 
+def test_hidden_state_loss_is_zero_for_the_teacher_and_trains(tmp_path):
+    from attnslim.data import token_ids
+    from attnslim.train.lora import LoraRecipe, batch_at, hidden_loss, recover_with_lora
+
+    recipe = LoraRecipe(rank=4, alpha=8, steps=30, batch_size=8, context=12, source="tiny", warmup=1, lr=5e-3,
+                        loss="hidden", dropout=0.0)
+    held_out = batch_at(token_ids("tiny", "calib", ByteTokenizer()), recipe, 10_000)[0]
+    teacher, same = tiny_llama(), tiny_llama()
+    same.load_state_dict(teacher.state_dict())
+    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    with torch.no_grad():
+        assert float(hidden_loss(same, teacher, held_out)) == pytest.approx(0.0, abs=1e-10)
+        before = float(hidden_loss(student, teacher, held_out))
+    assert before > 1e-3
+    trained, log = recover_with_lora(student, ByteTokenizer(), recipe, tmp_path / "h", progress=False,
+                                     teacher=teacher)
+    assert log["step"] == 30 and all(math.isfinite(x) and x >= 0 for x in log["losses"])
+    with torch.no_grad():
+        assert float(hidden_loss(trained, teacher, held_out)) < 0.9 * before
+
+
 # --- real model -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.real

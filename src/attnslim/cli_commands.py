@@ -43,8 +43,12 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--what", required=True, help="linearity (NBL) | lowrank (ATP) | similarity | sensitivity (LISA)")
+    p.add_argument("--what", required=True, help="linearity (NBL) | lowrank (ATP) | similarity | sensitivity (LISA) "
+                   "| conversion (per-layer cost of --method, each layer converted alone)")
     p.add_argument("--m", type=int, default=6, help="linearity: how many layers to select")
+    p.add_argument("--method", default="atp", help="conversion: a statistics-free method (default atp)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="conversion: a method argument, value parsed as YAML (e.g. --arg value_scale=inv_sqrt_len)")
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--source", default="wiki")
@@ -171,7 +175,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, args.recipe, args.out, args.tokens)
 
 
-ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity")
+ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")
+
+
+def _method_from_cli(name: str, items: list[str]) -> Any:
+    """A method instance from --method and its --arg KEY=VALUE items (values parsed as YAML)."""
+    import yaml
+
+    from attnslim.errors import AttnslimError
+    from attnslim.registry import METHODS, lookup
+
+    args = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise AttnslimError(f"--arg {item!r} must look like key=value, e.g. --arg rank=0.25")
+        args[key] = yaml.safe_load(raw)
+    return lookup(METHODS, "method", name).from_args(args)
 
 
 def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dict[str, Any], str]:
@@ -187,6 +207,13 @@ def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dic
 
         report = lowrank_report(model, tokenizer, args.source, n=min(args.windows, 8))
         return report, format_lowrank(report)
+    if args.what == "conversion":
+        from attnslim.analysis.conversion import conversion_report, format_conversion
+
+        method = _method_from_cli(args.method, args.arg)
+        report = conversion_report(model, tokenizer, method, args.source, n=args.windows,
+                                   context=min(args.seq_len, 256))
+        return report, format_conversion(report)
     from attnslim.analysis import similarity
 
     if args.what == "similarity":
@@ -205,6 +232,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     if args.what not in ANALYSES:
         raise AttnslimError(f"unknown analysis {args.what!r}; valid: {', '.join(ANALYSES)}")
+    if args.arg and args.what != "conversion":
+        raise AttnslimError(f"--arg is read by --what conversion only, not {args.what!r}")
+    if args.what == "conversion":
+        _method_from_cli(args.method, args.arg)  # bad method arguments fail before the model loads
     model, tokenizer = load_model(args.model)
     report, text = _analysis(args, model, tokenizer)
     print(text)

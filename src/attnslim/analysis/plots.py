@@ -43,8 +43,15 @@ def sensitivity_figures(report: dict[str, Any]) -> list[str]:
                        "layer", "nats/token") for sweep in ("single", "suffix") if sweep in report]
 
 
+def conversion_figures(report: dict[str, Any]) -> list[str]:
+    """KL at the last position when one layer alone is converted by the method."""
+    costs = report["costs"]
+    return [bar_chart(f"{report['method']}: last-position KL, one layer converted alone", list(costs),
+                      [float(v) for v in costs.values()], "nats")]
+
+
 FIGURES = {"linearity": linearity_figures, "lowrank": lowrank_figures, "similarity": similarity_figures,
-           "sensitivity": sensitivity_figures}
+           "sensitivity": sensitivity_figures, "conversion": conversion_figures}
 
 
 def analysis_svg(what: str, report: dict[str, Any]) -> str:

@@ -16,6 +16,10 @@ text source, and `loss` picks the objective:
                 whatever the non-causal layer sees after t — leak-free with b·t targets per batch (not in the
                 paper). From the V′/√L layer on all 30 layers at 0.53: the KL falls from 6.5 to 3.5 nats in 40
                 steps at lr 1e-3 (acc 0.56, 680 s contended); at lr 2e-4, 0.49
+  "hidden"      hidden-state distillation: every decoder layer's output, on the model's own converted upstream,
+                pulled towards the original model's at every position (relative squared error per position) —
+                unlike "layer", it trains against the errors that compound through the converted layers; leak-
+                free like "kd" (not in the paper)
   "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
                 attention layer matches the dense layer's output at every position, on the dense input — not
                 in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
@@ -50,7 +54,7 @@ from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
 from attnslim.train.layer_match import layer_match_loss
 
-LOSSES = ("last_token", "last_kd", "kd", "layer")
+LOSSES = ("last_token", "last_kd", "kd", "hidden", "layer")
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class LoraRecipe:
     source: str = "wiki"
     seed: int = 0
     save_every: int = 25
-    loss: str = "last_token"  # last_token | last_kd | kd | layer (all but the first need the teacher)
+    loss: str = "last_token"  # last_token | last_kd | kd | hidden | layer (all but the first need the teacher)
 
     def __post_init__(self) -> None:
         for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
@@ -104,6 +108,18 @@ def kd_loss(model: Any, teacher: Any, prompts: torch.Tensor, last_only: bool = F
         target = F.log_softmax(teacher(input_ids=prompts, use_cache=False).logits[:, pick].float(), dim=-1)
     got = F.log_softmax(model(input_ids=prompts, use_cache=False).logits[:, pick].float(), dim=-1)  # (b, t, vocab)
     return F.kl_div(got.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
+def hidden_loss(model: Any, teacher: Any, prompts: torch.Tensor) -> torch.Tensor:
+    """Mean over layers and positions of ‖h_S − h_T‖² / ‖h_T‖² for every decoder layer's output hidden state,
+    the model running on its own (converted) upstream. Per position, so massive-activation tokens do not
+    dominate; leak-free for the same reason as `kd_loss` (h_T at t depends on tokens ≤ t only)."""
+    with torch.no_grad():
+        target = teacher(input_ids=prompts, use_cache=False, output_hidden_states=True).hidden_states[1:]
+    got = model(input_ids=prompts, use_cache=False, output_hidden_states=True).hidden_states[1:]
+    per_layer = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).clamp_min(1e-12)  # (b, t)
+                 for s, t in zip(got, target, strict=True)]
+    return torch.stack([e.mean() for e in per_layer]).mean()
 
 
 def last_kd_loss(model: Any, teacher: Any, prompts: torch.Tensor) -> torch.Tensor:
@@ -191,6 +207,8 @@ def recover_with_lora(
         prompts, targets = batch_at(ids, recipe, step)
         if recipe.loss == "layer":
             loss = layer_match_loss(peft_model.get_base_model(), teacher, layers, prompts.to(device))
+        elif recipe.loss == "hidden":
+            loss = hidden_loss(peft_model, teacher, prompts.to(device))
         elif recipe.loss in ("last_kd", "kd"):
             loss = kd_loss(peft_model, teacher, prompts.to(device), last_only=recipe.loss == "last_kd")
         else:

@@ -1,0 +1,104 @@
+"""Which layers tolerate a conversion: each candidate converted alone, measured without reading future tokens.
+
+For every layer i the method's module replaces layer i's attention (nothing else changes), and the cost is
+
+    KL_i = mean over windows w of KL( p_dense(· | w) ‖ p_i(· | w) )      at the last position of w only
+
+— the next-token distribution the prompt-level evaluation reads (eval/choice.py). The last position, not a
+teacher-forced loss over the window, because a non-causal replacement (ATP's paper layer) would see the
+targets of every other position. The windows come from the calibration split, so a selection made from the
+ranking never looks at evaluation text.
+
+Lone costs do not add up: on SmolLM2-135M with ATP's layer at 1/2 keys (V′/√L) they are 0.02-0.13 nats except
+layers 0, 1 (0.82, 1.29) and 24 (0.32), while all 30 together cost about 6.5 nats. Converting the k layers of
+lowest cost keeps more accuracy than the last k (benchmarks/atp.py, "best k"), not all of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attnslim.adapters import get_adapter
+from attnslim.data import token_ids
+from attnslim.errors import AttnslimError
+from attnslim.methods.base import Method
+
+
+def calibration_prompts(tokenizer: Any, source: str, n: int, context: int, seed: int = 0) -> torch.Tensor:
+    """(n, context) windows at seeded random offsets of the calibration split of `source`."""
+    ids = token_ids(source, "calib", tokenizer)
+    if ids.numel() < context + 1:
+        raise AttnslimError(f"the {source!r} calibration split has {ids.numel()} tokens; need > context={context}")
+    starts = torch.randint(0, ids.numel() - context, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.stack([ids[s : s + context] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def last_log_probs(model: Any, prompts: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """(n, vocab) next-token log-probabilities at the last position of each prompt."""
+    device = next(model.parameters()).device
+    parts = [model(input_ids=prompts[s : s + batch_size].to(device), use_cache=False).logits[:, -1].float()
+             for s in range(0, prompts.shape[0], batch_size)]
+    return torch.cat(parts).log_softmax(-1).cpu()
+
+
+@torch.no_grad()
+def conversion_costs(
+    model: Any, method: Method, prompts: torch.Tensor, layers: list[int] | None = None, batch_size: int = 8,
+    progress: bool = True,
+) -> dict[int, float]:
+    """{layer: KL_i} for each of `layers` (default all), each converted alone by `method` and then restored.
+
+    `method` must build its modules without calibration statistics (atp does); one that collects statistics
+    is refused with the reason.
+    """
+    adapter = get_adapter(model)
+    layers = list(range(adapter.num_layers())) if layers is None else layers
+    if method.collector(adapter, layers[0]).sites:
+        raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "
+                            "layer; this analysis supports statistics-free methods (e.g. atp)")
+    reference = last_log_probs(model, prompts, batch_size)
+    costs = {}
+    for i in tqdm(layers, desc=f"{method.name} cost per layer", disable=not progress, leave=False):
+        original = adapter.attention(i)
+        method.convert(adapter, i, {}, None)
+        try:
+            got = last_log_probs(model, prompts, batch_size)
+        finally:
+            adapter.replace_attention(i, original)
+        costs[i] = float(F.kl_div(got, reference, log_target=True, reduction="batchmean"))
+    return costs
+
+
+def cheapest_layers(costs: dict[int, float], count: int) -> list[int]:
+    """The `count` layers of lowest lone cost, sorted by index (a recipe's `layers:` list)."""
+    if not 0 <= count <= len(costs):
+        raise AttnslimError(f"count={count}: need 0..{len(costs)} (the layers measured)")
+    return sorted(sorted(costs, key=lambda i: (costs[i], i))[:count])
+
+
+def conversion_report(
+    model: Any, tokenizer: Any, method: Method, source: str = "wiki", n: int = 32, context: int = 256,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The per-layer costs of `method` on `n` calibration windows of `source`, with the ranking."""
+    costs = conversion_costs(model, method, calibration_prompts(tokenizer, source, n, context), progress=progress)
+    return {"method": method.name, "args": method.args(), "source": source, "windows": n, "context": context,
+            "costs": {str(i): c for i, c in costs.items()}, "order": sorted(costs, key=lambda i: (costs[i], i))}
+
+
+def format_conversion(report: dict[str, Any]) -> str:
+    """Text: cost per layer, then the cheapest 1/4, 1/3 and 1/2 of the layers as recipe selectors."""
+    costs = {int(k): v for k, v in report["costs"].items()}
+    lines = [f"{report['method']} {report['args']}: KL at the last position when one layer is converted alone "
+             f"({report['windows']} × {report['context']}-token {report['source']} calibration windows)",
+             "layer  KL (nats)"]
+    lines += [f"{i:>5}  {costs[i]:.4f}" for i in sorted(costs)]
+    n = len(costs)
+    for label, k in (("1/4", n // 4), ("1/3", n // 3), ("1/2", n // 2)):
+        lines.append(f"cheapest {label} ({k} layers): layers: {cheapest_layers(costs, k)}")
+    return "\n".join(lines)
