@@ -307,14 +307,21 @@ def notes(data: dict[str, Any]) -> list[str]:
                 "rows \"+ LoRA N steps, lr X\" name their budget (warm-up in the JSON's lora_recipe); \"layer-match\" "
                 "rows train with the layer-local loss (every converted layer's output matched to the dense layer's on "
                 "the dense input, train/layer_match.py; final loss = mean relative squared error), \"last-position "
-                "KD\" rows with KL(dense ‖ model) of the next-token distributions at the last position, the others "
-                "with next-token cross-entropy at the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8).",
+                "KD\" rows with KL(dense ‖ model) of the next-token distributions at the last position, \"all-"
+                "position KD\" with that KL at every position, \"hidden-state\" with every layer's hidden states "
+                "matched at every position on the converted upstream, the others with next-token cross-entropy at "
+                "the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8). \"cheapest k layers\": the k "
+                "layers whose lone conversion costs least (analysis/conversion.py, last-position KL on 32 "
+                "calibration windows; `attnslim analyze --what conversion`).",
                 "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
             out.append(f"| {key} | {v['acc']:.3f} | {v['acc_norm']:.3f} | {v['lora_seconds']} | "
                        f"{v['lora_final_loss'] if v['lora_final_loss'] is not None else '–'} |")
         out.append("")
+        chosen = {k.split(", cheapest ")[1].split(" + ")[0]: v["layers"] for k, v in ch["results"].items()
+                  if ", cheapest " in k}
+        out += [f"Cheapest {k}: layers {layers}." for k, layers in chosen.items()] + ([""] if chosen else [])
     if "speed" in groups:
         sp = groups["speed"]["seconds"]
         lengths = list(sp)

@@ -20,7 +20,8 @@ SECTIONS = {
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
     "composed": ("Composed recipes: NBL + LatentLLM (issue 8 targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
-    "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers, losses compared", "benchmarks/atp.py"),
+    "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers (losses compared) and on the cheapest "
+                     "layers", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
     "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
     "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
