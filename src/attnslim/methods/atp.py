@@ -23,16 +23,24 @@ Deviations from the paper, and why:
   - `value_scale="inv_sqrt_len"` (V′/√L, notes G8) is an ablation the paper does not have (default off, so the
     layer is the paper's). It is the better drop-in setting: at 1/2 keys on SmolLM2-135M (benchmarks/atp.py,
     100 next-word items, dense 0.96) it lifts all 30 layers from chance (0.25) to 0.53 and the last 3 layers
-    from 0.68 to 0.97. Recovery training: train/lora.py (`loss="layer"` matches each layer's dense output).
+    from 0.68 to 0.97.
+Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}` (a train/lora.py LoraRecipe:
+  LoRA rank 32 on q/k/v as the paper) runs after the step's conversion against the model as it was before the
+  step, and merges the adapters into q/k/v, so the saved model is a plain ATP model. Measured on all 30 layers
+  at 1/2 keys with V′/√L (0.53 drop-in): "kd" 150 steps at lr 1e-3 → 0.67; see BENCHMARKS.md, ATP recovery.
+  Inside compress the checkpoints go to a temporary directory; for a resumable run call
+  `attnslim.train.lora.recover_with_lora` with an `out_dir`.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method, require
 from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
 from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
@@ -55,6 +63,7 @@ class Atp(Method):
     compress: str = "hybrid"  # serving form: hybrid | principal | principal-mix | recent | sink
     sinks: int = 4  # serving form: first real tokens always kept exactly (attention sinks); not for "recent"
     mass: bool = True  # serving form, compress=principal|hybrid: dropped tokens' softmax mass moves to the nearest key
+    recover: dict[str, Any] | None = None  # paper form: a LoraRecipe mapping (train/lora.py) trained after conversion
     sequential = False
 
     def __post_init__(self) -> None:
@@ -73,6 +82,10 @@ class Atp(Method):
         require(self.compress in COMPRESSORS, name, "compress", self.compress, " | ".join(COMPRESSORS))
         require(isinstance(self.sinks, int) and self.sinks >= 0, name, "sinks", self.sinks, "an int >= 0")
         require(isinstance(self.mass, bool), name, "mass", self.mass, "true | false")
+        if self.recover is not None:
+            require(self.form == "paper", name, "recover", self.recover,
+                    "null with form serving (its prefill is exact attention; recovery trains the paper form)")
+            self.lora_recipe()  # unknown keys and bad values fail before any layer is converted
 
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         entries = {}
@@ -85,6 +98,29 @@ class Atp(Method):
 
     def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self.skeleton(adapter, layer, entry)  # the module copies the original weights from the spec
+
+    def lora_recipe(self) -> Any:
+        """The `recover` mapping as a train/lora.py LoraRecipe (validated there)."""
+        from attnslim.train.config import config_from_mapping
+        from attnslim.train.lora import LoraRecipe
+
+        return config_from_mapping(LoraRecipe, "atp.recover", self.recover)
+
+    @property
+    def trains(self) -> bool:
+        return self.recover is not None
+
+    def train_step(self, model: Any, tokenizer: Any, teacher: Any, progress: bool = True) -> dict[str, Any]:
+        """LoRA recovery of the converted layers (merged into q/k/v); returns the training log."""
+        from attnslim.train.lora import recover_with_lora
+
+        with tempfile.TemporaryDirectory(prefix="attnslim-atp-lora-") as work:
+            merged, log = recover_with_lora(model, tokenizer, self.lora_recipe(), work, progress=progress,
+                                            teacher=teacher)
+        if merged is not model:  # compress keeps using `model`; peft's merge has always worked in place
+            raise AttnslimError("atp.recover: peft returned a new model from merge_and_unload; this peft version "
+                                "is unsupported (pin the version in pyproject.toml)")
+        return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
         adapter.replace_attention(layer, self.build(adapter.attention_spec(layer)))
