@@ -16,7 +16,7 @@ from attnslim.analysis.conversion import (
 from attnslim.errors import AttnslimError
 from attnslim.methods.atp import Atp
 from attnslim.methods.latentllm import LatentLLM
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from helpers import ByteTokenizer
 
 
@@ -47,6 +47,8 @@ def test_methods_that_need_statistics_and_short_sources_are_refused():
     prompts = calibration_prompts(ByteTokenizer(), "tiny", n=2, context=16)
     with pytest.raises(AttnslimError, match="needs calibration statistics"):
         conversion_costs(tiny_llama(), LatentLLM(), prompts, progress=False)
+    with pytest.raises(AttnslimError, match="full-attention layers without soft-capping"):
+        conversion_costs(tiny_gemma3(), Atp(), prompts, progress=False)  # its sliding layers are refused by atp
     with pytest.raises(AttnslimError, match="need > context"):
         calibration_prompts(ByteTokenizer(), "tiny", n=2, context=10**7)
 

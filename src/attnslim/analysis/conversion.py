@@ -63,11 +63,12 @@ def conversion_costs(
     if method.collector(adapter, layers[0]).sites:
         raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "
                             "layer; this analysis supports statistics-free methods (e.g. atp)")
+    entries = method.plan(adapter, layers, {})["layers"]  # the method's own checks (e.g. atp refuses sliding layers)
     reference = last_log_probs(model, prompts, batch_size)
     costs = {}
     for i in tqdm(layers, desc=f"{method.name} cost per layer", disable=not progress, leave=False):
         original = adapter.attention(i)
-        method.convert(adapter, i, {}, None)
+        method.convert(adapter, i, dict(entries[str(i)]), None)
         try:
             got = last_log_probs(model, prompts, batch_size)
         finally:
