@@ -14,8 +14,9 @@ text source, and `loss` picks the objective:
   "kd"          distillation at every position: KL(teacher ‖ model) averaged over all prompt positions. The
                 teacher's distribution at t depends on tokens ≤ t only, so its minimiser is the teacher itself
                 whatever the non-causal layer sees after t — leak-free with b·t targets per batch (not in the
-                paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (KL 6.5 → 3.5
-                nats), 150 steps 0.67 (KL 2.3; the best all-layer recovery measured); at lr 2e-4, 40 steps 0.49
+                paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (KL 6.5 → 3.7
+                nats), 150 steps 0.67 (KL 2.4; the best all-layer recovery measured), 300 steps 0.61 (KL 2.4,
+                39 min on 2 threads): the accuracy plateaus at this batch (4 × 256 tokens); at lr 2e-4, 40 steps 0.49
   "hidden"      hidden-state distillation: every decoder layer's output, on the model's own converted upstream,
                 pulled towards the original model's at every position (relative squared error per position) —
                 unlike "layer", it trains against the errors that compound through the converted layers; leak-
