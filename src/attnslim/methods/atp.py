@@ -28,7 +28,9 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
   LoRA rank 32 on q/k/v as the paper) runs after the step's conversion against the model as it was before the
   step, and merges the adapters into q/k/v, so the saved model is a plain ATP model. Measured on all 30 layers
   at 1/2 keys with V′/√L (0.53 drop-in): "kd" at lr 1e-3 gives 0.67 after 150 steps and 0.61 after 300 (a
-  plateau at batch 4 × 256; the paper trains on ~170× more tokens); see BENCHMARKS.md, ATP recovery.
+  plateau at batch 4 × 256; the paper trains on ~85× more tokens). On the 15 layers whose lone conversion
+  costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96).
+  See BENCHMARKS.md, ATP recovery.
   Inside compress the checkpoints go to a temporary directory; for a resumable run call
   `attnslim.train.lora.recover_with_lora` with an `out_dir`.
 """
