@@ -11,6 +11,7 @@ from attnslim.analysis.conversion import (
     conversion_costs,
     conversion_report,
     format_conversion,
+    joint_cost,
     last_log_probs,
 )
 from attnslim.errors import AttnslimError
@@ -27,8 +28,10 @@ def test_costs_are_one_kl_per_layer_and_leave_the_model_unchanged():
     costs = conversion_costs(model, Atp(rank=0.5), prompts, progress=False)
     assert sorted(costs) == [0, 1, 2, 3] and all(c > 0 for c in costs.values())
     assert torch.equal(last_log_probs(model, prompts), before)  # every layer restored
-    # the full rank keeps every component, but the paper layer still differs from softmax attention
+    # measuring a subset gives the same per-layer numbers (each layer is converted alone)
     assert conversion_costs(model, Atp(rank=0.5), prompts, layers=[2], progress=False) == {2: costs[2]}
+    assert joint_cost(model, Atp(rank=0.5), prompts, [2]) == costs[2]  # a group of one is the lone cost
+    assert torch.equal(last_log_probs(model, prompts), before)
 
 
 def test_cheapest_layers_and_the_report():
@@ -38,9 +41,10 @@ def test_cheapest_layers_and_the_report():
         cheapest_layers(costs, 5)
     report = conversion_report(tiny_llama(), ByteTokenizer(), Atp(rank=0.25), source="tiny", n=2, context=16,
                                progress=False)
-    assert report["args"]["rank"] == 0.25 and sorted(report["order"]) == [0, 1, 2, 3]
+    assert report["args"]["rank"] == 0.25 and sorted(report["order"]) == [0, 1, 2, 3] and report["all_layers"] > 0
     text = format_conversion(report)
-    assert "cheapest 1/2 (2 layers): layers: [" in text and text.count("\n") == 2 + 4 + 2
+    assert "cheapest 1/2 (2 layers): layers: [" in text and text.count("\n") == 2 + 4 + 3
+    assert "all 4 layers converted together: " in text
 
 
 def test_methods_that_need_statistics_and_short_sources_are_refused():

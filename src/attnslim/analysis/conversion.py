@@ -10,7 +10,8 @@ targets of every other position. The windows come from the calibration split, so
 ranking never looks at evaluation text.
 
 Lone costs do not add up: on SmolLM2-135M with ATP's layer at 1/2 keys (V′/√L; 32 windows of 256 tokens) they
-are 0.03-0.20 nats except layers 0, 1 (0.61, 1.14) and 24 (0.28), while all 30 together cost about 6.5 nats.
+are 0.03-0.20 nats except layers 0, 1 (0.61, 1.14) and 24 (0.28); they sum to 4.23, while all 30 converted
+together cost 7.15 (`attnslim analyze smollm2-135m --what conversion --arg value_scale=inv_sqrt_len`).
 Converting the k layers of lowest cost keeps more accuracy than the last k, not all of it (benchmarks/atp.py
 --choice-cheapest; 100 next-word items, dense 0.96): the cheapest 10 give 0.90 (the last 10: 0.80), the
 cheapest 15 give 0.80, and 0.94 after 80 steps of LoRA recovery (train/lora.py, loss "kd"); the cheapest 20
@@ -49,6 +50,29 @@ def last_log_probs(model: Any, prompts: torch.Tensor, batch_size: int = 8) -> to
     return torch.cat(parts).log_softmax(-1).cpu()
 
 
+def _checked_entries(adapter: Any, method: Method, layers: list[int]) -> dict[str, Any]:
+    """The method's plan entries for `layers` (its own checks apply, e.g. atp refuses sliding layers)."""
+    if method.collector(adapter, layers[0]).sites:
+        raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "
+                            "layer; this analysis supports statistics-free methods (e.g. atp)")
+    return method.plan(adapter, layers, {})["layers"]
+
+
+def _cost(model: Any, method: Method, entries: dict[str, Any], group: list[int], prompts: torch.Tensor,
+          reference: torch.Tensor, batch_size: int) -> float:
+    """Last-position KL to `reference` with the layers of `group` converted together, then restored."""
+    adapter = get_adapter(model)
+    originals = {i: adapter.attention(i) for i in group}
+    try:
+        for i in group:
+            method.convert(adapter, i, dict(entries[str(i)]), None)
+        got = last_log_probs(model, prompts, batch_size)
+    finally:
+        for i, module in originals.items():
+            adapter.replace_attention(i, module)
+    return float(F.kl_div(got, reference, log_target=True, reduction="batchmean"))
+
+
 @torch.no_grad()
 def conversion_costs(
     model: Any, method: Method, prompts: torch.Tensor, layers: list[int] | None = None, batch_size: int = 8,
@@ -61,21 +85,18 @@ def conversion_costs(
     """
     adapter = get_adapter(model)
     layers = list(range(adapter.num_layers())) if layers is None else layers
-    if method.collector(adapter, layers[0]).sites:
-        raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "
-                            "layer; this analysis supports statistics-free methods (e.g. atp)")
-    entries = method.plan(adapter, layers, {})["layers"]  # the method's own checks (e.g. atp refuses sliding layers)
+    entries = _checked_entries(adapter, method, layers)
     reference = last_log_probs(model, prompts, batch_size)
-    costs = {}
-    for i in tqdm(layers, desc=f"{method.name} cost per layer", disable=not progress, leave=False):
-        original = adapter.attention(i)
-        method.convert(adapter, i, dict(entries[str(i)]), None)
-        try:
-            got = last_log_probs(model, prompts, batch_size)
-        finally:
-            adapter.replace_attention(i, original)
-        costs[i] = float(F.kl_div(got, reference, log_target=True, reduction="batchmean"))
-    return costs
+    return {i: _cost(model, method, entries, [i], prompts, reference, batch_size)
+            for i in tqdm(layers, desc=f"{method.name} cost per layer", disable=not progress, leave=False)}
+
+
+@torch.no_grad()
+def joint_cost(model: Any, method: Method, prompts: torch.Tensor, layers: list[int], batch_size: int = 8) -> float:
+    """The same KL with all of `layers` converted at once (lone costs do not add up: compare their sum)."""
+    entries = _checked_entries(get_adapter(model), method, layers)
+    reference = last_log_probs(model, prompts, batch_size)
+    return _cost(model, method, entries, layers, prompts, reference, batch_size)
 
 
 def cheapest_layers(costs: dict[int, float], count: int) -> list[int]:
@@ -90,9 +111,11 @@ def conversion_report(
     progress: bool = True,
 ) -> dict[str, Any]:
     """The per-layer costs of `method` on `n` calibration windows of `source`, with the ranking."""
-    costs = conversion_costs(model, method, calibration_prompts(tokenizer, source, n, context), progress=progress)
+    prompts = calibration_prompts(tokenizer, source, n, context)
+    costs = conversion_costs(model, method, prompts, progress=progress)
     return {"method": method.name, "args": method.args(), "source": source, "windows": n, "context": context,
-            "costs": {str(i): c for i, c in costs.items()}, "order": sorted(costs, key=lambda i: (costs[i], i))}
+            "costs": {str(i): c for i, c in costs.items()}, "order": sorted(costs, key=lambda i: (costs[i], i)),
+            "all_layers": joint_cost(model, method, prompts, sorted(costs))}
 
 
 def format_conversion(report: dict[str, Any]) -> str:
@@ -103,6 +126,8 @@ def format_conversion(report: dict[str, Any]) -> str:
              "layer  KL (nats)"]
     lines += [f"{i:>5}  {costs[i]:.4f}" for i in sorted(costs)]
     n = len(costs)
+    lines.append(f"all {n} layers converted together: {report['all_layers']:.4f} (the lone costs sum to "
+                 f"{sum(costs.values()):.4f})")
     for label, k in (("1/4", n // 4), ("1/3", n // 3), ("1/2", n // 2)):
         lines.append(f"cheapest {label} ({k} layers): layers: {cheapest_layers(costs, k)}")
     return "\n".join(lines)

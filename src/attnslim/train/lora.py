@@ -14,14 +14,14 @@ text source, and `loss` picks the objective:
   "kd"          distillation at every position: KL(teacher ‖ model) averaged over all prompt positions. The
                 teacher's distribution at t depends on tokens ≤ t only, so its minimiser is the teacher itself
                 whatever the non-causal layer sees after t — leak-free with b·t targets per batch (not in the
-                paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (KL 6.5 → 3.7
+                paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (final KL 3.7
                 nats), 150 steps 0.67 (KL 2.4; the best all-layer recovery measured), 300 steps 0.61 (KL 2.4,
                 39 min on 2 threads): the accuracy plateaus at this batch (4 × 256 tokens); at lr 2e-4, 40 steps 0.49
   "hidden"      hidden-state distillation: every decoder layer's output, on the model's own converted upstream,
                 pulled towards the original model's at every position (relative squared error per position) —
                 unlike "layer", it trains against the errors that compound through the converted layers; leak-
                 free like "kd" (not in the paper). From the V′/√L layer on all 30 layers at 0.53: 0.51 after 40
-                steps at lr 1e-3 (the per-position error starts in the thousands at a few positions and is noisy)
+                steps at lr 1e-3
   "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
                 attention layer matches the dense layer's output at every position, on the dense input — not
                 in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
