@@ -55,6 +55,7 @@ from attnslim.models import load_model
 from attnslim.modules.principal import PrincipalKeyAttention
 from attnslim.modules.principal_serving import continuation_nll
 from attnslim.train.lora import LoraRecipe, recover_with_lora
+from attnslim.train.progressive import progressive_recovery
 
 FRACTIONS = {"1/2": 0.5, "1/4": 0.25, "1/8": 0.125}
 PAPER_FRACTIONS = {"1/2": 0.5, "1/3": 1 / 3, "1/4": 0.25}
@@ -220,6 +221,7 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
             group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
                                       "layers": "all" if layers is None else layers,
                                       "lora_seconds": round(log.get("seconds", 0.0), 1),
+                                      "lora_first_loss": log["losses"][0] if log else None,
                                       "lora_final_loss": log["losses"][-1] if log else None,
                                       "command": store.data["environment"]["command"],
                                       **({"lora_recipe": log["recipe"]} if log else {})}
@@ -227,6 +229,46 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
                 model.load_state_dict(state)  # merged LoRA weights out again before the next variant
             store.save()
             print(f"[done] {name}: acc {res.acc:.3f} acc_norm {res.acc_norm:.3f}", flush=True)
+    if args.choice_progressive and args.lora_steps:
+        run_progressive(store, group, model, tokenizer, dense, args, items, recipe, teacher)
+
+
+def run_progressive(store: Store, group: dict[str, Any], model: Any, tokenizer: Any, dense: dict[int, Any],
+                    args: argparse.Namespace, items: Any, recipe: LoraRecipe, teacher: Any) -> None:
+    """The layer at 1/2 keys (V′/√L) converted in stages (train/progressive.py), LoRA after each; accuracy per stage."""
+    counts = args.choice_progressive
+    kind = LOSS_TAGS.get(recipe.loss, "")
+    name = (f"atp 1/2 V/sqrt(L), progressive {'→'.join(map(str, counts))} + LoRA {kind}{recipe.steps} steps/stage, "
+            f"lr {recipe.lr:g}")
+    if name in group["results"]:
+        return
+    if teacher is None:
+        raise SystemExit("--choice-progressive needs a teacher loss (--lora-loss kd, last_kd, hidden or layer)")
+    install(model, dense, None)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    stages: list[dict[str, Any]] = []
+
+    def evaluate(s: int, log: dict[str, Any]) -> None:
+        res = choice_accuracy(model, items)
+        stages.append({"layers": log["layers"], "new_layers": log["new_layers"], "acc": res.acc, "items": res.items,
+                       "acc_norm": res.acc_norm, "lora_seconds": round(log["lora"]["seconds"], 1),
+                       "lora_first_loss": log["lora"]["losses"][0], "lora_final_loss": log["lora"]["losses"][-1]})
+        print(f"[stage {s}] {len(log['layers'])} layers {log['layers']}: acc {res.acc:.3f}", flush=True)
+
+    work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-").replace(",", "").replace("→", "-")
+    args_atp = {"rank": 0.5, "form": "paper", "value_scale": "inv_sqrt_len"}
+    progressive_recovery(model, tokenizer, Atp(**args_atp), counts, recipe, teacher, work, after_stage=evaluate)
+    last = stages[-1]
+    group["results"][name] = {"acc": last["acc"], "acc_norm": last["acc_norm"], "items": last["items"],
+                              "layers": "all" if len(last["layers"]) == len(dense) else last["layers"],
+                              "lora_seconds": round(sum(st["lora_seconds"] for st in stages), 1),
+                              "lora_final_loss": last["lora_final_loss"], "stages": stages,
+                              "command": store.data["environment"]["command"], "lora_recipe": vars(recipe) | {
+                                  "targets": list(recipe.targets)}}
+    install(model, dense, None)
+    model.load_state_dict(state)
+    store.save()
+    print(f"[done] {name}: acc {last['acc']:.3f}", flush=True)
 
 
 # --- speed -------------------------------------------------------------------------------------------------------
@@ -312,7 +354,9 @@ def notes(data: dict[str, Any]) -> list[str]:
                 "matched at every position on the converted upstream, the others with next-token cross-entropy at "
                 "the last position. \"V/sqrt(L)\": values scaled by 1/√L (notes G8). \"cheapest k layers\": the k "
                 "layers whose lone conversion costs least (analysis/conversion.py, last-position KL on 32 "
-                "calibration windows; `attnslim analyze --what conversion`).",
+                "calibration windows; `attnslim analyze --what conversion`). \"progressive a→b→c\": converted in "
+                "stages of a, b, c layers, each stage's new layers the cheapest on the model as recovered so far, "
+                "each stage followed by the LoRA budget named (train/progressive.py).",
                 "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
@@ -322,6 +366,13 @@ def notes(data: dict[str, Any]) -> list[str]:
         chosen = {k.split(", cheapest ")[1].split(" + ")[0]: v["layers"] for k, v in ch["results"].items()
                   if ", cheapest " in k}
         out += [f"Cheapest {k}: layers {layers}." for k, layers in chosen.items()] + ([""] if chosen else [])
+        for key, v in ch["results"].items():
+            if "stages" in v:  # progressive rows: every stage's layers and accuracy
+                out += [f"{key}, by stage (each stage: the layers of lowest conversion cost on the model recovered so "
+                        "far, then LoRA; KD loss first → last step):", ""]
+                out += [f"- {len(st['layers'])} layers (+{st['new_layers']}): acc {st['acc']:.2f}, loss "
+                        f"{st['lora_first_loss']:.2f} → {st['lora_final_loss']:.2f}, {st['lora_seconds']} s"
+                        for st in v["stages"]] + [""]
     if "speed" in groups:
         sp = groups["speed"]["seconds"]
         lengths = list(sp)
@@ -354,6 +405,9 @@ def main() -> None:
     p.add_argument("--choice-last", default="3,10", help="also the paper's layer at 1/2 keys on the last K layers only")
     p.add_argument("--choice-cheapest", default="", help="also the layer (V/sqrt(L)) on the K layers of lowest lone "
                    "conversion cost (analysis/conversion.py, calibration split), e.g. '10,15'")
+    p.add_argument("--choice-progressive", default="", help="also the layer (V/sqrt(L), 1/2 keys) converted in "
+                   "stages of these layer counts, each stage's layers the cheapest on the recovered model and followed "
+                   "by --lora-steps of LoRA (train/progressive.py), e.g. '15,22,30'")
     p.add_argument("--lora-steps", type=int, default=300)
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=2e-4)
@@ -376,6 +430,7 @@ def main() -> None:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.choice_last = [int(x) for x in args.choice_last.split(",") if x]
     args.choice_cheapest = [int(x) for x in args.choice_cheapest.split(",") if x]
+    args.choice_progressive = [int(x) for x in args.choice_progressive.split(",") if x]
     groups = set(args.groups.split(","))
     store = Store(args.name, args)
     model, tokenizer = load_model(args.model)

@@ -343,6 +343,29 @@ def test_recover_trains_merges_and_saves(tmp_path):
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
 
 
+def test_every_training_step_distils_towards_the_original_model(monkeypatch):
+    """Progressive conversion as a recipe: the second step's teacher is the model before the first step, so it
+    also corrects what the first step lost (not the first step's output)."""
+    from attnslim.recipe import recipe_from_dict
+
+    model = tiny_llama()
+    reference = model(input_ids=IDS).logits
+    teachers: list[torch.Tensor] = []
+
+    def spy(self, student, tokenizer, teacher, progress=True):
+        teachers.append(teacher(input_ids=IDS).logits)
+        return {"step": 0}
+
+    monkeypatch.setattr(Atp, "train_step", spy)
+    args = {"rank": 0.5, "form": "paper", "recover": RECOVER}
+    recipe = recipe_from_dict({"name": "stages", "calibration": {"source": "tiny", "windows": 2, "seq_len": 16},
+                               "steps": [{"method": "atp", "layers": [1], "args": args},
+                                         {"method": "atp", "layers": "rest", "args": args}]})
+    report = compress(model, ByteTokenizer(), recipe, progress=False)
+    assert [sorted(s["plan"]["layers"]) for s in report.steps] == [["1"], ["0", "2", "3"]]
+    assert len(teachers) == 2 and all(torch.equal(t, reference) for t in teachers)
+
+
 @pytest.mark.parametrize("recover,match", [({"stepz": 2}, "atp.recover has unknown key"),
                                            ({"loss": "mse"}, "loss='mse'"), ([2], "must be a mapping")])
 def test_bad_recover_fails_before_conversion(recover, match):

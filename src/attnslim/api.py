@@ -75,22 +75,23 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
-    original = _frozen_copy(model) if recipe.heal is not None else None  # the heal's teacher
-    for step, candidates in steps:
+    methods = [lookup(METHODS, "method", step.method).from_args(dict(step.args)) for step, _ in steps]
+    # the teacher of every training step and of the heal: the model before the first step, so a later step
+    # distils towards the original and also corrects what earlier steps lost (progressive conversion)
+    trains = recipe.heal is not None or any(method.trains for method in methods)
+    original = _frozen_copy(model) if trains else None
+    for (step, candidates), method in zip(steps, methods, strict=True):
         converted = {int(k) for d in done for k in d["plan"]["layers"]}
         layers = rest_layers(adapter.num_layers(), converted) if candidates is None else candidates
-        method = lookup(METHODS, "method", step.method).from_args(dict(step.args))
-        teacher = _frozen_copy(model) if method.trains else None  # the model as it is before this step
         with torch.no_grad():
             plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress)
-        if teacher is not None:
-            plan["training"] = method.train_step(model, tokenizer, teacher, progress)
-            del teacher
+        if method.trains:
+            plan["training"] = method.train_step(model, tokenizer, original, progress)
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
     healed = None
     if recipe.heal is not None:  # `original` was kept above
         healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)
-        del original
+    del original
     kv_after = kv_bytes_per_token(model)
     return CompressionReport(
         recipe=recipe_to_dict(recipe), recipe_fingerprint=fingerprint(recipe), steps=done,

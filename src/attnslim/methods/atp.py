@@ -25,9 +25,9 @@ Deviations from the paper, and why:
     100 next-word items, dense 0.96) it lifts all 30 layers from chance (0.25) to 0.53 and the last 3 layers
     from 0.68 to 0.97.
 Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}` (a train/lora.py LoraRecipe:
-  LoRA rank 32 on q/k/v as the paper) runs after the step's conversion against the model as it was before the
-  step, and merges the adapters into q/k/v, so the saved model is a plain ATP model. Measured on all 30 layers
-  at 1/2 keys with V′/√L (0.53 drop-in): "kd" at lr 1e-3 gives 0.67 after 150 steps and 0.61 after 300 (a
+  LoRA rank 32 on q/k/v as the paper) runs after the step's conversion against the model before the recipe's
+  first step, and merges the adapters into q/k/v, so the saved model is a plain ATP model. Measured on all 30
+  layers at 1/2 keys with V′/√L (0.53 drop-in): "kd" at lr 1e-3 gives 0.67 after 150 steps and 0.61 after 300 (a
   plateau at batch 4 × 256; the paper trains on ~85× more tokens). On the 15 layers whose lone conversion
   costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96).
   See BENCHMARKS.md, ATP recovery.

@@ -6,7 +6,8 @@
     skeleton(adapter, layer, entry)            the same modules, empty, so saved weights can load
 
 Optionally `trains` + `train_step(model, tokenizer, teacher)`: after all its layers are converted, a step may train
-its new parameters against `teacher`, a frozen copy of the model taken just before the step (LISA's distillation).
+its new parameters against `teacher`, a frozen copy of the model before the recipe's first step (api.compress; so a
+later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP's LoRA recovery.
 
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).

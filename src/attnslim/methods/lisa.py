@@ -10,11 +10,11 @@ Cost per LISA layer (h heads, g KV heads, d head dim, D hidden, F aligner width,
   KV      K_LR g r + V g d elements/token instead of 2 g d (ds: V + a 1-byte position marker)
   e.g. SmolLM2-135M (h 9, g 3, d 64, r 10, F 72): +71.1k, −442k params; K cache 64 -> 10 per head (6.4x).
 Training (gap 8 of shared/methods/lisa.md): a separate step after conversion, `train/distill.distill`,
-teacher = a copy of the model before this step. It is not inside `convert` because convert runs per layer
-under torch.no_grad with neither token ids nor tokenizer, while distillation needs every LISA layer
-installed, labelled text and gradients. The `train` argument (a dict of DistillConfig fields) records the
-budget in the recipe; api.compress runs `Lisa.train_step(model, tokenizer, teacher)` after the step's conversion
-and records the training report in the step's plan ("training").
+teacher = a frozen copy of the model before the recipe's first step (api.compress). It is not inside
+`convert` because convert runs per layer under torch.no_grad with neither token ids nor tokenizer, while
+distillation needs every LISA layer installed, labelled text and gradients. The `train` argument (a dict of
+DistillConfig fields) records the budget in the recipe; api.compress runs `Lisa.train_step(model, tokenizer,
+teacher)` after the step's conversion and records the training report in the step's plan ("training").
 
 Deviations / decisions (numbers refer to the gaps in shared/methods/lisa.md §6):
 - scores are shared before softmax, the mask is applied only right before softmax (gaps 1, 2);
