@@ -569,7 +569,43 @@ def test_hidden_state_loss_is_zero_for_the_teacher_and_trains(tmp_path):
         assert float(hidden_loss(trained, teacher, held_out)) < 0.9 * before
 
 
+def test_teacher_forced_scores_refuse_the_paper_layer():
+    """Perplexity and lm-eval log-likelihoods read the targets through a non-causal layer: a clear error, not a
+    silently optimistic number; the causal serving form is scored as usual."""
+    from attnslim.data import eval_windows
+    from attnslim.eval import perplexity
+    from attnslim.eval.causal import noncausal_layers
+    from attnslim.eval.tasks import evaluate_tasks
+
+    windows = eval_windows("tiny", ByteTokenizer(), tokens=64, seq_len=32)
+    paper = _convert(tiny_llama(), rank=0.5, form="paper")
+    assert noncausal_layers(paper) == [0, 1, 2, 3]
+    with pytest.raises(AttnslimError, match=r"perplexity: layers \[0, 1, 2, 3\] are non-causal.*--choice"):
+        perplexity(paper, windows, progress=False)
+    with pytest.raises(AttnslimError, match="zero-shot tasks: layers .* are non-causal"):
+        evaluate_tasks(paper, ByteTokenizer(), ["attnslim_tiny_lastword"], limit=2, progress=False)
+    serving = _convert(tiny_llama(), rank=0.5, form="serving")
+    assert noncausal_layers(serving) == [] and math.isfinite(perplexity(serving, windows, progress=False).ppl)
+
+
 # --- real model -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.real
+def test_real_paper_layer_is_scored_by_choice_items_from_the_cli(tmp_path, capsys):
+    from attnslim.cli import main as cli_main
+    from attnslim.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    report = compress(model, tokenizer, one_step("atp", {"rank": 0.5, "form": "paper"}, layers=[28, 29], windows=1,
+                                                 seq_len=32), progress=False)
+    out = save(model, tokenizer, tmp_path / "atp", report.to_json())
+    assert cli_main(["eval", str(out), "--choice", "8", "--choice-context", "64", "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "choice: acc " in printed and '"choice": {"acc": ' in printed and '"ppl": {}' in printed
+    assert cli_main(["eval", str(out), "--data", "wiki", "--tokens", "512", "--seq-len", "256"]) == 2
+    assert "layers [28, 29] are non-causal" in capsys.readouterr().err
+
+
 
 @pytest.mark.real
 def test_real_recover_lowers_the_distillation_loss():

@@ -141,6 +141,18 @@ def test_cli_unknown_task_lists_known_ones(capsys):
     assert "unknown task 'nope'" in err and "attnslim_tiny_nextsent" in err
 
 
+@pytest.mark.real
+def test_cli_tasks_alone_score_tasks_without_perplexity(capsys):
+    """`eval --tasks` without --data runs the tasks only (it used to crash parsing the absent --data)."""
+    import json
+
+    from attnslim.cli import main
+
+    assert main(["eval", "smollm2-135m", "--tasks", "attnslim_wiki_lastword", "--limit", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ppl"] == {} and result["tasks"]["attnslim_wiki_lastword"]["n"] == 4 and result["choice"] is None
+
+
 def test_cli_tasks_lists_and_prints_the_include_path(capsys):
     from attnslim.cli import main
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attnslim.data import TokenWindows
+from attnslim.eval.causal import require_causal
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ def window_nll(model: Any, ids: torch.Tensor) -> tuple[float, int]:
 def perplexity(
     model: Any, windows: TokenWindows, batch_size: int = 1, progress: bool = True, label: str = ""
 ) -> PerplexityResult:
-    """Perplexity of `model` on `windows` (the same windows must be used for every compared model)."""
+    """Perplexity of `model` on `windows` (the same windows must be used for every compared model); refuses
+    models with non-causal layers (eval/causal.py)."""
+    require_causal(model, "perplexity")
     device = next(model.parameters()).device
     total, count = 0.0, 0
     ids = windows.ids

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from attnslim.errors import AttnslimError
+from attnslim.eval.causal import require_causal
 
 TASK_DIR = Path(__file__).parent / "task_data"
 TAG = "attnslim_zeroshot"  # lm-eval tag (and `attnslim eval --tasks` alias) for every task in TASK_DIR
@@ -158,8 +159,10 @@ def evaluate_tasks(
     model: Any, tokenizer: Any, names: list[str], limit: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
 ) -> dict[str, dict[str, float | int]]:
-    """{task: {"acc", "acc_norm", "n"}} for `model` on the first `limit` items of each task (all if None)."""
+    """{task: {"acc", "acc_norm", "n"}} for `model` on the first `limit` items of each task (all if None); the
+    continuation is inside the input, so models with non-causal layers are refused (eval/causal.py)."""
     names = resolve_tasks(names)
+    require_causal(model, "zero-shot tasks")
     if limit is not None and limit < 1:
         raise AttnslimError(f"limit must be >= 1 (or None for every item), got {limit}")
     items = {name: load_items(name, limit) for name in names}

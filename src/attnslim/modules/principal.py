@@ -133,6 +133,8 @@ class SpecAttention(nn.Module):
 class PrincipalKeyAttention(SpecAttention):
     """ATP's non-causal principal-key attention (prompt-level scoring only; see the module docstring)."""
 
+    causal = False  # eval/causal.py: perplexity and lm-eval tasks refuse models with this layer
+
     def __init__(
         self, spec: AttentionSpec, rank: int | float = 0.5, svd: SvdMethod = "exact", iters: int = 2,
         query: str = "lowrank", key_path: str = "cheap", value_scale: str = "none", dtype: torch.dtype | None = None,
