@@ -44,7 +44,28 @@ def test_cheapest_layers_and_the_report():
     assert report["args"]["rank"] == 0.25 and sorted(report["order"]) == [0, 1, 2, 3] and report["all_layers"] > 0
     text = format_conversion(report)
     assert "cheapest 1/2 (2 layers): layers: [" in text and text.count("\n") == 2 + 4 + 3
-    assert "all 4 layers converted together: " in text
+    assert "all 4 measured layers converted together: " in text
+
+
+def test_a_model_with_sliding_layers_is_ranked_on_its_full_attention_layers():
+    from attnslim.adapters import get_adapter
+
+    model = tiny_gemma3()
+    adapter = get_adapter(model)
+    full = [i for i in range(adapter.num_layers()) if adapter.attention_spec(i).sliding_window is None]
+    assert 0 < len(full) < adapter.num_layers()
+    report = conversion_report(model, ByteTokenizer(), Atp(rank=0.5), source="tiny", n=2, context=16,
+                               layers=full, progress=False)
+    assert sorted(map(int, report["costs"])) == full and report["all_layers"] > 0
+
+
+def test_selectors_typed_on_the_command_line():
+    from attnslim.recipe import selector_from_text
+
+    assert [selector_from_text(t) for t in ("all", "4:28", "5", "5,11,17", "-1")] == [
+        "all", "4:28", 5, (5, 11, 17), -1]
+    with pytest.raises(AttnslimError, match="not a layer selector"):
+        selector_from_text("5;11")
 
 
 def test_methods_that_need_statistics_and_short_sources_are_refused():
@@ -76,5 +97,12 @@ def test_real_first_layers_cost_most_under_the_paper_layer(capsys):
     report = json.loads(out[out.index("\n{") + 1 :])
     assert report["args"]["rank"] == 0.25 and len(report["costs"]) == 30
     assert "cheapest 1/3 (10 layers): layers: [" in out
+    assert cli_main(["analyze", "smollm2-135m", "--what", "conversion", "--windows", "1", "--seq-len", "32",
+                     "--layers", "0,1,26", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(json.loads(out[out.index("\n{") + 1 :])["costs"]) == ["0", "1", "26"]
+    assert "all 3 measured layers converted together" in out
     assert cli_main(["analyze", "--what", "lowrank", "--arg", "rank=0.5"]) == 2
-    assert "--arg is read by --what conversion only" in capsys.readouterr().err
+    assert "--arg and --layers are read by --what conversion only" in capsys.readouterr().err
+    assert cli_main(["analyze", "--what", "conversion", "--layers", "every"]) == 2  # before the model loads
+    assert "--layers = 'every' is not a layer selector" in capsys.readouterr().err

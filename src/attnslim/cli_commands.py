@@ -53,6 +53,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--method", default="atp", help="conversion: a statistics-free method (default atp)")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="conversion: a method argument, value parsed as YAML (e.g. --arg value_scale=inv_sqrt_len)")
+    p.add_argument("--layers", default="all", help="conversion: the layers to measure, a recipe selector: all, a "
+                   "slice '4:28', or indices '5,11,17' (e.g. Gemma-3's full-attention layers, which atp needs)")
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--source", default="wiki")
@@ -221,11 +223,14 @@ def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dic
         report = lowrank_report(model, tokenizer, args.source, n=min(args.windows, 8))
         return report, format_lowrank(report)
     if args.what == "conversion":
+        from attnslim.adapters import get_adapter
         from attnslim.analysis.conversion import conversion_report, format_conversion
+        from attnslim.recipe import resolve_layers, selector_from_text
 
         method = _method_from_cli(args.method, args.arg)
+        layers = resolve_layers(selector_from_text(args.layers), get_adapter(model).num_layers())
         report = conversion_report(model, tokenizer, method, args.source, n=args.windows,
-                                   context=min(args.seq_len, 256))
+                                   context=min(args.seq_len, 256), layers=layers)
         return report, format_conversion(report)
     from attnslim.analysis import similarity
 
@@ -245,10 +250,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     if args.what not in ANALYSES:
         raise AttnslimError(f"unknown analysis {args.what!r}; valid: {', '.join(ANALYSES)}")
-    if args.arg and args.what != "conversion":
-        raise AttnslimError(f"--arg is read by --what conversion only, not {args.what!r}")
+    if (args.arg or args.layers != "all") and args.what != "conversion":
+        raise AttnslimError(f"--arg and --layers are read by --what conversion only, not {args.what!r}")
     if args.what == "conversion":
-        _method_from_cli(args.method, args.arg)  # bad method arguments fail before the model loads
+        from attnslim.recipe import selector_from_text
+
+        _method_from_cli(args.method, args.arg)  # bad method arguments and selectors fail before the model loads
+        selector_from_text(args.layers)
     model, tokenizer = load_model(args.model)
     report, text = _analysis(args, model, tokenizer)
     print(text)

@@ -76,6 +76,14 @@ def _check_selector(where: str, sel: object) -> LayerSelector:
     raise AttnslimError(f"{where} = {sel!r} is not a layer selector; valid forms: {SELECTOR_FORMS}{hint}")
 
 
+def selector_from_text(text: str) -> LayerSelector:
+    """A layer selector typed on a command line: "all", a slice "4:28", an index "5" or indices "5,11,17"."""
+    if re.fullmatch(r"-?\d+(,-?\d+)*", text.strip()):
+        ints = [int(i) for i in text.split(",")]
+        return ints[0] if len(ints) == 1 else tuple(ints)
+    return _check_selector("--layers", text)
+
+
 @dataclass(frozen=True)
 class Step:
     """One method applied to a set of layers with its hyperparameters (`args`, validated by the method)."""

@@ -108,11 +108,12 @@ def cheapest_layers(costs: dict[int, float], count: int) -> list[int]:
 
 def conversion_report(
     model: Any, tokenizer: Any, method: Method, source: str = "wiki", n: int = 32, context: int = 256,
-    progress: bool = True,
+    progress: bool = True, layers: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The per-layer costs of `method` on `n` calibration windows of `source`, with the ranking."""
+    """The per-layer costs of `method` on `n` calibration windows of `source` for `layers` (default all), with
+    the ranking and the cost of all of them converted together."""
     prompts = calibration_prompts(tokenizer, source, n, context)
-    costs = conversion_costs(model, method, prompts, progress=progress)
+    costs = conversion_costs(model, method, prompts, layers=layers, progress=progress)
     return {"method": method.name, "args": method.args(), "source": source, "windows": n, "context": context,
             "costs": {str(i): c for i, c in costs.items()}, "order": sorted(costs, key=lambda i: (costs[i], i)),
             "all_layers": joint_cost(model, method, prompts, sorted(costs))}
@@ -126,7 +127,7 @@ def format_conversion(report: dict[str, Any]) -> str:
              "layer  KL (nats)"]
     lines += [f"{i:>5}  {costs[i]:.4f}" for i in sorted(costs)]
     n = len(costs)
-    lines.append(f"all {n} layers converted together: {report['all_layers']:.4f} (the lone costs sum to "
+    lines.append(f"all {n} measured layers converted together: {report['all_layers']:.4f} (the lone costs sum to "
                  f"{sum(costs.values()):.4f})")
     for label, k in (("1/4", n // 4), ("1/3", n // 3), ("1/2", n // 2)):
         lines.append(f"cheapest {label} ({k} layers): layers: {cheapest_layers(costs, k)}")
