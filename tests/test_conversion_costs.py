@@ -91,6 +91,10 @@ def test_real_first_layers_cost_most_under_the_paper_layer(capsys):
                              progress=False)
     # with 32 windows of 256 tokens (benchmarks/atp.py): layer 0 0.61, layer 1 1.14, layer 26 0.039 nats
     assert min(costs[0], costs[1]) > 5 * costs[26] > 0
+    # the cost is not from dropped components: with every key kept (r = L) the softmax over the rotated basis
+    # still costs as much (32 windows of 256: layer 1 1.20 nats at r = L, 1.14 at L/2)
+    every = conversion_costs(model, Atp(rank=1.0, value_scale="inv_sqrt_len"), prompts, layers=[1], progress=False)
+    assert every[1] > 0.5 * costs[1]
     assert cli_main(["analyze", "smollm2-135m", "--what", "conversion", "--windows", "1", "--seq-len", "32",
                      "--arg", "rank=0.25", "--json"]) == 0
     out = capsys.readouterr().out
