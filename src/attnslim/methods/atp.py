@@ -29,8 +29,14 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
   first step, and merges the adapters into q/k/v, so the saved model is a plain ATP model. Measured on all 30
   layers at 1/2 keys with V′/√L (0.53 drop-in): "kd" at lr 1e-3 gives 0.67 after 150 steps and 0.61 after 300 (a
   plateau at batch 4 × 256; the paper trains on ~85× more tokens). On the 15 layers whose lone conversion
-  costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96).
-  See BENCHMARKS.md, ATP recovery.
+  costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96;
+  recipes/atp-paper.yaml). Converting in stages (train/progressive.py, a multi-step recipe) does not do better
+  on all 30 layers: 15 → 22 → 26 → 28 → 30 layers with 80 steps each give 0.94 → 0.86 → 0.74 → 0.72 → 0.66.
+  Why all layers are hard: the layer is not attention over the tokens even with every key kept, since softmax
+  over the rotated basis UᵀK is not softmax over K; at r = L, SmolLM2's layers 0 and 1 cost 0.61 and 1.20 nats
+  alone, as at r = L/2 (0.61, 1.14; `attnslim analyze smollm2-135m --what conversion --seq-len 256 --layers
+  0,1,2,24 --arg value_scale=inv_sqrt_len --arg rank=1.0`), and query/key_path "full" change nothing. Recovery
+  must re-learn the attention patterns rather than restore dropped components. See BENCHMARKS.md, ATP recovery.
   Inside compress the checkpoints go to a temporary directory; for a resumable run call
   `attnslim.train.lora.recover_with_lora` with an `out_dir`.
 """
