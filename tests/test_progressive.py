@@ -49,11 +49,13 @@ def test_stages_convert_the_cheapest_layers_then_the_rest_and_train_after_each(t
 def test_a_rerun_replays_finished_stages_to_the_same_model(tmp_path):
     done, teacher = _pair()
     progressive_recovery(done, ByteTokenizer(), Atp(rank=0.5), [1, 4], RECIPE, teacher, tmp_path, progress=False)
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("state.json")}
     again, _ = _pair()
     again.load_state_dict(teacher.state_dict())
     logs = progressive_recovery(again, ByteTokenizer(), Atp(rank=0.5), [1, 4], RECIPE, teacher, tmp_path,
                                 progress=False)
     assert all(log["lora"]["step"] == 2 for log in logs)
+    assert len(stamps) == 2 and all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # replayed, not retrained
     assert torch.allclose(again(input_ids=IDS).logits, done(input_ids=IDS).logits, atol=1e-5)
 
 

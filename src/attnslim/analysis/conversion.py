@@ -12,7 +12,8 @@ ranking never looks at evaluation text.
 Lone costs do not add up: on SmolLM2-135M with ATP's layer at 1/2 keys (V′/√L; 32 windows of 256 tokens) they
 are 0.03-0.20 nats except layers 0, 1 (0.61, 1.14) and 24 (0.28); they sum to 4.23, while all 30 converted
 together cost 7.15 (`attnslim analyze smollm2-135m --what conversion --arg value_scale=inv_sqrt_len`). More
-keys do not lower them: at r = L (`--arg rank=1.0 --layers 0,1,2,24`) layers 0 and 1 cost 0.61 and 1.20.
+keys do not lower them: at r = L (the same command with `--arg rank=1.0 --layers 0,1,2,24`) layers 0 and 1
+cost 0.61 and 1.20.
 Converting the k layers of lowest cost keeps more accuracy than the last k, not all of it (benchmarks/atp.py
 --choice-cheapest; 100 next-word items, dense 0.96): the cheapest 10 give 0.90 (the last 10: 0.80), the
 cheapest 15 give 0.80, and 0.94 after 80 steps of LoRA recovery (train/lora.py, loss "kd"); the cheapest 20

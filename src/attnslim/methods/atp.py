@@ -49,7 +49,6 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method, require
 from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
 from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
@@ -124,11 +123,7 @@ class Atp(Method):
         from attnslim.train.lora import recover_with_lora
 
         with tempfile.TemporaryDirectory(prefix="attnslim-atp-lora-") as work:
-            merged, log = recover_with_lora(model, tokenizer, self.lora_recipe(), work, progress=progress,
-                                            teacher=teacher)
-        if merged is not model:  # compress keeps using `model`; peft's merge has always worked in place
-            raise AttnslimError("atp.recover: peft returned a new model from merge_and_unload; this peft version "
-                                "is unsupported (pin the version in pyproject.toml)")
+            _, log = recover_with_lora(model, tokenizer, self.lora_recipe(), work, progress=progress, teacher=teacher)
         return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:

@@ -156,9 +156,10 @@ def recover_with_lora(
 ) -> tuple[Any, dict[str, Any]]:
     """Fine-tune LoRA adapters on `recipe.targets` of `model` (resuming from `out_dir`); returns (model, log).
 
-    With merge=True the adapters are merged into the q/k/v weights and the plain model is returned, so it
-    saves and loads like any compressed model. `stop_after` runs at most that many steps in this call (a time
-    box); the checkpoint written on stopping lets the next call continue exactly where this one stopped.
+    With merge=True the adapters are merged into the q/k/v weights of `model` itself (in place) and it is
+    returned, so it saves and loads like any compressed model. `stop_after` runs at most that many steps in this
+    call (a time box); the checkpoint written on stopping lets the next call continue exactly where this one
+    stopped.
     `teacher` (the original model) is required by loss="layer"; the layers trained are those whose attention
     module differs in type from the teacher's (the replaced ones).
     """
@@ -230,4 +231,10 @@ def recover_with_lora(
             checkpoint()
     peft_model.eval()
     log = {k: state[k] for k in ("step", "losses", "seconds", "recipe")}
-    return (peft_model.merge_and_unload() if merge else peft_model), log
+    if not merge:
+        return peft_model, log
+    merged = peft_model.merge_and_unload()
+    if merged is not model:  # callers (compress, progressive stages) keep using `model`; peft merges in place
+        raise AttnslimError("LoRA recovery: peft returned a new model from merge_and_unload; this peft version is "
+                            "unsupported (pin the version in pyproject.toml)")
+    return merged, log

@@ -67,11 +67,8 @@ def progressive_recovery(
         for i in new:
             method.convert(adapter, i, dict(entries[str(i)]), None)
         converted = sorted(converted + new)
-        merged, lora = recover_with_lora(model, tokenizer, recipe, Path(out_dir) / f"stage-{s}", progress=progress,
-                                         teacher=teacher)
-        if merged is not model:
-            raise AttnslimError("progressive_recovery: peft returned a new model from merge_and_unload; this peft "
-                                "version is unsupported (pin the version in pyproject.toml)")
+        _, lora = recover_with_lora(model, tokenizer, recipe, Path(out_dir) / f"stage-{s}", progress=progress,
+                                    teacher=teacher)  # merged into `model` in place
         log = {"stage": s, "new_layers": new, "layers": converted,
                "costs": {str(i): costs[i] for i in new if i in costs}, "lora": lora}
         logs.append(log)
