@@ -194,37 +194,53 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
         variants |= {f"atp {label} V/sqrt(L), last {k} layers": (scaled, ("last", k)) for k in args.choice_last}
         variants |= {f"atp {label} V/sqrt(L), cheapest {k} layers": (scaled, ("cheapest", k))
                      for k in args.choice_cheapest}
+    task = LoraRecipe(steps=max(1, args.task_steps), context=args.choice_context, batch_size=args.lora_batch,
+                      lr=args.task_lr, warmup=min(args.lora_warmup, args.task_steps), loss="choice",
+                      targets=recipe.targets)
     for key, (atp_args, which) in variants.items():
-        for lora in (False, True):
+        for mode in ("zero-shot", "lora", "lora+task"):
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
             on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
             kind = LOSS_TAGS.get(recipe.loss, "")
             tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}"
-            name = f"{key} + {tag}" if lora else key
+            no_teacher_target = atp_args is None and recipe.loss != "last_token"  # dense matches itself: no recovery
+            steps = {"zero-shot": [], "lora": [] if no_teacher_target else [recipe],
+                     "lora+task": ([] if no_teacher_target else [recipe]) + [task]}[mode]
+            name = key + "".join(f" + {tag}" if r is recipe else
+                                 f" + task fine-tune {task.steps} steps, lr {task.lr:g}" for r in steps)
             wanted = not args.choice_variants or key in args.choice_variants.split(";")
-            no_teacher_target = lora and atp_args is None and recipe.loss != "last_token"  # dense matches itself
-            if name in group["results"] or not wanted or (lora and args.lora_steps == 0) or no_teacher_target:
+            skip = ((mode == "lora" and (not args.lora_steps or no_teacher_target))
+                    or (mode == "lora+task" and not args.task_steps) or (recipe in steps and not args.lora_steps))
+            if name in group["results"] or not wanted or skip:
                 continue
             layers = choice_layers(model, tokenizer, dense, group, atp_args or {}, which, args.choice_context)
             install(model, dense, atp_args, layers)
-            state = {k: v.clone() for k, v in model.state_dict().items()} if lora else None
-            log: dict[str, Any] = {}
-            if lora:
-                work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-").replace(",", "")
-                model, log = recover_with_lora(model, tokenizer, recipe, work, stop_after=args.lora_stop_after,
+            state = {k: v.clone() for k, v in model.state_dict().items()} if steps else None
+            logs: list[dict[str, Any]] = []
+            work = Path(args.lora_dir) / (key + (f" + {tag}" if recipe in steps else "")).replace(
+                " ", "_").replace("/", "-").replace(",", "")
+            for r in steps:  # the recovery first (resumed / replayed from its checkpoint), then the task fine-tune
+                here = work if r is recipe else work / f"task-{task.steps}-{task.lr:g}"
+                model, log = recover_with_lora(model, tokenizer, r, here, stop_after=args.lora_stop_after,
                                                teacher=teacher)
-                if log["step"] < recipe.steps:
-                    print(f"[paused] {name} at step {log['step']}/{recipe.steps}; rerun to continue", flush=True)
-                    model.load_state_dict(state)
-                    continue
+                logs.append(log)
+                if log["step"] < r.steps:
+                    print(f"[paused] {name} at step {log['step']}/{r.steps}; rerun to continue", flush=True)
+                    break
+            if logs and logs[-1]["step"] < steps[-1].steps:
+                assert state is not None
+                model.load_state_dict(state)
+                continue
             res = choice_accuracy(model, items)
+            log = logs[-1] if logs else {}
             group["results"][name] = {"acc": res.acc, "acc_norm": res.acc_norm, "items": res.items,
                                       "layers": "all" if layers is None else layers,
-                                      "lora_seconds": round(log.get("seconds", 0.0), 1),
+                                      "lora_seconds": round(sum(lg["seconds"] for lg in logs), 1),
                                       "lora_first_loss": log["losses"][0] if log else None,
                                       "lora_final_loss": log["losses"][-1] if log else None,
                                       "command": store.data["environment"]["command"],
-                                      **({"lora_recipe": log["recipe"]} if log else {})}
+                                      **({"lora_recipe": log["recipe"]} if log else {}),
+                                      **({"recovery_recipes": [lg["recipe"] for lg in logs]} if len(logs) > 1 else {})}
             if state is not None:
                 model.load_state_dict(state)  # merged LoRA weights out again before the next variant
             store.save()
@@ -356,7 +372,10 @@ def notes(data: dict[str, Any]) -> list[str]:
                 "layers whose lone conversion costs least (analysis/conversion.py, last-position KL on 32 "
                 "calibration windows; `attnslim analyze --what conversion`). \"progressive a→b→c\": converted in "
                 "stages of a, b, c layers, each stage's new layers the cheapest on the model as recovered so far, "
-                "each stage followed by the LoRA budget named (train/progressive.py).",
+                "each stage followed by the LoRA budget named (train/progressive.py). \"+ task fine-tune N steps\": "
+                "then the paper's task fine-tuning (§5.2; train/lora.py loss \"choice\": next-word items from the "
+                "calibration split, one per sequence, CE over the candidates at the last position), LoRA s summed "
+                "over both trainings, final loss the fine-tune's.",
                 "",
                 "| variant | acc | acc_norm | LoRA s | final LoRA loss |", "|---|---|---|---|---|"]
         for key, v in ch["results"].items():
@@ -419,6 +438,10 @@ def main() -> None:
                    "position; layer: layer-local distillation")
     p.add_argument("--choice-variants", default="", help="';'-separated choice variants to run (default: all), "
                    "e.g. 'atp 1/2, last 3 layers'")
+    p.add_argument("--task-steps", type=int, default=0, help="also every '+ LoRA' row (and dense) followed by this "
+                   "many steps of the paper's task fine-tuning (train/lora.py loss 'choice': next-word items from the "
+                   "calibration split, CE over the candidates at the last position)")
+    p.add_argument("--task-lr", type=float, default=2e-4, help="learning rate of the task fine-tune")
     p.add_argument("--lora-stop-after", type=int, default=None, help="time box: LoRA steps per run of this script")
     p.add_argument("--lora-dir", default="runs/atp_lora")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="speed: sequence lengths")

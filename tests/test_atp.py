@@ -586,6 +586,12 @@ def test_teacher_forced_scores_refuse_the_paper_layer():
         evaluate_tasks(paper, ByteTokenizer(), ["attnslim_tiny_lastword"], limit=2, progress=False)
     serving = _convert(tiny_llama(), rank=0.5, form="serving")
     assert noncausal_layers(serving) == [] and math.isfinite(perplexity(serving, windows, progress=False).ppl)
+    # a KV report must not present the paper layer's position marker as a cache a generation could have
+    from attnslim.bench import kv_bytes_per_token
+    from attnslim.bench.kv import no_decode_note
+
+    assert kv_bytes_per_token(paper)["no_decode"] == [0, 1, 2, 3] and kv_bytes_per_token(serving)["no_decode"] == []
+    assert "cannot generate" in no_decode_note([0, 1]) and no_decode_note([]) == ""
 
 
 # --- real model -----------------------------------------------------------------------------------------------------
@@ -598,10 +604,13 @@ def test_real_paper_layer_is_scored_by_choice_items_from_the_cli(tmp_path, capsy
     model, tokenizer = load_model("smollm2-135m")
     report = compress(model, tokenizer, one_step("atp", {"rank": 0.5, "form": "paper"}, layers=[28, 29], windows=1,
                                                  seq_len=32), progress=False)
+    assert report.no_decode_layers == [28, 29] and report.summary()["no_decode_layers"] == [28, 29]
     out = save(model, tokenizer, tmp_path / "atp", report.to_json())
     assert cli_main(["eval", str(out), "--choice", "8", "--choice-context", "64", "--json"]) == 0
     printed = capsys.readouterr().out
     assert "choice: acc " in printed and '"choice": {"acc": ' in printed and '"ppl": {}' in printed
+    assert "layers [28, 29] are non-causal: prompt-level scoring only, this model cannot generate" in printed
+    assert '"no_decode_layers": [28, 29]' in printed
     assert cli_main(["eval", str(out), "--data", "wiki", "--tokens", "512", "--seq-len", "256"]) == 2
     assert "layers [28, 29] are non-causal" in capsys.readouterr().err
 

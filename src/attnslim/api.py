@@ -39,6 +39,7 @@ class CompressionReport:
     peak_rss_mb: float
     versions: dict[str, str] = field(default_factory=dict)
     heal: dict[str, Any] | None = None  # train/heal.heal's report when the recipe heals
+    no_decode_layers: list[int] = field(default_factory=list)  # non-causal layers: the model cannot generate
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +55,7 @@ class CompressionReport:
             "recipe": self.recipe.get("name"), "params_before": self.params_before,
             "params_after": self.params_after, "kept_ratio": ratio,
             "kv_bytes_per_token": {"before": self.kv_bytes_per_token_before, "after": self.kv_bytes_per_token_after},
+            "no_decode_layers": self.no_decode_layers,
             "seconds": round(self.seconds, 1), "peak_rss_mb": round(self.peak_rss_mb, 1),
         }
 
@@ -101,6 +103,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         kv_bytes_per_token_before=kv_before["total"], kv_bytes_per_token_after=kv_after["total"],
         kv_bytes_per_layer_dense=kv_before["per_layer"], kv_bytes_per_layer_after=kv_after["per_layer"],
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
+        no_decode_layers=kv_after["no_decode"],
     )
 
 

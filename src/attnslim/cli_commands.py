@@ -82,6 +82,7 @@ def add_parsers(sub: Any) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.adapters import get_adapter
     from attnslim.bench import kv_bytes_per_token
+    from attnslim.bench.kv import no_decode_note
     from attnslim.data import check_lengths, eval_windows
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
@@ -108,14 +109,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for name, s in scores.items():
         print(f"{name}: acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['n']} items)", flush=True)
     params = get_adapter(model).param_groups()
-    kv = kv_bytes_per_token(model)["total"]
-    print(f"params: {params['total']:,}  KV cache: {kv:,.0f} bytes/token")
+    measured = kv_bytes_per_token(model)
+    kv = measured["total"]
+    print(f"params: {params['total']:,}  KV cache: {kv:,.0f} bytes/token{no_decode_note(measured['no_decode'])}")
     if args.json:
         emit_json({
             "model": args.model, "ppl": ppl, "tokens": tokens, "seq_len": args.seq_len, "tasks": scores,
             "choice": choice,
             "params": {k: params[k] for k in ("total", "attention", "mlp", "embedding")},
-            "kv_bytes_per_token": kv,
+            "kv_bytes_per_token": kv, "no_decode_layers": measured["no_decode"],
         })
     return 0
 
@@ -151,6 +153,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnslim.api import compress
+    from attnslim.bench.kv import no_decode_note
     from attnslim.errors import AttnslimError
     from attnslim.io import save
     from attnslim.models import load_model
@@ -166,7 +169,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
     for group, ratio in summary["kept_ratio"].items():
         print(f"{group:>9}: {report.params_before[group]:>12,} -> {report.params_after[group]:>12,}  ({ratio:.3f})")
     kv = summary["kv_bytes_per_token"]
-    print(f"KV cache: {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token; {summary['seconds']} s; "
+    print(f"KV cache: {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token"
+          f"{no_decode_note(summary['no_decode_layers'])}; {summary['seconds']} s; "
           f"peak RSS {summary['peak_rss_mb']} MB; saved to {args.out}")
     if args.json:
         emit_json({"out": args.out, **summary})

@@ -6,6 +6,7 @@ from typing import Any
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
+from attnslim.bench.kv import no_decode_note
 
 
 def describe_attention(module: Any) -> dict[str, Any]:
@@ -34,6 +35,7 @@ def inspect_model(model: Any) -> dict[str, Any]:
         "model_type": model.config.model_type,
         "params": adapter.param_groups(),
         "kv_bytes_per_token": kv["total"],
+        "no_decode_layers": kv["no_decode"],
         "layers": [
             {"layer": i, **describe_attention(adapter.attention(i)), "kv_bytes_per_token": kv["per_layer"][i]}
             for i in range(adapter.num_layers())
@@ -46,7 +48,8 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines = [
         f"model_type: {info['model_type']}",
         "parameters: " + ", ".join(f"{k} {v:,}" for k, v in p.items()),
-        f"KV cache: {info['kv_bytes_per_token']:,.0f} bytes/token (measured from the cache)",
+        f"KV cache: {info['kv_bytes_per_token']:,.0f} bytes/token (measured from the cache)"
+        + no_decode_note(info.get("no_decode_layers", [])),
         f"{'layer':>5}  {'attention':<24} {'heads':>5} {'kv':>3} {'KV B/tok':>9}  ranks",
     ]
     for row in info["layers"]:

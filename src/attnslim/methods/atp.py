@@ -32,6 +32,8 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
   costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96;
   recipes/atp-paper.yaml). Converting in stages (train/progressive.py, a multi-step recipe) does not do better
   on all 30 layers: 15 → 22 → 26 → 28 → 30 layers with 80 steps each give 0.94 → 0.86 → 0.74 → 0.72 → 0.66.
+  The paper's own recovery, fine-tuning on the task (loss "choice": next-word items of the calibration split),
+  does not help either: 100 steps after the 150 "kd" steps give 0.65.
   Why all layers are hard: the layer is not attention over the tokens even with every key kept, since softmax
   over the rotated basis UᵀK is not softmax over K; at r = L, SmolLM2's layers 0 and 1 cost 0.61 and 1.20 nats
   alone, as at r = L/2 (0.61, 1.14; `attnslim analyze smollm2-135m --what conversion --seq-len 256 --layers
