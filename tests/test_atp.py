@@ -610,7 +610,11 @@ def test_real_paper_layer_is_scored_by_choice_items_from_the_cli(tmp_path, capsy
     printed = capsys.readouterr().out
     assert "choice: acc " in printed and '"choice": {"acc": ' in printed and '"ppl": {}' in printed
     assert "layers [28, 29] are non-causal: prompt-level scoring only, this model cannot generate" in printed
-    assert '"no_decode_layers": [28, 29]' in printed
+    assert '"no_decode_layers": [28, 29]' in printed and "64-token prompts from wiki" in printed
+    assert cli_main(["eval", str(out), "--choice", "8", "--choice-context", "64", "--choice-source", "ptb"]) == 0
+    assert "64-token prompts from ptb" in capsys.readouterr().out
+    assert cli_main(["eval", str(out), "--choice", "8", "--choice-source", "wikii"]) == 2  # before the model loads
+    assert "--choice-source must be one of" in capsys.readouterr().err
     assert cli_main(["eval", str(out), "--data", "wiki", "--tokens", "512", "--seq-len", "256"]) == 2
     assert "layers [28, 29] are non-causal" in capsys.readouterr().err
 

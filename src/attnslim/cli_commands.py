@@ -17,10 +17,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated (see `attnslim tasks`)")
     p.add_argument("--limit", type=int, default=None, help="first N items of each task (as lm_eval --limit)")
     p.add_argument("--batch-size", type=int, default=16, help="task batch size (as lm_eval --batch_size)")
-    p.add_argument("--choice", type=int, default=None, metavar="N", help="N next-word items from the wiki "
-                   "evaluation split, answer read at the last prompt position (eval/choice.py): leak-free, the only "
-                   "score for ATP's non-causal paper layer")
+    p.add_argument("--choice", type=int, default=None, metavar="N", help="N next-word items from the evaluation "
+                   "split of --choice-source, answer read at the last prompt position (eval/choice.py): leak-free, "
+                   "the only score for ATP's non-causal paper layer")
     p.add_argument("--choice-context", type=int, default=256, help="prompt tokens of the --choice items")
+    p.add_argument("--choice-source", default="wiki", help="text of the --choice items: wiki, ptb, c4, file:PATH")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("tasks", help="list the zero-shot tasks; --path prints the lm-eval --include_path")
@@ -84,6 +85,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.bench import kv_bytes_per_token
     from attnslim.bench.kv import no_decode_note
     from attnslim.data import check_lengths, eval_windows
+    from attnslim.data.sources import check_source
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
     from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
@@ -93,13 +95,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     only_scores = tasks or args.choice is not None  # perplexity by default only when no score is asked for
     sources = parse_sources(args.data if args.data is not None else "" if only_scores else "wiki,ptb,c4")
     check_lengths(args.seq_len, args.tokens)
+    check_source("--choice-source", args.choice_source)
     model, tokenizer = load_model(args.model)
     choice = None
     if args.choice is not None:
-        res = choice_accuracy(model, choice_items("wiki", tokenizer, n=args.choice, context=args.choice_context))
-        choice = {"acc": res.acc, "acc_norm": res.acc_norm, "n": res.items}
-        print(f"choice: acc {res.acc:.4f}  acc_norm {res.acc_norm:.4f}  ({res.items} next-word items, "
-              f"{args.choice_context}-token wiki prompts, answer at the last position)", flush=True)
+        items = choice_items(args.choice_source, tokenizer, n=args.choice, context=args.choice_context)
+        res = choice_accuracy(model, items)
+        choice = {"acc": res.acc, "acc_norm": res.acc_norm, "n": res.items, "source": args.choice_source}
+        print(f"choice: acc {res.acc:.4f}  acc_norm {res.acc_norm:.4f}  ({res.description}, answer at the last "
+              "position)", flush=True)
     ppl, tokens = {}, {}
     for source in sources:
         result = perplexity(model, eval_windows(source, tokenizer, args.tokens, args.seq_len))
