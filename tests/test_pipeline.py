@@ -158,7 +158,32 @@ def test_save_refuses_existing_dir_and_unknown_format(llama, tmp_path):
     (out / "compression.json").write_text(json.dumps(info))
     with pytest.raises(AttnslimError, match="unknown method"):
         load(out)
+    (out / "compression.json").write_text("{not json")
+    with pytest.raises(AttnslimError, match="compression.json is damaged"):
+        load(out)
     assert not list(tmp_path.glob(".m-*")), "no temporary directory left behind"
+
+
+def test_overwrite_replaces_only_an_attnslim_output(llama, tmp_path, monkeypatch):
+    report = _compress(llama, "drop", {"count": 1})
+    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    assert save(llama, _SavingTokenizer(), out, report.to_json(), overwrite=True) == out  # an earlier output: ok
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save(llama, _SavingTokenizer(), empty, report.to_json(), overwrite=True)
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "precious.txt").write_text("keep me")
+    with pytest.raises(AttnslimError, match="not a model saved by attnslim"):
+        save(llama, _SavingTokenizer(), data, report.to_json(), overwrite=True)
+    assert (data / "precious.txt").read_text() == "keep me" and (data / "sub").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AttnslimError, match="not a directory"):
+        save(llama, _SavingTokenizer(), tmp_path / "file", report.to_json(), overwrite=True)
+    monkeypatch.chdir(out)  # even a saved model is not replaced while it is the working directory
+    with pytest.raises(AttnslimError, match="working directory"):
+        save(llama, _SavingTokenizer(), ".", report.to_json(), overwrite=True)
+    assert (out / "compression.json").is_file()
 
 
 def test_adapter_param_groups_match_model(llama):

@@ -31,6 +31,8 @@ def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, An
     target = Path(directory)
     if target.exists() and not overwrite:
         raise AttnslimError(f"output directory {target} exists; choose another --out or pass --overwrite")
+    if target.exists():
+        check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -50,12 +52,29 @@ def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, An
     return target
 
 
+def check_replaceable(target: Path) -> None:
+    """--overwrite replaces only an earlier attnslim output (or an empty directory): never a file, the working
+    directory or one of its parents, or a directory of other data."""
+    resolved, here = target.resolve(), Path.cwd().resolve()
+    if not target.is_dir():
+        raise AttnslimError(f"--overwrite: {target} is not a directory; choose another --out")
+    if resolved == here or resolved in here.parents:
+        raise AttnslimError(f"--overwrite: {target} is the working directory or one of its parents; "
+                            "choose a new --out directory")
+    if any(target.iterdir()) and not (target / COMPRESSION_JSON).is_file():
+        raise AttnslimError(f"--overwrite: {target} is not a model saved by attnslim (no {COMPRESSION_JSON}) "
+                            "and not empty, so it is not replaced; choose another --out or remove it yourself")
+
+
 def read_compression_json(directory: Path) -> dict[str, Any]:
     path = directory / COMPRESSION_JSON
     if not path.exists():
         raise AttnslimError(f"{directory} is not a compressed model (no {COMPRESSION_JSON}); run attnslim compress")
-    info = json.loads(path.read_text())
-    version = info.get("format_version")
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise AttnslimError(f"{path} is damaged ({err}); re-create the directory with attnslim compress") from None
+    version = info.get("format_version") if isinstance(info, dict) else None
     if version != FORMAT_VERSION:
         raise AttnslimError(
             f"{path}: format_version {version!r} is not supported by this attnslim (expects {FORMAT_VERSION}); "
