@@ -8,9 +8,58 @@ import pytest
 import torch
 
 from attnslim.api import compress
+from attnslim.errors import AttnslimError
 from attnslim.eval.choice import ChoiceItems
+from attnslim.recipe import recipe_from_dict
 from conftest import tiny_llama
-from helpers import one_step
+from helpers import ByteTokenizer, one_step
+
+RECOVER = {"steps": 2, "rank": 4, "alpha": 8, "batch_size": 2, "context": 16, "source": "tiny", "warmup": 1,
+           "loss": "kd", "lr": 1e-2}
+
+
+def _latent_then_atp(scope: str) -> dict:
+    """A recipe whose first step leaves a factored (LowRankLinear) k_proj in layer 0, then atp with recovery."""
+    return {"name": "mixed", "calibration": {"source": "tiny", "windows": 2, "seq_len": 16},
+            "steps": [{"method": "latentllm", "layers": [0], "args": {"ratio": 0.8}},
+                      {"method": "atp", "layers": "rest", "args": {"rank": 0.5, "form": "paper",
+                                                                   "recover": {**RECOVER, "scope": scope}}}]}
+
+
+def test_lora_targets_name_the_linears_of_the_chosen_layers_and_refuse_what_peft_cannot_wrap():
+    from attnslim.train.lora import lora_targets
+
+    model = tiny_llama()
+    every = lora_targets(model, ("q_proj", "v_proj"), None)
+    assert len(every) == 2 * model.config.num_hidden_layers and all(n.endswith(("q_proj", "v_proj")) for n in every)
+    assert lora_targets(model, ("q_proj", "gate_proj"), [1]) == ["model.layers.1.self_attn.q_proj",
+                                                                 "model.layers.1.mlp.gate_proj"]
+    with pytest.raises(AttnslimError, match="no module named 'qproj'"):
+        lora_targets(model, ("qproj",), [0])
+    model.model.layers[2].self_attn.v_proj = model.model.layers[1].self_attn.v_proj  # shared, as cross-layer sharing
+    with pytest.raises(AttnslimError, match="layer 2's self_attn.v_proj is shared with layer 1"):
+        lora_targets(model, ("v_proj",), None)
+
+
+def test_recover_scope_converted_trains_only_the_atp_layers_after_another_method():
+    """latentllm leaves layer 0 with a factored k_proj that LoRA cannot wrap: scope "all" is a clear error naming
+    the fix, scope "converted" recovers the atp layers and leaves layer 0 exactly as latentllm made it."""
+    with pytest.raises(AttnslimError, match=r"layer 0's self_attn.q_proj is a LowRankLinear.*scope 'converted'"):
+        compress(tiny_llama(), ByteTokenizer(), recipe_from_dict(_latent_then_atp("all")), progress=False)
+    first, model = tiny_llama(), tiny_llama()
+    compress(first, ByteTokenizer(), recipe_from_dict({**_latent_then_atp("converted"), "steps":
+                                                       _latent_then_atp("converted")["steps"][:1]}), progress=False)
+    report = compress(model, ByteTokenizer(), recipe_from_dict(_latent_then_atp("converted")), progress=False)
+    assert report.steps[1]["plan"]["training"]["step"] == 2
+    layer0 = {k: v for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    assert layer0 and all(torch.equal(v, first.state_dict()[k]) for k, v in layer0.items())
+    changed = [k for k, v in model.state_dict().items()
+               if k.startswith("model.layers.1.") and not torch.equal(v, first.state_dict()[k])]
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for k in changed)
+    with pytest.raises(AttnslimError, match="scope='every'"):
+        from attnslim.train.lora import LoraRecipe
+
+        LoraRecipe(scope="every")
 
 
 def test_choice_loss_is_cross_entropy_over_the_candidates_at_the_last_position():

@@ -39,6 +39,9 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
   alone, as at r = L/2 (0.61, 1.14; `attnslim analyze smollm2-135m --what conversion --seq-len 256 --layers
   0,1,2,24 --arg value_scale=inv_sqrt_len --arg rank=1.0`), and query/key_path "full" change nothing. Recovery
   must re-learn the attention patterns rather than restore dropped components. See BENCHMARKS.md, ATP recovery.
+  `recover: {scope: all}` (default, as measured) puts LoRA on the q/k/v of every layer, converted or not;
+  `scope: converted` only on the layers holding an ATP module, e.g. after a step of another method whose
+  factored projections LoRA cannot wrap (train/lora.py lora_targets refuses those with this hint).
   Inside compress the checkpoints go to a temporary directory; for a resumable run call
   `attnslim.train.lora.recover_with_lora` with an `out_dir`.
 """
@@ -121,11 +124,19 @@ class Atp(Method):
         return self.recover is not None
 
     def train_step(self, model: Any, tokenizer: Any, teacher: Any, progress: bool = True) -> dict[str, Any]:
-        """LoRA recovery of the converted layers (merged into q/k/v); returns the training log."""
+        """LoRA recovery after the conversion, merged into the weights; returns the training log. The recipe's
+        scope picks the layers: "all" (default, the measured setting: q/k/v of every layer, so unconverted layers
+        help compensate) or "converted" (only the layers holding an ATP module, e.g. after another method)."""
+        from attnslim.adapters import get_adapter
         from attnslim.train.lora import recover_with_lora
 
+        recipe, adapter = self.lora_recipe(), get_adapter(model)
+        atp_types = (PrincipalKeyAttention, PrincipalCacheAttention)
+        layers = ([i for i in range(adapter.num_layers()) if isinstance(adapter.attention(i), atp_types)]
+                  if recipe.scope == "converted" else None)
         with tempfile.TemporaryDirectory(prefix="attnslim-atp-lora-") as work:
-            _, log = recover_with_lora(model, tokenizer, self.lora_recipe(), work, progress=progress, teacher=teacher)
+            _, log = recover_with_lora(model, tokenizer, recipe, work, progress=progress, teacher=teacher,
+                                       layers=layers)
         return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from attnslim.adapters import get_adapter
@@ -67,6 +68,7 @@ from attnslim.eval.choice import ChoiceItems, choice_items
 from attnslim.train.layer_match import layer_match_loss
 
 LOSSES = ("last_token", "last_kd", "kd", "hidden", "layer", "choice")
+SCOPES = ("all", "converted")
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,15 @@ class LoraRecipe:
     seed: int = 0
     save_every: int = 25
     loss: str = "last_token"  # last_token | last_kd | kd | hidden | layer | choice (kd.. layer need the teacher)
+    scope: str = "all"  # all: `targets` of every decoder layer (the measured setting) | converted: only the layers
+    #                     the method converted (callers pass them as `layers`)
 
     def __post_init__(self) -> None:
         for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
             if getattr(self, key) < 1:
                 raise AttnslimError(f"LoRA recipe: {key}={getattr(self, key)} must be ≥ 1")
+        if self.scope not in SCOPES:
+            raise AttnslimError(f"LoRA recipe: scope={self.scope!r}; valid: {' | '.join(SCOPES)}")
         if self.loss not in LOSSES:
             raise AttnslimError(f"LoRA recipe: loss={self.loss!r}; valid: {' | '.join(LOSSES)}")
         if not 0.0 <= self.dropout < 1.0 or self.lr <= 0 or self.warmup < 0:
@@ -107,7 +113,8 @@ def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int) -> tuple[torch.Te
 
 def choice_loss(model: Any, items: ChoiceItems, rows: slice) -> torch.Tensor:
     """Cross-entropy over the candidates' next-token logits at the last prompt position, for items[rows]."""
-    logits = model(input_ids=items.contexts[rows], use_cache=False).logits[:, -1].float()  # (b, vocab)
+    device = next(model.parameters()).device
+    logits = model(input_ids=items.contexts[rows].to(device), use_cache=False).logits[:, -1].float()  # (b, vocab)
     scores = logits.gather(-1, items.choices[rows].to(logits.device))  # (b, n_choices)
     return F.cross_entropy(scores, items.labels[rows].to(logits.device))
 
@@ -160,6 +167,35 @@ def replaced_layers(model: Any, teacher: Any) -> list[int]:
     return layers
 
 
+def lora_targets(model: Any, names: tuple[str, ...], layers: list[int] | None) -> list[str]:
+    """Full module names of the linears called `names` (suffixes, e.g. "q_proj", "gate_proj") in decoder layers
+    `layers` (None: all). Anything peft cannot wrap plainly is refused: a module that is not an nn.Linear (e.g.
+    a factored LowRankLinear of another method) or one shared between layers (LoRA would be merged twice)."""
+    adapter = get_adapter(model)
+    where = {id(m): n for n, m in model.named_modules()}
+    blocks = adapter.decoder_layers()
+    out: list[str] = []
+    owner: dict[int, int] = {}  # id(module) -> layer
+    for i in range(len(blocks)) if layers is None else layers:
+        for name in names:
+            hits = [(n, m) for n, m in blocks[i].named_modules() if n == name or n.endswith("." + name)]
+            if not hits:
+                raise AttnslimError(f"LoRA recovery: decoder layer {i} has no module named {name!r}; targets are "
+                                    "linear layer names such as q_proj, k_proj, v_proj, o_proj, gate_proj")
+            for n, m in hits:
+                if not isinstance(m, nn.Linear):
+                    raise AttnslimError(
+                        f"LoRA recovery: layer {i}'s {n} is a {type(m).__name__}, not a plain linear, so LoRA cannot "
+                        "train it; use recover scope 'converted' (only the layers this method converted) or other "
+                        "targets")
+                if id(m) in owner:
+                    raise AttnslimError(f"LoRA recovery: layer {i}'s {n} is shared with layer {owner[id(m)]}; use "
+                                        "recover scope 'converted' or leave that projection out of the targets")
+                owner[id(m)] = i
+                out.append(f"{where[id(blocks[i])]}.{n}")
+    return out
+
+
 def _lr_factor(recipe: LoraRecipe, step: int) -> float:
     if step < recipe.warmup:
         return (step + 1) / recipe.warmup
@@ -169,7 +205,7 @@ def _lr_factor(recipe: LoraRecipe, step: int) -> float:
 
 def recover_with_lora(
     model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
-    stop_after: int | None = None, teacher: Any = None,
+    stop_after: int | None = None, teacher: Any = None, layers: list[int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Fine-tune LoRA adapters on `recipe.targets` of `model` (resuming from `out_dir`); returns (model, log).
 
@@ -177,8 +213,9 @@ def recover_with_lora(
     returned, so it saves and loads like any compressed model. `stop_after` runs at most that many steps in this
     call (a time box); the checkpoint written on stopping lets the next call continue exactly where this one
     stopped.
-    `teacher` (the original model) is required by loss="layer"; the layers trained are those whose attention
-    module differs in type from the teacher's (the replaced ones).
+    `teacher` (the original model) is required by the distillation losses. `layers`: the decoder layers whose
+    `recipe.targets` get adapters (None: all; with recipe.scope "converted" pass the converted layers).
+    loss="layer" trains against the layers whose attention module differs in type from the teacher's.
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file, save_file
@@ -186,12 +223,14 @@ def recover_with_lora(
     if recipe.loss not in ("last_token", "choice") and teacher is None:
         raise AttnslimError(f"LoRA recipe loss={recipe.loss!r} needs the original model: "
                             "pass teacher=<the dense model>")
-    layers = replaced_layers(model, teacher) if recipe.loss == "layer" else []
+    matched = replaced_layers(model, teacher) if recipe.loss == "layer" else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)  # LoRA A initialisation
+    if recipe.scope == "converted" and layers is None:
+        raise AttnslimError("LoRA recipe scope 'converted': pass the converted layers as `layers`")
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=recipe.dropout,
-                        target_modules=list(recipe.targets), bias="none")
+                        target_modules=lora_targets(model, recipe.targets, layers), bias="none")
     peft_model = get_peft_model(model, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -199,7 +238,8 @@ def recover_with_lora(
     state: dict[str, Any] = {"step": 0, "losses": [], "seconds": 0.0, "recipe": asdict(recipe)}
     if (out / "state.json").exists():
         state = json.loads((out / "state.json").read_text())
-        if state["recipe"] != json.loads(json.dumps(asdict(recipe))):
+        defaults = json.loads(json.dumps(asdict(LoraRecipe())))  # fields added since the checkpoint: defaults
+        if {**defaults, **state["recipe"]} != json.loads(json.dumps(asdict(recipe))):
             raise AttnslimError(f"{out} holds a checkpoint of a different LoRA recipe; use another out_dir")
         set_peft_model_state_dict(peft_model, load_file(str(out / "adapter.safetensors")))
         saved = torch.load(out / "optimizer.pt", weights_only=True)
@@ -228,7 +268,7 @@ def recover_with_lora(
     for step in bar:
         prompts, targets = batch_at(ids, recipe, step)
         if recipe.loss == "layer":
-            loss = layer_match_loss(peft_model.get_base_model(), teacher, layers, prompts.to(device))
+            loss = layer_match_loss(peft_model.get_base_model(), teacher, matched, prompts.to(device))
         elif recipe.loss == "hidden":
             loss = hidden_loss(peft_model, teacher, prompts.to(device))
         elif items is not None:
