@@ -169,6 +169,17 @@ def test_total_ratio_solves_one_fraction_for_the_whole_model():
         _compress(tiny_llama(), {"ratio": None, "total_ratio": 0.2})  # embeddings alone are > 20%
 
 
+def test_total_ratio_is_met_when_the_step_takes_only_some_layers():
+    """κ is solved for the step's layers: fewer layers must be compressed harder to reach the same total."""
+    for layers, ratio in (("0:2", 0.9), ([1, 2, 3], 0.85)):
+        model = tiny_llama()
+        report = _compress(model, {"ratio": None, "total_ratio": ratio, "mlp": "local"}, layers=layers)
+        kept = report.params_after["total"] / report.params_before["total"]
+        assert ratio - 0.02 < kept <= ratio, (layers, kept)
+    with pytest.raises(AttnslimError, match="unreachable.*in the 1 layers of this step"):
+        _compress(tiny_llama(), {"ratio": None, "total_ratio": 0.7, "mlp": "local"}, layers=[0])
+
+
 def test_reservoir_keeps_a_seeded_uniform_sample():
     from attnslim.methods.latentllm_stats import Reservoir
 

@@ -31,6 +31,7 @@ def run_step(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan."""
+    method.begin_step(adapter, layers)
     needs_stats = bool(method.collector(adapter, layers[0]).sites)
     if not needs_stats:
         direct = method.plan(adapter, layers, {})

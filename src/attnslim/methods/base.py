@@ -70,6 +70,10 @@ class Method:
     def collector(self, adapter: Any, layer: int) -> Collector:
         return NoStats()
 
+    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+        """Called once before a step converts `layers`, on the model as it enters the step (latentllm solves
+        its total_ratio here). Default: nothing."""
+
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         raise NotImplementedError
 

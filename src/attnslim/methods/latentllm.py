@@ -20,7 +20,8 @@ junction (default), r(d_out + d_in) with dense factors. KV cache per token and l
 per-step key decompression); cache=values stores rotated keys and value latents, n_kv·d_h + r_v (kv_ratio then
 cuts r_v only): the decode-speed-neutral choice with RoPE — see modules/latent.py for the cost of each.
 Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (and MLP, or `mlp_ratio`) weights;
-`total_ratio` = kept fraction of all model parameters, one fraction for every compressed linear; `ranks` =
+`total_ratio` = kept fraction of all model parameters, one fraction for every linear the step compresses
+(solved for the step's layers in `begin_step`, so a subset of layers is compressed harder); `ranks` =
 explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
 alloc=uniform is the notes' rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
 group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
@@ -117,7 +118,7 @@ class LatentLLM(Method):
     ud_keep_best: bool = True
     seed: int = 0
     sequential: bool = True  # type: ignore[misc]
-    _kappa: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _kappa: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)  # begin_step
 
     def __post_init__(self) -> None:
         n = self.name
@@ -183,6 +184,13 @@ class LatentLLM(Method):
                 f"activation {mspec.activation!r} (valid: {valid}); it has no closed-form update. Use mlp: local"
             )
 
+    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+        """total_ratio: solve one κ for the linears of the step's `layers`, on the model as it enters the step."""
+        self._kappa.clear()
+        if self.total_ratio is not None:
+            self._kappa["step"] = rk.kappa_for_total([self._shapes(adapter, i) for i in layers],
+                                                     adapter.param_groups()["total"], self.total_ratio, self.junction)
+
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         shapes = {i: self._shapes(adapter, i) for i in layers}
         ranks = {i: self._ranks(adapter, i, shapes[i]) for i in layers}
@@ -229,11 +237,10 @@ class LatentLLM(Method):
         if self.ranks is not None:
             return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer)
         if self.total_ratio is not None:
-            key = id(adapter.model)
-            if key not in self._kappa:  # once per step, from the model as it enters the step
-                self._kappa[key] = rk.kappa_for_total(
-                    shapes, adapter.num_layers(), adapter.param_groups()["total"], self.total_ratio, self.junction)
-            kappa = dict.fromkeys(shapes, self._kappa[key])
+            if "step" not in self._kappa:
+                raise AttnslimError("latentllm total_ratio: call begin_step(adapter, layers) before plan (the "
+                                    "pipeline does), so κ is solved for the step's layers")
+            kappa = dict.fromkeys(shapes, self._kappa["step"])
         else:
             assert self.ratio is not None
             mlp = self.ratio if self.mlp_ratio is None else self.mlp_ratio

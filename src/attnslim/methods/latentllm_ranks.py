@@ -51,23 +51,28 @@ def kept_weights(shapes: Shapes, ranks: Mapping[str, int], junction: str) -> int
 
 
 def kappa_for_total(
-    shapes: Shapes, n_layers: int, total_before: int, total_ratio: float, junction: str, where: str = "latentllm"
+    per_layer: list[Shapes], total_before: int, total_ratio: float, junction: str, where: str = "latentllm"
 ) -> float:
-    """Largest uniform κ such that compressing `shapes` in each of `n_layers` layers leaves at most
-    total_ratio · total_before parameters (embeddings, norms and biases are kept as they are)."""
+    """Largest uniform κ such that compressing the linears `per_layer[j]` of each of the step's layers leaves
+    at most total_ratio · total_before parameters (embeddings, norms, biases and the layers outside the step
+    are kept as they are)."""
 
     def total_after(kappa: float) -> int:
-        saved = dense_weights(shapes) - kept_weights(shapes, uniform_ranks(shapes, dict.fromkeys(shapes, kappa),
-                                                                          junction), junction)
-        return total_before - n_layers * saved
+        saved = 0
+        for shapes in per_layer:
+            ranks = uniform_ranks(shapes, dict.fromkeys(shapes, kappa), junction)
+            saved += dense_weights(shapes) - kept_weights(shapes, ranks, junction)
+        return total_before - saved
 
     target = total_ratio * total_before
     if total_after(1e-9) > target:
         floor = total_after(1e-9) / total_before
+        names = sorted({n for shapes in per_layer for n in shapes})
         raise AttnslimError(
-            f"{where}: total_ratio={total_ratio} is unreachable: compressing {sorted(shapes)} in all {n_layers} "
-            f"layers to rank 1 still keeps {floor:.3f} of the parameters (embeddings and norms stay); use "
-            f"total_ratio >= {floor:.3f} or compress more linears (mlp: local | joint_ud)"
+            f"{where}: total_ratio={total_ratio} is unreachable: compressing {names} in the {len(per_layer)} "
+            f"layers of this step to rank 1 still keeps {floor:.3f} of the parameters (embeddings, norms and the "
+            f"other layers stay); use total_ratio >= {floor:.3f}, more layers, or compress more linears "
+            "(mlp: local | joint_ud)"
         )
     lo, hi = 0.0, 1.0
     for _ in range(60):
