@@ -100,3 +100,40 @@ def test_real_task_fine_tune_learns_calibration_items_without_a_teacher(tmp_path
     assert log["step"] == 6 and all(math.isfinite(x) and x >= 0 for x in log["losses"])
     with torch.no_grad():
         assert float(choice_loss(trained, seen, slice(0, 12))) < 0.9 * before
+
+
+def _paper_model():
+    model = tiny_llama()
+    compress(model, ByteTokenizer(), one_step("atp", {"rank": 0.5, "form": "paper"}, windows=2, seq_len=16),
+             progress=False)
+    return model
+
+
+def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path):
+    import json
+
+    from attnslim.train.lora import LoraRecipe, recover_with_lora
+
+    recipe = LoraRecipe(rank=4, alpha=8, steps=4, batch_size=2, context=16, source="tiny", warmup=1, save_every=2)
+    whole, _ = recover_with_lora(_paper_model(), ByteTokenizer(), recipe, tmp_path / "a", progress=False)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "adapter-000004.safetensors", "optimizer-000004.pt", "state.json"]  # older checkpoints removed
+    # killed while writing step 4's files: they are partial and state.json still names step 2's
+    recover_with_lora(_paper_model(), ByteTokenizer(), recipe, tmp_path / "b", progress=False, stop_after=2)
+    (tmp_path / "b" / "adapter-000004.safetensors").write_bytes(b"\x00partial")
+    (tmp_path / "b" / "optimizer-000004.pt").write_bytes(b"")
+    resumed, log = recover_with_lora(_paper_model(), ByteTokenizer(), recipe, tmp_path / "b", progress=False)
+    assert log["step"] == 4
+    for key, value in whole.state_dict().items():
+        assert torch.allclose(resumed.state_dict()[key], value, atol=1e-6), key
+    # a checkpoint in the earlier layout (fixed file names, no "files" entry) still resumes
+    recover_with_lora(_paper_model(), ByteTokenizer(), recipe, tmp_path / "c", progress=False, stop_after=2)
+    state = json.loads((tmp_path / "c" / "state.json").read_text())
+    for kind, legacy in (("adapter", "adapter.safetensors"), ("optimizer", "optimizer.pt")):
+        (tmp_path / "c" / state["files"][kind]).rename(tmp_path / "c" / legacy)
+    del state["files"], state["recipe"]["scope"]  # and a recipe field added since
+    (tmp_path / "c" / "state.json").write_text(json.dumps(state))
+    legacy, log = recover_with_lora(_paper_model(), ByteTokenizer(), recipe, tmp_path / "c", progress=False)
+    assert log["step"] == 4 and not (tmp_path / "c" / "adapter.safetensors").exists()
+    for key, value in whole.state_dict().items():
+        assert torch.allclose(legacy.state_dict()[key], value, atol=1e-6), key

@@ -42,9 +42,11 @@ for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-s
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
 same batches as an uninterrupted one.
 
-Checkpoints (every `save_every` steps and at the end) go to `out_dir`: `adapter.safetensors` (LoRA weights),
-`optimizer.pt` (optimizer + scheduler tensors; read back with torch.load(weights_only=True)) and
-`state.json` (step, losses, config). `recover_with_lora` resumes from them when present.
+Checkpoints (every `save_every` steps and at the end) go to `out_dir`: `adapter-<step>.safetensors` (LoRA
+weights), `optimizer-<step>.pt` (optimizer, scheduler and RNG states; read back with
+torch.load(weights_only=True)) and `state.json` (step, losses, recipe, and the names of those two files),
+replaced atomically after them, so a run killed while saving resumes from the last complete checkpoint.
+`recover_with_lora` resumes from them when present.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from attnslim.train.layer_match import layer_match_loss
 
 LOSSES = ("last_token", "last_kd", "kd", "hidden", "layer", "choice")
 SCOPES = ("all", "converted")
+LEGACY_FILES = {"adapter": "adapter.safetensors", "optimizer": "optimizer.pt"}
 
 
 @dataclass(frozen=True)
@@ -241,18 +244,34 @@ def recover_with_lora(
         defaults = json.loads(json.dumps(asdict(LoraRecipe())))  # fields added since the checkpoint: defaults
         if {**defaults, **state["recipe"]} != json.loads(json.dumps(asdict(recipe))):
             raise AttnslimError(f"{out} holds a checkpoint of a different LoRA recipe; use another out_dir")
-        set_peft_model_state_dict(peft_model, load_file(str(out / "adapter.safetensors")))
-        saved = torch.load(out / "optimizer.pt", weights_only=True)
+        files = state.get("files", LEGACY_FILES)  # checkpoints written before per-step file names
+        set_peft_model_state_dict(peft_model, load_file(str(out / files["adapter"])))
+        saved = torch.load(out / files["optimizer"], weights_only=True)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"])  # LoRA dropout continues as if never interrupted
+        if saved.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
 
     def checkpoint() -> None:
+        """New adapter/optimizer files under per-step names, then state.json (atomically) points to them, then
+        the old files go: a run killed at any moment resumes from a consistent step."""
+        old = state.get("files")
+        step = state["step"]
+        files = {"adapter": f"adapter-{step:06d}.safetensors", "optimizer": f"optimizer-{step:06d}.pt"}
         weights = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
-        save_file(weights, str(out / "adapter.safetensors"))
+        save_file(weights, str(out / files["adapter"]))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": torch.get_rng_state()}, out / "optimizer.pt")
-        (out / "state.json").write_text(json.dumps(state, indent=1))
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   out / files["optimizer"])
+        state["files"] = files
+        tmp = out / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(out / "state.json")
+        for name in (old or LEGACY_FILES).values():
+            if name not in files.values():
+                (out / name).unlink(missing_ok=True)
 
     ids = token_ids(recipe.source, "calib", tokenizer)
     if ids.numel() < recipe.context + 2:
