@@ -112,7 +112,7 @@ class Adapter:
         """Install `module` as layer i's attention; returns the module it replaced."""
         parent = self._attn_parent(i)
         old = parent.get_submodule(self._attn_name())
-        setattr(parent, self._attn_name(), module)
+        setattr(parent, self._attn_name(), _on_device_of(module, old))
         return old
 
     def replace_attention_norm(self, i: int, module: nn.Module) -> nn.Module:
@@ -148,7 +148,8 @@ class Adapter:
         path = self._linear_path(i, name)
         parent_path, _, attr = path.rpartition(".")
         layer = self.decoder_layers()[self._check_layer(i)]
-        setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, module)
+        owner = layer.get_submodule(parent_path) if parent_path else layer
+        setattr(owner, attr, _on_device_of(module, getattr(owner, attr)))
 
     def linear_paths(self) -> dict[str, str]:
         """Canonical linear name -> dotted path inside a decoder layer."""
@@ -256,3 +257,10 @@ class Adapter:
             layer=i, up=up, down=down, gate=gate, up_bias=up_bias, down_bias=down_bias,
             gate_bias=gate_bias, activation=activation, act_fn=act_fn,
         )
+
+
+def _on_device_of(module: nn.Module, old: nn.Module) -> nn.Module:
+    """`module` moved (in place) to the device of the module it replaces, so a conversion of a model on a GPU
+    never leaves new parameters on the CPU; dtypes are left as the module chose them."""
+    param = next(old.parameters(), None)
+    return module if param is None or param.is_meta else module.to(param.device)
