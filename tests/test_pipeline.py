@@ -85,6 +85,10 @@ def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert torch.equal(auto(input_ids=IDS).logits, ref)
+    half = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16, device_map="cpu")
+    assert next(half.parameters()).dtype == torch.bfloat16 and load(out, torch.bfloat16)[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unsupported: \\['quantization_config'\\]"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, quantization_config={"bits": 4})
     cached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
@@ -124,11 +128,19 @@ def test_nan_statistics_name_the_site():
 @pytest.mark.parametrize(
     "args,match",
     [({"ratio": 1.5}, "ratio"), ({"ratio": 0.0}, "ratio"), ({"ratio": None, "rank": 0}, "rank"),
-     ({"ratio": None, "rank": 99}, "exceeds"), ({"linears": ["q", "x"]}, "linears"), ({"bogus": 1}, "bogus")],
+     ({"ratio": None, "rank": 99}, "exceeds"), ({"linears": ["q", "x"]}, "linears"), ({"bogus": 1}, "bogus"),
+     ({"ratio": None, "rank": 2.5}, "for a fraction use ratio")],
 )
 def test_bad_lowrank_arguments(llama, args, match):
     with pytest.raises(AttnslimError, match=match):
         _compress(llama, "svd", args)
+
+
+def test_math_errors_are_the_library_error_the_cli_reports():
+    from attnslim.linalg.precond import damped_eigh
+
+    with pytest.raises(AttnslimError, match="rank-deficient.*use damp > 0"):
+        damped_eigh(torch.zeros(4, 4), damp=0.0, label="layer 0 q")
 
 
 def test_bad_layers_and_methods(llama):

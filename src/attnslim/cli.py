@@ -43,6 +43,14 @@ def parse_sources(text: str) -> list[str]:
     return names
 
 
+def parse_ints(flag: str, text: str) -> list[int]:
+    """Comma-separated ints ("512,2048"), or an error naming the flag."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise AttnslimError(f"{flag} {text!r}: expected comma-separated integers, e.g. 512,2048") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from attnslim import cli_commands
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnslim.cli import DEFAULT_MODEL, command, emit_json, parse_sources
+from attnslim.cli import DEFAULT_MODEL, command, emit_json, parse_ints, parse_sources
 
 
 def add_parsers(sub: Any) -> None:
@@ -86,6 +86,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.bench.kv import no_decode_note
     from attnslim.data import check_lengths, eval_windows
     from attnslim.data.sources import check_source
+    from attnslim.errors import AttnslimError
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
     from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
@@ -96,6 +97,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     sources = parse_sources(args.data if args.data is not None else "" if only_scores else "wiki,ptb,c4")
     check_lengths(args.seq_len, args.tokens)
     check_source("--choice-source", args.choice_source)
+    if args.batch_size < 1 or (args.choice is not None and (args.choice < 1 or args.choice_context < 1)):
+        raise AttnslimError(f"eval: need --batch-size ≥ 1, --choice ≥ 1 and --choice-context ≥ 1; got "
+                            f"{args.batch_size}, {args.choice}, {args.choice_context}")
     model, tokenizer = load_model(args.model)
     choice = None
     if args.choice is not None:
@@ -205,9 +209,8 @@ ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")
 
 def _method_from_cli(name: str, items: list[str]) -> Any:
     """A method instance from --method and its --arg KEY=VALUE items (values parsed as YAML)."""
-    import yaml
-
     from attnslim.errors import AttnslimError
+    from attnslim.recipe import yaml_value
     from attnslim.registry import METHODS, lookup
 
     args = {}
@@ -215,7 +218,7 @@ def _method_from_cli(name: str, items: list[str]) -> Any:
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise AttnslimError(f"--arg {item!r} must look like key=value, e.g. --arg rank=0.25")
-        args[key] = yaml.safe_load(raw)
+        args[key] = yaml_value(raw, f"--arg {item}")
     return lookup(METHODS, "method", name).from_args(args)
 
 
@@ -285,9 +288,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
     from attnslim.bench.report import bench_models, format_bench
+    from attnslim.errors import AttnslimError
     from attnslim.models import load_model
 
-    contexts = [int(c) for c in args.contexts.split(",") if c]
+    contexts = parse_ints("--contexts", args.contexts)
+    if args.repeats < 1 or args.new_tokens < 1 or not contexts or min(contexts) < 1:
+        raise AttnslimError(f"bench: need --repeats ≥ 1, --new-tokens ≥ 1 and contexts ≥ 1; got --repeats "
+                            f"{args.repeats}, --new-tokens {args.new_tokens}, --contexts {args.contexts!r}")
     models = {}
     if args.vs:
         models[args.vs] = load_model(args.vs)

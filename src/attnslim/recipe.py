@@ -27,7 +27,8 @@ _SLICE = re.compile(r"^\s*(-?\d+)?\s*:\s*(-?\d+)?\s*$")
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader without YAML 1.1 sexagesimal ints, so `layers: 4:28` stays the string "4:28"."""
+    """SafeLoader without YAML 1.1 sexagesimal ints, so `layers: 4:28` stays the string "4:28", and with
+    exponent floats without a dot (1e-3)."""
 
     yaml_implicit_resolvers = {
         ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:int"]
@@ -37,6 +38,9 @@ class _Loader(yaml.SafeLoader):
 
 _INT = r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
+# YAML 1.2 floats as users write them: 1e-3 and 1.0e3 (YAML 1.1 reads both as strings)
+_FLOAT = r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*|[0-9][0-9_]*(?=[eE]))(?:[eE][-+]?[0-9]+)?$"
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
 
 
 def _check_int(where: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
@@ -245,6 +249,16 @@ def dump_recipe(r: Recipe, path: str | Path) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
+def yaml_value(raw: str, where: str) -> Any:
+    """A command-line value parsed as YAML (1e-3 is a float, [1, 2] a list); a clear error if it does not parse."""
+    try:
+        return yaml.load(raw, Loader=_Loader)
+    except yaml.YAMLError as err:
+        problem = str(err).splitlines()[0]
+        raise AttnslimError(f"{where}: the value {raw!r} is not valid YAML ({problem}); quote strings, write "
+                            "lists as [1, 2]") from None
+
+
 def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
     """Apply CLI `--set key=value` overrides (e.g. `steps.0.args.ratio=0.5`); values are parsed as YAML."""
     d: Any = recipe_to_dict(recipe)
@@ -254,7 +268,7 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
             raise AttnslimError(f"override {item!r} must look like key=value, e.g. calibration.windows=64")
         parts = key.split(".")
         is_slice = parts[-1] == "layers" and _SLICE.match(raw)
-        value = raw.strip() if is_slice else yaml.load(raw, Loader=_Loader)
+        value = raw.strip() if is_slice else yaml_value(raw, f"--set {item}")
         if parts[0] == "heal" and d.get("heal") is None:
             d["heal"] = {}  # `--set heal.steps=200` or `--set heal={}` turns healing on (HealConfig validates)
         node = d

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnslim.errors import AttnslimError
+
 # Sites a method may request statistics at, for decoder layer i:
 #   attn_in : input of q/k/v (after the pre-attention norm)      o_in   : input of the output projection
 #   mlp_in  : input of gate/up                                   down_in: input of the down projection
@@ -48,7 +50,7 @@ def site_module(adapter: Any, layer: int, site: str) -> tuple[nn.Module, bool]:
         return adapter.decoder_layers()[layer], True
     if site == "attn_out":
         return adapter.attention(layer), False
-    raise ValueError(f"unknown statistics site {site!r}; valid: {', '.join(SITES)}")
+    raise AttnslimError(f"unknown statistics site {site!r}; valid: {', '.join(SITES)}")
 
 
 @contextmanager

@@ -2,10 +2,25 @@
 
 from transformers import PreTrainedModel
 
+# arguments about where to fetch files: the directory is already local, so they change nothing
+_LOCATION_KWARGS = {"config", "cache_dir", "force_download", "proxies", "revision", "token", "local_files_only",
+                    "subfolder", "code_revision", "_commit_hash", "trust_remote_code", "resume_download",
+                    "use_auth_token", "adapter_kwargs", "_from_auto", "_from_pipeline"}
+
 
 class AttnslimForCausalLM(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):  # type: ignore[override]
+        import torch
+
         from attnslim.io import load
 
-        return load(pretrained_model_name_or_path)[0]
+        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+        dtype = torch.float32 if dtype in (None, "auto") else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        device = kwargs.pop("device_map", None)
+        unsupported = sorted(k for k in kwargs if k not in _LOCATION_KWARGS)
+        if args or unsupported or not (device is None or isinstance(device, (str, torch.device))) or device == "auto":
+            raise ValueError(f"attnslim directories load with dtype= and a single device_map= device only; "
+                             f"unsupported: {unsupported or args or device!r}")
+        model = load(pretrained_model_name_or_path, dtype)[0]
+        return model if device is None else model.to(device)

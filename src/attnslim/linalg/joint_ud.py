@@ -12,7 +12,7 @@ up-output update z = (α m_u + β a⊙p)/(α + β a²) and every refit (optimal 
 Approximated (gated MLPs only): the gate pre-activation s has no closed form; it takes `gate_steps`
 elementwise Gauss-Newton steps, each accepted only where it lowers the (separable) objective, so L stays
 monotone. This replaces SparseLLM's 2 SGD steps (lr 0.01) for LLaMA. Un-gated non-ReLU MLPs (GELU) have
-no closed-form z update and raise ValueError: compress them locally with lowrank.factorize.
+no closed-form z update and raise AttnslimError: compress them locally with lowrank.factorize.
 Cost (weights): as lowrank.param_count for each of up, down (and gate).
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import LowRankFactors, check_rank, factorize, rrr
 from attnslim.linalg.precond import InputStats
 
@@ -70,7 +71,7 @@ def _activation(name: str, gated: bool) -> Callable[[torch.Tensor], torch.Tensor
     if not gated and name == "relu":
         return F.relu
     valid = tuple(GATE_ACTIVATIONS) if gated else ("relu",)
-    raise ValueError(
+    raise AttnslimError(
         f"joint UD: activation {name!r} is not supported for a {'gated' if gated else 'non-gated'} MLP; "
         f"valid: {valid}. Compress such MLPs locally with lowrank.factorize instead."
     )
@@ -169,15 +170,15 @@ def joint_ud(
     gated = w_g is not None
     act = _activation(activation, gated)
     if n_iter < 1:
-        raise ValueError(f"{label}: n_iter = {n_iter} must be >= 1 (paper: 4, including the local step)")
+        raise AttnslimError(f"{label}: n_iter = {n_iter} must be >= 1 (paper: 4, including the local step)")
     if min(alpha, beta, gamma) <= 0:
-        raise ValueError(f"{label}: alpha, beta, gamma = {alpha}, {beta}, {gamma} must all be > 0")
+        raise AttnslimError(f"{label}: alpha, beta, gamma = {alpha}, {beta}, {gamma} must all be > 0")
     d_i, d = w_u.shape
     check_rank(rank_u, min(d_i, d), "rank_u", label)
     check_rank(rank_d, min(w_d.shape), "rank_d", label)
     if gated:
         if rank_g is None:
-            raise ValueError(f"{label}: a gated MLP needs rank_g (the gate projection's rank)")
+            raise AttnslimError(f"{label}: a gated MLP needs rank_g (the gate projection's rank)")
         check_rank(rank_g, min(d_i, d), "rank_g", label)
     xw = x.reshape(-1, d).to(dtype)  # (N, d)
 

@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from attnslim.errors import AttnslimError
 from attnslim.linalg.precond import InputStats, damped_eigh, preconditioner
 
 Junction = Literal["left", "right", "split", "block_identity"]
@@ -45,7 +46,7 @@ class LowRankFactors:
     def a2(self) -> torch.Tensor:
         """(r, d_in − r) non-identity block of A (block-identity junction only)."""
         if self.perm is None:
-            raise ValueError("a2 exists only for junction='block_identity' (perm is None)")
+            raise AttnslimError("a2 exists only for junction='block_identity' (perm is None)")
         return self.A[:, self.perm[self.rank :]]
 
     def weight(self) -> torch.Tensor:
@@ -60,7 +61,7 @@ class LowRankFactors:
 def param_count(d_out: int, d_in: int, r: int, junction: str = "block_identity") -> int:
     """Weight parameters (= MACs per token) of a rank-r factor pair; biases and indices not counted."""
     if junction not in JUNCTIONS:
-        raise ValueError(f"junction = {junction!r} is not one of {JUNCTIONS}")
+        raise AttnslimError(f"junction = {junction!r} is not one of {JUNCTIONS}")
     check_rank(r, min(d_out, d_in), "rank")
     dense = r * (d_out + d_in)
     return dense - r * r if junction == "block_identity" else dense
@@ -69,7 +70,7 @@ def param_count(d_out: int, d_in: int, r: int, junction: str = "block_identity")
 def check_rank(rank: int, max_rank: int, name: str = "rank", label: str = "layer") -> None:
     """Raise ValueError naming the value and the valid range unless 1 <= rank <= max_rank."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise ValueError(f"{label}: {name} = {rank!r} is out of range; valid ranks are 1..{max_rank}")
+        raise AttnslimError(f"{label}: {name} = {rank!r} is out of range; valid ranks are 1..{max_rank}")
 
 
 def pivot_columns(m: torch.Tensor, max_swaps: int | None = None, tol: float = 1.01) -> torch.Tensor:
@@ -155,17 +156,17 @@ def factorize(
     update_bias: b̂ = b + (W − BA) μ (Eq. 45); default follows `center`.
     """
     if junction not in JUNCTIONS:
-        raise ValueError(f"{label}: junction = {junction!r} is not one of {JUNCTIONS}")
+        raise AttnslimError(f"{label}: junction = {junction!r} is not one of {JUNCTIONS}")
     d_out, d_in = w.shape
     if stats.dim != d_in:
-        raise ValueError(f"{label}: stats are for d = {stats.dim} inputs but W is {tuple(w.shape)}")
+        raise AttnslimError(f"{label}: stats are for d = {stats.dim} inputs but W is {tuple(w.shape)}")
     check_rank(rank, min(d_out, d_in), "rank", label)
     if center is None:
         center = b is not None and precond in ("rootcov", "cov")
     if update_bias is None:
         update_bias = center
     if (center or update_bias) and b is None:
-        raise ValueError(
+        raise AttnslimError(
             f"{label}: center/update_bias need a bias; pass b = zeros(d_out) to add one, or center=False"
         )
     dev = stats.sxx.device  # all math runs where the statistics live
@@ -199,10 +200,10 @@ def rrr(
     λ > 0 makes this the rank-constrained ridge solution (exact for the ridge-penalised loss).
     """
     if junction not in JUNCTIONS:
-        raise ValueError(f"{label}: junction = {junction!r} is not one of {JUNCTIONS}")
+        raise AttnslimError(f"{label}: junction = {junction!r} is not one of {JUNCTIONS}")
     n_out, n_in = sts.shape
     if s_stats.dim != n_in or st.shape != (n_out,):
-        raise ValueError(
+        raise AttnslimError(
             f"{label}: rrr shapes disagree: s dim {s_stats.dim}, sts {tuple(sts.shape)}, st {tuple(st.shape)}"
         )
     check_rank(rank, min(n_out, n_in), "rank", label)

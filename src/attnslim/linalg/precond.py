@@ -20,6 +20,8 @@ from typing import Literal
 
 import torch
 
+from attnslim.errors import AttnslimError
+
 PrecondKind = Literal["identity", "hessian", "l1", "l2", "cov", "rootcov"]
 PRECOND_KINDS: tuple[str, ...] = ("identity", "hessian", "l1", "l2", "cov", "rootcov")
 
@@ -42,12 +44,12 @@ class InputStats:
     def __post_init__(self) -> None:
         d = self.sxx.shape[0]
         if self.sxx.shape != (d, d) or self.sx.shape != (d,) or self.ax.shape != (d,):
-            raise ValueError(
+            raise AttnslimError(
                 f"InputStats shapes disagree: sxx {tuple(self.sxx.shape)}, sx {tuple(self.sx.shape)}, "
                 f"ax {tuple(self.ax.shape)}; expected (d, d), (d,), (d,)"
             )
         if self.n <= 0:
-            raise ValueError(f"InputStats.n = {self.n}: needs at least one token")
+            raise AttnslimError(f"InputStats.n = {self.n}: needs at least one token")
 
     @classmethod
     def from_tokens(cls, x: torch.Tensor) -> InputStats:
@@ -123,7 +125,7 @@ def damped_eigh(
     rank-deficient and undamped (P⁻¹ would not exist).
     """
     if damp < 0:
-        raise ValueError(f"{label}: damp = {damp} must be >= 0 (relative damping, typical 1e-4..1e-2)")
+        raise AttnslimError(f"{label}: damp = {damp} must be >= 0 (relative damping, typical 1e-4..1e-2)")
     c64 = c.to(torch.float64)
     c64 = 0.5 * (c64 + c64.T)
     e, q = torch.linalg.eigh(c64)  # ascending
@@ -135,7 +137,7 @@ def damped_eigh(
     if num_rank < d:
         tokens = f", {n} tokens" if n is not None else ""
         if lam <= 0.0:
-            raise ValueError(
+            raise AttnslimError(
                 f"{label}: input covariance is rank-deficient (numerical rank {num_rank} of {d}{tokens}) "
                 f"and damp = {damp}; use damp > 0 (e.g. 1e-2) or collect more calibration tokens"
             )
@@ -178,7 +180,7 @@ def preconditioner(
     damp · mean(p) with a warning, since any value gives the same loss on those channels.
     """
     if kind not in PRECOND_KINDS:
-        raise ValueError(f"{label}: precond = {kind!r} is not one of {PRECOND_KINDS}")
+        raise AttnslimError(f"{label}: precond = {kind!r} is not one of {PRECOND_KINDS}")
     d = stats.dim
     c = stats.centred_cov if center else stats.corr  # (d, d)
     if kind == "identity":
@@ -202,7 +204,7 @@ def _diag_precond(kind: str, p: torch.Tensor, damp: float, label: str) -> Precon
     if bool(dead.any()):
         floor = damp * float(p.mean())
         if floor <= 0.0:
-            raise ValueError(f"{label}: precond {kind!r} is zero on every input channel (all-zero input)")
+            raise AttnslimError(f"{label}: precond {kind!r} is zero on every input channel (all-zero input)")
         warnings.warn(
             f"{label}: {int(dead.sum())} of {p.numel()} input channels are never active; "
             f"precond {kind!r} floors them at {floor:.3g} (damp = {damp})",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import block_identity, check_rank, factorize
 from attnslim.linalg.precond import InputStats, damped_eigh
 
@@ -61,7 +62,7 @@ def rope_rotations(
     """
     rd = head_dim if rotary_dim is None else rotary_dim
     if rd % 2 or not 0 < rd <= head_dim:
-        raise ValueError(f"rotary_dim = {rd} must be even and in 2..{head_dim}")
+        raise AttnslimError(f"rotary_dim = {rd} must be even and in 2..{head_dim}")
     half = rd // 2
     freq = theta ** (-torch.arange(half, dtype=_F64) * 2.0 / rd)  # (half,)
     ang = torch.tensor(list(offsets), dtype=_F64)[:, None] * freq  # (n_off, half)
@@ -78,7 +79,7 @@ def rope_rotations(
 def causal_offsets(window: int) -> list[int]:
     """Offsets δ = n − m of a query m and its `window` most recent keys n <= m: [0, −1, ..., −(window−1)]."""
     if window < 1:
-        raise ValueError(f"rope window = {window} must be >= 1")
+        raise AttnslimError(f"rope window = {window} must be >= 1")
     return [-i for i in range(window)]
 
 
@@ -88,7 +89,7 @@ def _rope_or_identity(
     """-> (Θ (n_off, d_h, d_h), w (n_off,)); no RoPE = the single slice Θ = I with weight 1."""
     th = torch.eye(d_h, dtype=_F64, device=device)[None] if rope is None else rope.to(device, _F64)
     if th.shape[1:] != (d_h, d_h):
-        raise ValueError(f"rope rotations have shape {tuple(th.shape)}; expected (n_offsets, {d_h}, {d_h})")
+        raise AttnslimError(f"rope rotations have shape {tuple(th.shape)}; expected (n_offsets, {d_h}, {d_h})")
     w = torch.ones(th.shape[0], dtype=_F64, device=device) if weights is None else weights.to(device, _F64)
     return th, w
 
@@ -138,20 +139,20 @@ def joint_qk(
     d = stats.dim
     d_h = w_q.shape[0] // n_heads
     if n_heads % n_kv_heads or w_q.shape != (n_heads * d_h, d) or w_k.shape != (n_kv_heads * d_h, d):
-        raise ValueError(
+        raise AttnslimError(
             f"{label}: w_q {tuple(w_q.shape)} / w_k {tuple(w_k.shape)} do not fit n_heads={n_heads}, "
             f"n_kv_heads={n_kv_heads}, d={d}"
         )
     check_rank(r_q, d, "r_q", label)
     check_rank(r_k, d, "r_k", label)
     if n_iter < 1:
-        raise ValueError(f"{label}: n_iter = {n_iter} must be >= 1 (paper: 8)")
+        raise AttnslimError(f"{label}: n_iter = {n_iter} must be >= 1 (paper: 8)")
     if junction not in ("none", "block_identity"):
-        raise ValueError(f"{label}: junction = {junction!r} is not one of ('none', 'block_identity')")
+        raise AttnslimError(f"{label}: junction = {junction!r} is not one of ('none', 'block_identity')")
     if bias_aware is None:
         bias_aware = b_q is not None and b_k is not None
     if bias_aware and (b_q is None or b_k is None):
-        raise ValueError(f"{label}: bias_aware=True needs both b_q and b_k (pass zeros to add biases)")
+        raise AttnslimError(f"{label}: bias_aware=True needs both b_q and b_k (pass zeros to add biases)")
     dev = stats.sxx.device  # all math runs where the statistics live
     w_q, w_k = w_q.to(dev, _F64), w_k.to(dev, _F64)
     b_q = None if b_q is None else b_q.to(dev, _F64)
@@ -163,7 +164,7 @@ def joint_qk(
         e, qv, _ = damped_eigh(stats.centred_cov if bias_aware else stats.corr, damp, label=label, n=stats.n)
         p, p_inv = (qv * e.sqrt()) @ qv.T, (qv * e.rsqrt()) @ qv.T  # (d, d)
     elif bias_aware:
-        raise ValueError(f"{label}: whiten (another pre-conditioner) and bias_aware=True exclude each other")
+        raise AttnslimError(f"{label}: whiten (another pre-conditioner) and bias_aware=True exclude each other")
     else:
         p, p_inv = whiten[0].to(dev, _F64), whiten[1].to(dev, _F64)  # (d, d) each
     wq_t = (w_q @ p).reshape(n_kv_heads, g, d_h, d)  # W̃_q

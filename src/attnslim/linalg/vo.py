@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import block_identity, check_rank
 from attnslim.linalg.precond import InputStats, damped_eigh
 
@@ -83,19 +84,19 @@ def joint_vo(
     d_h = w_v.shape[0] // n_kv_heads
     d_out = w_o.shape[0]
     if n_heads % n_kv_heads or w_v.shape != (n_kv_heads * d_h, d) or w_o.shape[1] != n_heads * d_h:
-        raise ValueError(
+        raise AttnslimError(
             f"{label}: w_v {tuple(w_v.shape)} / w_o {tuple(w_o.shape)} do not fit n_heads={n_heads}, "
             f"n_kv_heads={n_kv_heads}, d={d}"
         )
     check_rank(r_v, min(d, n_kv_heads * d_h), "r_v", label)
     check_rank(r_o, min(d_out, n_heads * d_h), "r_o", label)
     if n_iter < 1:
-        raise ValueError(f"{label}: n_iter = {n_iter} must be >= 1")
+        raise AttnslimError(f"{label}: n_iter = {n_iter} must be >= 1")
     if junction not in ("none", "block_identity"):
-        raise ValueError(f"{label}: junction = {junction!r} is not one of ('none', 'block_identity')")
+        raise AttnslimError(f"{label}: junction = {junction!r} is not one of ('none', 'block_identity')")
     center = b_o is not None if center is None else center
     if center and b_o is None:
-        raise ValueError(f"{label}: center=True needs b_o (pass zeros(d_out) to add an output bias)")
+        raise AttnslimError(f"{label}: center=True needs b_o (pass zeros(d_out) to add an output bias)")
     g = n_heads // n_kv_heads
     dev = stats.sxx.device  # all math runs where the statistics live
     w_v, w_o = w_v.to(dev, _F64), w_o.to(dev, _F64)

@@ -60,7 +60,8 @@ class LowRankBaseline(Method):
         if self.ratio is not None:
             require(0 < self.ratio <= 1, self.name, "ratio", self.ratio, "(0, 1]")
         if self.rank is not None:
-            require(self.rank > 0, self.name, "rank", self.rank, "an integer >= 1")
+            require(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0, self.name,
+                    "rank", self.rank, "an integer >= 1 (for a fraction use ratio)")
         bad = [n for n in self.linears if n not in SITE_OF]
         require(not bad and len(self.linears) > 0, self.name, "linears", list(self.linears),
                 f"a non-empty subset of {list(SITE_OF)}")

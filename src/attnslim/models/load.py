@@ -30,7 +30,11 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         if (path / "compression.json").exists():
             from attnslim.io import load
 
-            return load(path)
+            return load(path, dtype)
+        if not (path / "config.json").is_file():
+            raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
+                                f"Hugging Face model directory, one saved by attnslim compress, or a name "
+                                f"({', '.join(sorted(ZOO))})")
         directory = path
     elif "/" in name_or_path and not path.exists() and not name_or_path.startswith((".", "/")):
         return _load_hub(name_or_path, dtype)

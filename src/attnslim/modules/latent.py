@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
+from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import grouped_attention, repeat_kv, sliding_keep, softmax_attention
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.lowrank import LowRankLinear
@@ -56,9 +57,9 @@ class LatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         if cache not in CACHE_MODES:
-            raise ValueError(f"layer {layer_idx}: LatentAttention cache={cache!r} is invalid; valid: {CACHE_MODES}")
+            raise AttnslimError(f"layer {layer_idx}: LatentAttention cache={cache!r} is invalid; valid: {CACHE_MODES}")
         if not isinstance(k_proj, LowRankLinear):
-            raise ValueError(f"layer {layer_idx}: LatentAttention needs a LowRankLinear k_proj (the key latent)")
+            raise AttnslimError(f"layer {layer_idx}: LatentAttention needs a LowRankLinear k_proj (the key latent)")
         self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, n_heads, n_kv_heads, head_dim
         self.scaling, self.sliding_window, self.softcap, self.cache = scaling, sliding_window, softcap, cache
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj

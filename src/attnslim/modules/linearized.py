@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
+from attnslim.errors import AttnslimError
 from attnslim.registry import register_module
 
 INPUTS = ("normed", "residual")
@@ -33,7 +34,7 @@ class LinearizedAttention(nn.Module):
     ) -> None:
         super().__init__()
         if input not in INPUTS:
-            raise ValueError(f"LinearizedAttention input={input!r} is invalid; valid: {' | '.join(INPUTS)}")
+            raise AttnslimError(f"LinearizedAttention input={input!r} is invalid; valid: {' | '.join(INPUTS)}")
         self.layer_idx, self.hidden_size, self.input = layer_idx, hidden_size, input
         self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size, dtype=dtype, device=device))  # (d, d)
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))  # (d,)
@@ -43,7 +44,7 @@ class LinearizedAttention(nn.Module):
         """Copy W (d, d) and b (d,) in, cast to this module's dtype/device."""
         d = self.hidden_size
         if tuple(weight.shape) != (d, d) or tuple(bias.shape) != (d,):
-            raise ValueError(
+            raise AttnslimError(
                 f"layer {self.layer_idx}: LinearizedAttention expects W ({d}, {d}) and b ({d},), "
                 f"got W {tuple(weight.shape)} and b {tuple(bias.shape)}"
             )

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnslim.errors import AttnslimError
 from attnslim.registry import register_module
 
 
@@ -25,7 +26,7 @@ class LowRankLinear(nn.Module):
     ) -> None:
         super().__init__()
         if not 0 < rank <= min(in_features, out_features):
-            raise ValueError(
+            raise AttnslimError(
                 f"rank={rank} out of range for a {out_features}x{in_features} linear; "
                 f"use 1..{min(in_features, out_features)}"
             )
