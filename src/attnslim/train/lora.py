@@ -16,7 +16,9 @@ text source, and `loss` picks the objective:
                 whatever the non-causal layer sees after t — leak-free with b·t targets per batch (not in the
                 paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (final KL 3.7
                 nats), 150 steps 0.67 (KL 2.4; the best all-layer recovery measured), 300 steps 0.61 (KL 2.4,
-                39 min on 2 threads): the accuracy plateaus at this batch (4 × 256 tokens); at lr 2e-4, 40 steps 0.49
+                39 min on 2 threads): the accuracy plateaus at this batch (4 × 256 tokens); at lr 2e-4, 40 steps 0.49;
+                with LoRA on every linear (targets q/k/v/o/gate/up/down), 40 steps 0.58 (KL 3.68): more adapter
+                capacity does not move the plateau either
   "hidden"      hidden-state distillation: every decoder layer's output, on the model's own converted upstream,
                 pulled towards the original model's at every position (relative squared error per position) —
                 unlike "layer", it trains against the errors that compound through the converted layers; leak-
