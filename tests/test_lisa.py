@@ -20,7 +20,7 @@ from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_l
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import SharedAttention, SharingConfig
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_mistral
 from helpers import ByteTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -400,3 +400,18 @@ def test_smollm2_lisa_short():
     report = distill(model, teacher, tokenizer, cfg, progress=False)
     assert report["trainable_params"] == 2 * (576 * (9 + 3) * 10 + 18 * 72 + 72 + 72 * 9 + 9)
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_mistral])
+def test_kd_reads_exactly_the_entries_the_model_attends(builder):
+    """distill's KD mask equals where the model's own softmax is non-zero: causal, and inside the sliding
+    window on Mistral (window 4), so KD never fits scores the layer masks away (notes property 4)."""
+    from attnslim.train.distill import attended_entries
+
+    model = builder(attn_implementation="eager")
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        probs = model(input_ids=ids, output_attentions=True).attentions[0][0, 0]  # (l, l) layer 0, head 0
+    window = get_adapter(model).attention_spec(0).sliding_window
+    assert (window is None) == (builder is tiny_llama)
+    assert torch.equal(attended_entries(12, window, ids.device), probs > 0)

@@ -67,8 +67,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def real_tokens(attention_mask: Any, length: int, batch: int, device: torch.device) -> torch.Tensor:
-    """(b, L) bool, True = real token: the keys the last query may see (HF masks only mask keys for padding)."""
-    keep = _compat.keep_mask(attention_mask, length, length, device)  # (b|1, 1, L, L)
+    """(b, L) bool, True = real token: the keys the last query may see (HF masks only mask keys for padding).
+    Without a mask (SDPA's causal fast path) every token is real; no L×L mask is built for that."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    keep = _compat.keep_mask(attention_mask[..., -1:, :], 1, length, device)  # (b|1, 1, 1, L): the last row only
     return keep[:, 0, -1, :].expand(batch, length)
 
 
@@ -214,6 +217,15 @@ class PrincipalKeyAttention(SpecAttention):
 
     def kv_cache_bytes_per_token(self) -> int:
         return 1  # the position marker only: this layer cannot decode
+
+    def attention_flops(self, context: int) -> float:
+        """FLOPs per prompt token of a `context`-token prompt (this layer never generates): scores and weighted
+        values over r principal keys, plus X′ = UᵀX and the U·(X′W) expansion of queries and keys (2·r FLOPs
+        per output value each); the SVD itself (O(L·r·d) per prompt, i.e. O(r·d) per token) is not counted."""
+        r = layer_rank(context, self.rank, self.layer_idx)
+        hidden = self.q_proj.in_features if isinstance(self.q_proj, nn.Linear) else self.head_dim * self.n_heads
+        expand = (self.n_heads + self.n_kv_heads) * self.head_dim * (self.query == "lowrank")
+        return 4.0 * r * self.n_heads * self.head_dim + 2.0 * r * (hidden + expand)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "PrincipalKeyAttention", "rank": self.rank, "svd": self.svd, "query": self.query,

@@ -228,6 +228,11 @@ class PrincipalCacheAttention(SpecAttention):
         n = max(prompt - self.window, 0)
         return min(layer_rank(prompt, self.rank, self.layer_idx), n) + prompt - n
 
+    def attention_flops(self, context: int) -> float:
+        """FLOPs of the attention core (scores + weighted values) for one generated token after a prompt of
+        `context` tokens: over the cache_entries(context) entries left after compression, not `context`."""
+        return 4.0 * self.cache_entries(context) * self.n_heads * self.head_dim
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Exact softmax attention; keep (b, 1, t, kv) bool."""
         groups = self.n_heads // self.n_kv_heads

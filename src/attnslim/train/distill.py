@@ -123,6 +123,15 @@ def teacher_scores(teacher: Any, layers: list[int]) -> Iterator[dict[int, torch.
         yield store
 
 
+def attended_entries(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(l, l) bool: the score entries a layer attends, causal and, for a sliding layer, within `window` tokens
+    (HF's rule: query q sees key k when q − window < k ≤ q). Only these enter the KD loss: masked scores never
+    reach the output, so fitting them would spend the budget on nothing (notes property 4)."""
+    q, k = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)[None, :]
+    keep = k <= q
+    return keep if window is None else keep & (q - k < window)
+
+
 def distill_loss(
     student: Any, teacher: Any, layers: dict[int, SharedAttention], ids: torch.Tensor, cfg: DistillConfig
 ) -> tuple[torch.Tensor, float, float]:
@@ -132,10 +141,11 @@ def distill_loss(
     with student_scores(layers, cfg.detach_chain) as got:
         logits = student(input_ids=ids, use_cache=False).logits  # (b, l, vocab)
     lm = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-    l = ids.shape[1]
-    valid = torch.ones(l, l, dtype=torch.bool, device=ids.device).tril()  # (l, l) causal entries
+    adapter, l = get_adapter(teacher), ids.shape[1]
+    valid = {i: attended_entries(l, adapter.attention_spec(i).sliding_window, ids.device) for i in layers}
     kd = torch.stack([
-        F.huber_loss(got[i][..., valid].float(), target[i][..., valid].float(), delta=cfg.delta) for i in layers
+        F.huber_loss(got[i][..., valid[i]].float(), target[i][..., valid[i]].float(), delta=cfg.delta)
+        for i in layers
     ]).mean()
     loss = cfg.beta * kd + (1 - cfg.beta) * lm
     return loss, float(kd.detach()), float(lm.detach())
