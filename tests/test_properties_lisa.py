@@ -1,0 +1,119 @@
+"""LISA (seed 002) testable properties of shared/methods/lisa.md §7 not covered by test_lisa.py:
+the direct-sharing identity along a chain (#2), the LLaMA-shaped parameter counts (#8), global ≤ direct (#13)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from attnslim.adapters import get_adapter
+from attnslim.methods.lisa import Ds, Lisa
+from attnslim.modules.shared import DonorAttention, SharedAttention
+from conftest import tiny_llama
+from helpers import ByteTokenizer
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _install(model, method, layers):
+    """Plan + convert `method` on `layers` directly (ds/lisa need no calibration statistics)."""
+    adapter = get_adapter(model)
+    plan = method.plan(adapter, layers, {})
+    for key, entry in plan["layers"].items():
+        method.convert(adapter, int(key), entry, None)
+    return adapter
+
+
+def _weights(modules) -> int:
+    """Trainable weights, biases excluded (the note's count)."""
+    return sum(p.numel() for m in modules for p in m.trainable() if p.dim() > 1)
+
+
+# --- #2: DS identity -------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_direct_sharing_chain_reuses_layer0_scores_bit_for_bit():
+    """Notes §7 #2: a DS chain 1..3 gives every layer exactly layer 0's scores, hence layer 0's probabilities."""
+    original = tiny_llama(attn_implementation="eager")
+    probs = original(input_ids=IDS, output_attentions=True).attentions  # per layer (b, h, l, l)
+    assert not torch.allclose(probs[1], probs[0], atol=1e-3)  # without sharing, layers attend differently
+    model = tiny_llama()
+    adapter = _install(model, Ds(), [1, 2, 3])
+    donor, receivers = adapter.attention(0), {i: adapter.attention(i) for i in (1, 2, 3)}
+    assert isinstance(donor, DonorAttention)
+    assert all(isinstance(m, SharedAttention) and m.kind() == "ds" and not m.trainable() for m in receivers.values())
+    seen: dict[int, torch.Tensor] = {}
+    put = donor.export.put
+    donor.export.put = lambda s: (seen.__setitem__(0, s), put(s))[1]
+    for m in receivers.values():
+        m.score_sink = lambda i, s: seen.__setitem__(i, s)
+    io = {}
+    hook = receivers[2].register_forward_hook(
+        lambda mod, args, kwargs, out: io.update(x=kwargs["hidden_states"], out=out[0]), with_kwargs=True)
+    model(input_ids=IDS)
+    hook.remove()
+    assert sorted(seen) == [0, 1, 2, 3]
+    for i in (1, 2, 3):
+        assert torch.equal(seen[i], seen[0])  # bit-for-bit, along the whole chain
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    p0 = torch.softmax(seen[0].masked_fill(~causal, float("-inf")), dim=-1)
+    assert torch.allclose(p0, probs[0], atol=1e-6)  # the shared scores are the original layer 0's
+    # layer 2 = softmax(A_0) with its own V and W_o (HF's original layer-2 weights)
+    attn2 = original.model.layers[2].self_attn
+    v = attn2.v_proj(io["x"]).view(2, 16, 2, 16).transpose(1, 2).repeat_interleave(2, dim=1)  # (b, h, l, d)
+    ref = attn2.o_proj((probs[0] @ v).transpose(1, 2).reshape(2, 16, 64))
+    assert torch.allclose(io["out"], ref, atol=1e-5)
+
+
+# --- #8: parameter count ---------------------------------------------------------------------------------------------
+
+def _meta_llama(layers: int, kv_heads: int, vocab: int) -> LlamaForCausalLM:
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        return LlamaForCausalLM(LlamaConfig(
+            hidden_size=4096, intermediate_size=14336 if kv_heads == 8 else 11008, num_hidden_layers=layers,
+            num_attention_heads=32, num_key_value_heads=kv_heads, head_dim=128, vocab_size=vocab,
+        ))
+
+
+def test_lisa17_parameter_count_on_llama3_8b_shapes():
+    """Notes §7 #8: "For a LLaMA3-8B-shaped config, LISA(17) adds exactly 56,123,392 weights (excluding biases)"."""
+    model = _meta_llama(32, 8, 128256)
+    before = sum(p.numel() for p in model.parameters())
+    method, adapter = Lisa(select="preset", percent=53), get_adapter(model)
+    plan = method.plan(adapter, list(range(32)), {})
+    assert sorted(map(int, plan["layers"])) == [4, 5, *range(16, 31)]  # Table 4, paper layers 5, 6, 17–31
+    with torch.device("meta"):
+        for key, entry in plan["layers"].items():
+            method.skeleton(adapter, int(key), entry)
+    assert all(p.is_meta for p in model.parameters())
+    shared = [m for m in (adapter.attention(i) for i in range(32)) if isinstance(m, SharedAttention)]
+    assert len(shared) == 17
+    assert _weights(shared) == 56_123_392  # the note's number (3,301,376 per layer)
+    assert round(100 * _weights(shared) / before, 1) == 0.7  # the paper's "56 million … 0.7%" of LLaMA3-8B
+    biases = sum(p.numel() for m in shared for p in m.trainable() if p.dim() == 1)
+    dropped = 17 * 4096 * (32 + 8) * 128  # W_q and W_k of the 17 layers (notes §3.1: dropped without NF)
+    assert before - sum(p.numel() for p in model.parameters()) == dropped - _weights(shared) - biases
+
+
+def test_lisa_parameter_count_per_layer_on_llama2_7b_shapes():
+    """Notes §7 #8: "The LLaMA2-7B shape gives 5,267,456 per layer" (MHA, g = h = 32)."""
+    model = _meta_llama(2, 32, 32000)
+    spec = get_adapter(model).attention_spec(1)
+    with torch.device("meta"):
+        module = SharedAttention(spec, Lisa().sharing(spec.head_dim, spec.n_heads))
+    assert module.cfg.rank == 20 and module.cfg.align_hidden == 256  # r = 128/6.4, aligner 2h -> 256 -> h
+    assert _weights([module]) == 5_267_456
+
+
+# --- #13: global matching lies between oracle and direct -------------------------------------------------------------
+
+def test_global_head_matching_is_between_oracle_and_direct():
+    """Notes §7 #13: global (dataset-level) head matching lies between the oracle and direct scores."""
+    from attnslim.analysis import similarity_report
+
+    hm = similarity_report(tiny_llama(), ByteTokenizer(), "tiny", n=3, seq_len=16, progress=False)["head_matching"]
+    assert len(hm["global"]) == len(hm["direct"]) == 3
+    for o, g, d in zip(hm["oracle"], hm["global"], hm["direct"], strict=True):
+        assert o <= g + 1e-9 and g <= d + 1e-9
+    assert any(g < d - 1e-6 for g, d in zip(hm["global"], hm["direct"], strict=True))  # the matching does something
+    assert all(len(m) == 4 and set(m) <= set(range(4)) for m in hm["global_match"])  # head a of n -> head of n-1
