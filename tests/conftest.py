@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """The matrices in tests on tiny models are small: intra-op threading only adds contention on a loaded 2-core
+    box (a module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_llama(**overrides):

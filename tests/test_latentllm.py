@@ -4,7 +4,6 @@ rank allocation, HOSVD vs split on real statistics, bad input; one `real` test o
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,12 +30,7 @@ IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 RANKS = {"q": 24, "k": 16, "v": 12, "o": 24, "gate": 40, "up": 40, "down": 40}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one intra-op thread
 
 
 def _compress(model, args, quiet=True, **kw):

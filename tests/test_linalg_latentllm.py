@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,13 +42,7 @@ def _act_loss(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float(((x @ (w - w_hat).T) ** 2).sum())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The matrices here are tiny: intra-op threading only adds contention on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one intra-op thread
 
 
 @pytest.fixture(scope="module")

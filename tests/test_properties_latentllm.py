@@ -5,7 +5,6 @@ weights, the notes' OPT-125M rank table, and linear FLOPs against the kept weigh
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,12 +23,7 @@ from helpers import ByteTokenizer, one_step
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one intra-op thread
 
 
 def _compress(model, recipe):

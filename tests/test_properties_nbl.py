@@ -5,7 +5,6 @@ near-affine layers across calibration seeds, and the map stored in the model's d
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,12 +20,7 @@ from helpers import ByteTokenizer, one_step
 FAMILIES = ["llama", "opt", "gemma3"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one intra-op thread
 
 
 def _compress(model, recipe: Recipe):
