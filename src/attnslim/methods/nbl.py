@@ -24,7 +24,7 @@ Deviations from the paper / reference implementation, and why:
   canonical direction, so 500+ low-variance directions outweigh the few that carry Y's energy. It picks
   layer 0 and the last layers, where linearization hurts most.
 - measured on SmolLM2-135M (benchmarks/nbl.py, small run, wiki/ptb/c4 ppl ×dense at m = 6): similarity
-  1.06/1.32/1.21, resid 1.08/1.76/1.29, probe 1.07/1.51/1.24, cca (the paper) 1.59/1.84/1.74; at m = 12
+  1.06/1.32/1.21, resid 1.08/1.76/1.29, probe 1.06/1.51/1.24, cca (the paper) 1.59/1.84/1.74; at m = 12
   similarity 1.22/1.88/1.76, resid 1.23/2.15/1.70, probe 1.65/3.45/1.85 (single-layer costs do not add up).
   `resid` (the fit error relative to the stream) ranks single layers well but picks the last six layers in
   a row, where errors compound. The ridge does not matter at 32 calibration windows (nbl.py --groups ridge,

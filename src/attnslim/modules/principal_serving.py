@@ -25,7 +25,7 @@ is unremarkable, while its key is not):
                   leans on (the sink + recent baseline is hard to beat on C4), the pivots the rest of the
                   prompt's principal subspace; dropped tokens' mass is merged as for "principal". Measured
                   (benchmarks/atp.py, r = P/4): 1.09x / 1.03x full-cache continuation ppl on wiki / C4, against
-                  1.12x / 1.12x for "principal" alone and 1.17x / 1.01x for sink + recent.
+                  1.12x / 1.12x for "principal" alone and 1.17x / 1.00x for sink + recent.
   "principal-mix" the paper's literal principal keys K′ = Uᵀ·RoPE(K), V′ = UᵀV (orthonormal basis; keys
                   rotated at their own positions before projection, notes §3.5 "full path"); an ablation.
   "recent"        baseline at equal KV budget: the last r prefix tokens (cache = the most recent r + window).

@@ -8,8 +8,9 @@ spec; the Huber mean runs over the valid causal entries only (gap 9). The LM los
 entropy on packed windows of the packaged text's calibration split, drawn with a seeded generator.
 AdamW (0.9, 0.999, wd 0.1), linear warm-up then cosine decay, grad-clip 1.0 (gap 11).
 Budget knobs for a CPU: `steps`, `batch_size`, `seq_len`; tokens = steps * batch_size * seq_len.
-The default LR is 1e-2, not the paper's 3e-4: the paper trains 40k steps, a CPU budget a few hundred (a 12-step
-probe on SmolLM2, LISA on 15 layers: final loss 3.52 at 3e-3, 3.34 at 1e-2, 3.35 at 3e-2).
+The default LR is 1e-2, not the paper's 3e-4: the paper trains 40k steps, a CPU budget a few hundred (an
+exploratory 12-step probe on SmolLM2, LISA on 15 layers, not kept in benchmarks/results, ended lowest at 1e-2
+among 3e-3, 1e-2 and 3e-2).
 Memory: the aligner's (b, rows, t, F) activation is chunked over query rows (modules/aligner.Aligner); HF
 gradient checkpointing is refused because re-running a layer in backward breaks the score links.
 Checkpoints (`checkpoint: PATH`) hold the trainable tensors, the optimizer state, the step and the loss

@@ -37,8 +37,9 @@ text source, and `loss` picks the objective:
                 from the evaluation split, so no item or text is shared. It teaches the task, not the language
                 model: use it after a distillation recovery, and compare with the dense model given the same
                 fine-tuning. Measured (benchmarks/atp.py --task-steps 100 --task-lr 1e-3): after "kd" 150 steps
-                on all 30 layers (0.67), 100 steps (400 items) give 0.65 — no gain; the loss stays at ~1.0-1.3
-                nats (chance: 1.39), one labelled position per 256-token sequence is too little signal here.
+                on all 30 layers (0.67), 100 steps (400 items) give 0.65 — no gain; its 20-step means stay at 1.0-1.3
+                nats (chance: 1.39; single steps of 4 items range 0.06-2.5): one labelled position per
+                256-token sequence is too little signal here.
 Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
 for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
