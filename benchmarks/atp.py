@@ -202,7 +202,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
             # a LoRA row names its budget (earlier runs: 40 steps at lr 2e-4, warm-up 20, in the group's "lora")
             on = "" if args.lora_targets == "q,k,v" else f" on {args.lora_targets.replace(',', '/')}"
             kind = LOSS_TAGS.get(recipe.loss, "")
-            tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}"
+            batch = "" if recipe.batch_size == 4 else f", batch {recipe.batch_size}"  # 4: every earlier row
+            tag = f"LoRA{on} {kind}{recipe.steps} steps, lr {recipe.lr:g}{batch}"
             no_teacher_target = atp_args is None and recipe.loss != "last_token"  # dense matches itself: no recovery
             steps = {"zero-shot": [], "lora": [] if no_teacher_target else [recipe],
                      "lora+task": ([] if no_teacher_target else [recipe]) + [task]}[mode]
