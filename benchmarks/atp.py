@@ -181,7 +181,7 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
     recipe = LoraRecipe(steps=max(1, args.lora_steps), context=args.choice_context, batch_size=args.lora_batch,
                         lr=args.lora_lr, warmup=min(args.lora_warmup, args.lora_steps), loss=args.lora_loss,
                         targets=tuple(f"{t}_proj" for t in args.lora_targets.split(",")))
-    teacher = load_model(args.model)[0] if recipe.loss != "last_token" and args.lora_steps else None
+    teacher = load_model(args.model)[0].to(args.device) if recipe.loss != "last_token" and args.lora_steps else None
     group.update({"items": items.description, "lora_source": "wiki calibration split (first 90% of documents)"})
     group.setdefault("lora", {**vars(recipe), "targets": list(recipe.targets)})  # the budget of "+ LoRA" rows
     Which = tuple[str, int] | None  # converted layers: all (None), ("last", k) or ("cheapest", k)
@@ -414,6 +414,8 @@ def main() -> None:
     p.add_argument("--groups", default="lowrank,serving,choice,speed")
     p.add_argument("--name", default="atp")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda; only the choice group (conversion costs, LoRA, scoring) is device-aware")
     p.add_argument("--sources", default="wiki,c4")
     p.add_argument("--n", type=int, default=8, help="sequences per source (serving)")
     p.add_argument("--context", type=int, default=1024)
@@ -459,6 +461,7 @@ def main() -> None:
     groups = set(args.groups.split(","))
     store = Store(args.name, args)
     model, tokenizer = load_model(args.model)
+    model.to(args.device)  # converted layers follow: adapters put a replacement on the device of the replaced
     adapter = get_adapter(model)
     dense = {i: adapter.attention(i) for i in range(adapter.num_layers())}
     if "lowrank" in groups and "lowrank" not in store.data["groups"]:
