@@ -20,6 +20,18 @@ class ByteTokenizer:
         pass
 
 
+def convert_atp(model: Any, **args: Any) -> Any:
+    """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
+    from attnslim.adapters import get_adapter
+    from attnslim.methods.atp import Atp
+
+    method, adapter = Atp(**args), get_adapter(model)
+    layers = [i for i, kind in enumerate(adapter.layer_types()) if kind == "full_attention"] or [0]
+    for key, entry in method.plan(adapter, layers, {})["layers"].items():
+        method.convert(adapter, int(key), entry, None)
+    return model
+
+
 def one_step(method: str, args: dict[str, Any], layers: Any = "all", windows: int = 4, seq_len: int = 32) -> Recipe:
     return recipe_from_dict({
         "name": f"test-{method}",

@@ -26,20 +26,10 @@ from attnslim.modules.principal_serving import (
     pivot_tokens,
 )
 from conftest import tiny_gemma3, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, one_step
+from helpers import ByteTokenizer, convert_atp, one_step
 
 IDS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
 COMPRESSORS = ["principal", "principal-mix", "recent", "sink"]
-
-
-def _convert(model, **args):
-    """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
-    method, adapter = Atp(**args), get_adapter(model)
-    layers = [i for i, kind in enumerate(adapter.layer_types()) if kind == "full_attention"] or [0]
-    plan = method.plan(adapter, layers, {})
-    for key, entry in plan["layers"].items():
-        method.convert(adapter, int(key), entry, None)
-    return model
 
 
 def _compress(model, args):
@@ -60,7 +50,7 @@ def _layer0(model, cls):
 @pytest.mark.parametrize("compress_with", COMPRESSORS)
 def test_serving_full_rank_equals_dense(builder, compress_with):
     ref = builder()(input_ids=IDS).logits
-    model = _convert(builder(), rank=1.0, form="serving", window=4, compress=compress_with)
+    model = convert_atp(builder(), rank=1.0, form="serving", window=4, compress=compress_with)
     assert torch.allclose(model(input_ids=IDS).logits, ref, atol=1e-5)
     with compression_point(model, 30):
         assert torch.allclose(model(input_ids=IDS, use_cache=False).logits, ref, atol=1e-5)
@@ -69,7 +59,7 @@ def test_serving_full_rank_equals_dense(builder, compress_with):
 @pytest.mark.parametrize("builder", [tiny_llama, tiny_gemma3, tiny_opt])
 @pytest.mark.parametrize("compress_with", COMPRESSORS)
 def test_serving_cached_equals_uncached(builder, compress_with):
-    model = _convert(builder(), rank=0.25, form="serving", window=4, compress=compress_with, sinks=2)
+    model = convert_atp(builder(), rank=0.25, form="serving", window=4, compress=compress_with, sinks=2)
     with compression_point(model, 30):
         uncached = model(input_ids=IDS, use_cache=False).logits
     cache = _compat.new_cache(model.config)
@@ -91,7 +81,7 @@ def test_serving_cached_equals_uncached(builder, compress_with):
 
 
 def test_serving_is_causal_and_compression_changes_continuation():
-    model = _convert(tiny_llama(), rank=0.25, form="serving", window=4)
+    model = convert_atp(tiny_llama(), rank=0.25, form="serving", window=4)
     other = IDS.clone()
     other[:, 35] = (other[:, 35] + 1) % 128
     with compression_point(model, 30):
@@ -104,10 +94,10 @@ def test_serving_left_padding_finite_and_full_rank_exact():
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, :7] = 0
     ref = tiny_llama()(input_ids=IDS, attention_mask=mask).logits
-    full = _convert(tiny_llama(), rank=1.0, form="serving", window=4)
+    full = convert_atp(tiny_llama(), rank=1.0, form="serving", window=4)
     got = full(input_ids=IDS, attention_mask=mask).logits
     assert torch.allclose(got[mask.bool()], ref[mask.bool()], atol=1e-5)
-    model = _convert(tiny_llama(), rank=0.25, form="serving", window=4)
+    model = convert_atp(tiny_llama(), rank=0.25, form="serving", window=4)
     out = model.generate(IDS[:, :30], attention_mask=mask[:, :30], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 34)
     with compression_point(model, 30):
@@ -115,7 +105,7 @@ def test_serving_left_padding_finite_and_full_rank_exact():
 
 
 def test_serving_half_precision_generates():
-    model = _convert(tiny_llama(), rank=0.25, form="serving", window=4).to(torch.bfloat16)
+    model = convert_atp(tiny_llama(), rank=0.25, form="serving", window=4).to(torch.bfloat16)
     out = model.generate(IDS[:, :30], attention_mask=torch.ones(2, 30, dtype=torch.long), max_new_tokens=3,
                          do_sample=False)
     assert out.shape == (2, 33)
@@ -202,7 +192,7 @@ def test_serving_kv_bytes_shrink(llama):
 # --- the paper's layer --------------------------------------------------------------------------------------------
 
 def _paper_module(rank=0.5, **kw):
-    model = _convert(tiny_llama(), rank=rank, form="paper", **kw)
+    model = convert_atp(tiny_llama(), rank=rank, form="paper", **kw)
     return model, _layer0(model, PrincipalKeyAttention)
 
 
@@ -236,7 +226,7 @@ def test_paper_u_orthonormal_and_identity_basis_is_noncausal_attention():
 
 def test_paper_identity_basis_keeps_biases():
     """OPT has q/k/v/o biases and no RoPE: with U = I the layer is exactly non-causal attention (notes §7.11)."""
-    model = _convert(tiny_opt().double(), rank=1.0, form="paper")
+    model = convert_atp(tiny_opt().double(), rank=1.0, form="paper")
     module = _layer0(model, PrincipalKeyAttention)
     x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     spec = get_adapter(tiny_opt().double()).attention_spec(0)
@@ -391,7 +381,7 @@ def test_rank_longer_than_sequence():
     model, _ = _paper_module(rank=64)
     with pytest.raises(AttnslimError, match=r"layer 0: r=64 out of range"):
         model(input_ids=IDS)
-    serving = _convert(tiny_llama(), rank=64, form="serving", window=4)
+    serving = convert_atp(tiny_llama(), rank=64, form="serving", window=4)
     with pytest.raises(AttnslimError, match="r=64 out of range"), compression_point(serving, 30):
         serving(input_ids=IDS, use_cache=False)
 
@@ -399,7 +389,7 @@ def test_rank_longer_than_sequence():
 def test_compression_point_errors(llama):
     with pytest.raises(AttnslimError, match="no PrincipalCacheAttention"), compression_point(llama, 10):
         pass
-    serving = _convert(tiny_llama(), rank=0.5, form="serving")
+    serving = convert_atp(tiny_llama(), rank=0.5, form="serving")
     with pytest.raises(AttnslimError, match="int ≥ 1"), compression_point(serving, 0):
         pass
     with pytest.raises(AttnslimError, match="context"):
@@ -410,7 +400,7 @@ def test_sliding_window_layers_refused():
     from conftest import tiny_mistral
 
     with pytest.raises(AttnslimError, match="layers"):
-        _convert(tiny_mistral(), rank=0.5)
+        convert_atp(tiny_mistral(), rank=0.5)
 
 
 # --- analysis, multiple choice, LoRA recovery ----------------------------------------------------------------------
@@ -470,16 +460,16 @@ def test_lora_recovery_trains_qkv_only_and_resumes_exactly(tmp_path):
     from attnslim.train.lora import LoraRecipe, recover_with_lora
 
     recipe = LoraRecipe(rank=4, alpha=8, steps=4, batch_size=2, context=16, source="tiny", warmup=1, save_every=2)
-    base = _convert(tiny_llama(), rank=0.5, form="paper").state_dict()
-    whole, log = recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
+    base = convert_atp(tiny_llama(), rank=0.5, form="paper").state_dict()
+    whole, log = recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
                                    tmp_path / "a", progress=False)
     assert log["step"] == 4 and all(math.isfinite(x) for x in log["losses"])
     changed = {k for k, v in whole.state_dict().items() if not torch.equal(v, base[k])}
     assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for k in changed)
-    first, log = recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
+    first, log = recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
                                    tmp_path / "b", progress=False, stop_after=2)
     assert log["step"] == 2
-    resumed, log = recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
+    resumed, log = recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe,
                                      tmp_path / "b", progress=False)
     assert log["step"] == 4
     for key, value in whole.state_dict().items():
@@ -497,7 +487,7 @@ def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers
     teacher, same = tiny_llama(), tiny_llama()
     same.load_state_dict(teacher.state_dict())
     layers = list(range(get_adapter(teacher).num_layers()))
-    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student = convert_atp(tiny_llama(), rank=0.5, form="paper")
     student.load_state_dict(teacher.state_dict(), strict=False)  # the ATP modules hold the same q/k/v/o weights
     with torch.no_grad():
         assert float(layer_match_loss(same, teacher, layers, held_out)) == pytest.approx(0.0, abs=1e-10)
@@ -509,15 +499,15 @@ def test_layer_match_loss_is_zero_for_the_teacher_and_trains_the_replaced_layers
     with torch.no_grad():
         assert float(layer_match_loss(trained, teacher, layers, held_out)) < 0.95 * before
     kd = LoraRecipe(rank=4, alpha=8, steps=2, batch_size=2, context=16, source="tiny", warmup=1, loss="last_kd")
-    _, log = recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "k",
+    _, log = recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "k",
                                progress=False, teacher=teacher)
     assert log["step"] == 2 and all(math.isfinite(x) and x >= 0 for x in log["losses"])  # a KL divergence
     with torch.no_grad():
         assert float(last_kd_loss(same, teacher, held_out)) == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(AttnslimError, match="needs the original model"):
-        recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "p")
+        recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), kd, tmp_path / "p")
     with pytest.raises(AttnslimError, match="needs the original model"):
-        recover_with_lora(_convert(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe, tmp_path / "n")
+        recover_with_lora(convert_atp(tiny_llama(), rank=0.5, form="paper"), ByteTokenizer(), recipe, tmp_path / "n")
     with pytest.raises(AttnslimError, match="no attention layer of the model differs"):
         recover_with_lora(same, ByteTokenizer(), recipe, tmp_path / "o", teacher=teacher)
     with pytest.raises(AttnslimError, match="loss='mse'"):
@@ -536,7 +526,7 @@ def test_all_position_kd_is_the_mean_of_last_position_kd_over_prefixes_and_train
         every = float(kd_loss(causal, teacher, held_out))
         prefixes = [float(last_kd_loss(causal, teacher, held_out[:, : t + 1])) for t in range(held_out.shape[1])]
     assert every == pytest.approx(sum(prefixes) / len(prefixes), rel=1e-4)
-    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student = convert_atp(tiny_llama(), rank=0.5, form="paper")
     student.load_state_dict(teacher.state_dict(), strict=False)
     with torch.no_grad():
         before = float(kd_loss(student, teacher, held_out))
@@ -556,7 +546,7 @@ def test_hidden_state_loss_is_zero_for_the_teacher_and_trains(tmp_path):
     held_out = batch_at(token_ids("tiny", "calib", ByteTokenizer()), recipe, 10_000)[0]
     teacher, same = tiny_llama(), tiny_llama()
     same.load_state_dict(teacher.state_dict())
-    student = _convert(tiny_llama(), rank=0.5, form="paper")
+    student = convert_atp(tiny_llama(), rank=0.5, form="paper")
     student.load_state_dict(teacher.state_dict(), strict=False)
     with torch.no_grad():
         assert float(hidden_loss(same, teacher, held_out)) == pytest.approx(0.0, abs=1e-10)
@@ -578,13 +568,13 @@ def test_teacher_forced_scores_refuse_the_paper_layer():
     from attnslim.eval.tasks import evaluate_tasks
 
     windows = eval_windows("tiny", ByteTokenizer(), tokens=64, seq_len=32)
-    paper = _convert(tiny_llama(), rank=0.5, form="paper")
+    paper = convert_atp(tiny_llama(), rank=0.5, form="paper")
     assert noncausal_layers(paper) == [0, 1, 2, 3]
     with pytest.raises(AttnslimError, match=r"perplexity: layers \[0, 1, 2, 3\] are non-causal.*--choice"):
         perplexity(paper, windows, progress=False)
     with pytest.raises(AttnslimError, match="zero-shot tasks: layers .* are non-causal"):
         evaluate_tasks(paper, ByteTokenizer(), ["attnslim_tiny_lastword"], limit=2, progress=False)
-    serving = _convert(tiny_llama(), rank=0.5, form="serving")
+    serving = convert_atp(tiny_llama(), rank=0.5, form="serving")
     assert noncausal_layers(serving) == [] and math.isfinite(perplexity(serving, windows, progress=False).ppl)
     # a KV report must not present the paper layer's position marker as a cache a generation could have
     from attnslim.bench import kv_bytes_per_token
@@ -617,7 +607,6 @@ def test_real_paper_layer_is_scored_by_choice_items_from_the_cli(tmp_path, capsy
     assert "--choice-source must be one of" in capsys.readouterr().err
     assert cli_main(["eval", str(out), "--data", "wiki", "--tokens", "512", "--seq-len", "256"]) == 2
     assert "layers [28, 29] are non-causal" in capsys.readouterr().err
-
 
 
 @pytest.mark.real
@@ -654,7 +643,7 @@ def test_real_serving_continuation_beats_recent_window():
         for i, module in dense.items():
             adapter.replace_attention(i, module)
         if name != "dense":
-            _convert(model, rank=0.25, form="serving", window=32, compress=name)
+            convert_atp(model, rank=0.25, form="serving", window=32, compress=name)
         total, count = continuation_nll(model, ids, 256)
         nll[name] = total / count
     assert all(math.isfinite(v) for v in nll.values()), nll

@@ -8,24 +8,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnslim.adapters import get_adapter
 from attnslim.bench.flops import flops_per_token
-from attnslim.methods.atp import Atp
 from conftest import tiny_llama
-
-
-def _convert(model, **args):
-    method, adapter = Atp(**args), get_adapter(model)
-    layers = list(range(adapter.num_layers()))
-    for key, entry in method.plan(adapter, layers, {})["layers"].items():
-        method.convert(adapter, int(key), entry, None)
-    return model
+from helpers import convert_atp
 
 
 def test_flops_count_the_entries_attended_not_the_context():
     dense = flops_per_token(tiny_llama(), 1024)["attention_core"]  # 4 layers × 4·1024·H·hd
-    serving = _convert(tiny_llama(), rank=0.25, form="serving", window=32)
+    serving = convert_atp(tiny_llama(), rank=0.25, form="serving", window=32)
     assert flops_per_token(serving, 1024)["attention_core"] == pytest.approx(dense * (256 + 32) / 1024)
-    paper = _convert(tiny_llama(), rank=64, form="paper")  # fixed r: the per-token cost does not grow with L
-    per_layer = 4 * 64 * 4 * 16 + 2 * 64 * (64 + (4 + 2) * 16)  # scores+values, UᵀX, U·(X′W) for q and k
+    paper = convert_atp(tiny_llama(), rank=64, form="paper")  # fixed r: the per-token cost does not grow with L
+    # scores + values over r keys; UᵀX; K′ = UᵀRoPE(K); U·(X′W) for q (lowrank) and k (cheap): 2 FLOPs per MAC
+    per_layer = 4 * 64 * 4 * 16 + 2 * 64 * (64 + 2 * 16) + 2 * 64 * (4 * 16 + 2 * 16)
     for context in (256, 1024, 4096):
         assert flops_per_token(paper, context)["attention_core"] == 4 * per_layer
     assert flops_per_token(tiny_llama(), 4096)["attention_core"] == 4 * dense
@@ -48,7 +41,7 @@ class _Shapes(TorchDispatchMode):
 def test_the_paper_layer_builds_no_length_by_length_tensor(mask):
     """Linear memory in L (notes property 8), with and without a padding mask; L = 256 > d = 64, so U (L × r)
     is not square."""
-    model = _convert(tiny_llama(), rank=0.25, form="paper")
+    model = convert_atp(tiny_llama(), rank=0.25, form="paper")
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     layer = get_adapter(model).attention(1)
     with torch.no_grad():

@@ -10,23 +10,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import attnslim.modules.principal as principal_module
 from attnslim.adapters import get_adapter
 from attnslim.linalg.pca import principal_components
-from attnslim.methods.atp import Atp
 from attnslim.modules.principal import PrincipalKeyAttention
 from conftest import tiny_llama, tiny_opt
+from helpers import convert_atp
 
 F64 = torch.float64
 L = 40
 ALL = torch.ones(2, L, dtype=torch.bool)
-
-
-def _convert(model, **args):
-    """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
-    method, adapter = Atp(**args), get_adapter(model)
-    layers = [i for i, kind in enumerate(adapter.layer_types()) if kind == "full_attention"] or [0]
-    plan = method.plan(adapter, layers, {})
-    for key, entry in plan["layers"].items():
-        method.convert(adapter, int(key), entry, None)
-    return model
 
 
 def _layer0(model) -> PrincipalKeyAttention:
@@ -61,7 +51,7 @@ def test_biases_with_truncated_svd_basis_match_hand_built_reference():
          for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
     assert all(b.abs().sum() > 0 for _, b in w.values())  # the fixture randomises biases
     heads, hd = hf.num_heads, hf.head_dim
-    module = _layer0(_convert(model, rank=10, form="paper"))
+    module = _layer0(convert_atp(model, rank=10, form="paper"))
     x = torch.randn(2, L, 64, generator=_gen(4), dtype=F64) + 0.5  # offset: U's column sums are far from 0
     u, xp, valid = module.decompose(x, ALL)
     assert u.shape == (2, L, 10) and valid.all()
@@ -86,7 +76,7 @@ def test_biases_with_truncated_svd_basis_match_hand_built_reference():
 # --- #10: RoPE and query paths -------------------------------------------------------------------------------------
 
 def _llama_rank(rank):
-    model = _convert(tiny_llama().double(), rank=rank, form="paper")
+    model = convert_atp(tiny_llama().double(), rank=rank, form="paper")
     return model, _layer0(model)
 
 

@@ -162,16 +162,12 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     from attnslim.api import compress
     from attnslim.bench.kv import no_decode_note
-    from attnslim.errors import AttnslimError
-    from attnslim.io import check_replaceable, save
+    from attnslim.io import check_output, save
     from attnslim.models import load_model
     from attnslim.recipe import apply_overrides, load_recipe
 
     recipe = apply_overrides(load_recipe(args.recipe), args.set)
-    if Path(args.out).exists() and not args.overwrite:  # refuse before spending minutes compressing
-        raise AttnslimError(f"output directory {args.out} exists; choose another --out or pass --overwrite")
-    if Path(args.out).exists():
-        check_replaceable(Path(args.out))
+    check_output(Path(args.out), args.overwrite)  # refuse before spending minutes compressing
     model, tokenizer = load_model(args.model)
     report = compress(model, tokenizer, recipe)
     save(model, tokenizer, args.out, report.to_json(), overwrite=args.overwrite)

@@ -29,10 +29,7 @@ def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, An
     from safetensors.torch import save_model
 
     target = Path(directory)
-    if target.exists() and not overwrite:
-        raise AttnslimError(f"output directory {target} exists; choose another --out or pass --overwrite")
-    if target.exists():
-        check_replaceable(target)
+    check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -52,9 +49,14 @@ def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, An
     return target
 
 
-def check_replaceable(target: Path) -> None:
-    """--overwrite replaces only an earlier attnslim output (or an empty directory): never a file, the working
-    directory or one of its parents, or a directory of other data."""
+def check_output(target: Path, overwrite: bool) -> None:
+    """A new `target` is fine; an existing one needs `overwrite`, and is replaced only when it is an earlier
+    attnslim output (or an empty directory): never a file, the working directory or one of its parents, or a
+    directory of other data. The CLI calls this before compressing, `save` again before writing."""
+    if not target.exists():
+        return
+    if not overwrite:
+        raise AttnslimError(f"output directory {target} exists; choose another --out or pass --overwrite")
     resolved, here = target.resolve(), Path.cwd().resolve()
     if not target.is_dir():
         raise AttnslimError(f"--overwrite: {target} is not a directory; choose another --out")

@@ -130,13 +130,11 @@ class Atp(Method):
         from attnslim.adapters import get_adapter
         from attnslim.train.lora import recover_with_lora
 
-        recipe, adapter = self.lora_recipe(), get_adapter(model)
-        atp_types = (PrincipalKeyAttention, PrincipalCacheAttention)
-        layers = ([i for i in range(adapter.num_layers()) if isinstance(adapter.attention(i), atp_types)]
-                  if recipe.scope == "converted" else None)
+        adapter, atp_types = get_adapter(model), (PrincipalKeyAttention, PrincipalCacheAttention)
+        converted = [i for i in range(adapter.num_layers()) if isinstance(adapter.attention(i), atp_types)]
         with tempfile.TemporaryDirectory(prefix="attnslim-atp-lora-") as work:
-            _, log = recover_with_lora(model, tokenizer, recipe, work, progress=progress, teacher=teacher,
-                                       layers=layers)
+            _, log = recover_with_lora(model, tokenizer, self.lora_recipe(), work, progress=progress,
+                                       teacher=teacher, converted=converted)
         return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:

@@ -34,8 +34,7 @@ kv_ratio bounds r_k + r_v by a kept fraction of the dense
 KV cache, split between k and v by spectrum energy per cached value (q/o then share the rest of the budget).
 Deviations from the paper, and why:
 - alloc=spectrum by default: on SmolLM2-135M at 80% kept attention the uniform rule costs 1.35x dense wiki
-  ppl, almost all of it from V (its whitened spectrum is nearly flat; an exploratory V/O-only vs Q/K-only split,
-  not kept in benchmarks/results, put nearly all the loss on V/O);
+  ppl, mostly from V, whose whitened spectrum is nearly flat;
   spectrum allocation keeps V near full rank and gives 1.01x at the same parameter count.
 - A matrix allocated its full rank (r = min(d_out, d_in); alloc=spectrum often keeps V there) is installed as
   one dense nn.Linear holding B A: the same weight count as the block-identity factors, the same map, and no

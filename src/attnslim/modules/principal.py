@@ -219,13 +219,17 @@ class PrincipalKeyAttention(SpecAttention):
         return 1  # the position marker only: this layer cannot decode
 
     def attention_flops(self, context: int) -> float:
-        """FLOPs per prompt token of a `context`-token prompt (this layer never generates): scores and weighted
-        values over r principal keys, plus X′ = UᵀX and the U·(X′W) expansion of queries and keys (2·r FLOPs
-        per output value each); the SVD itself (O(L·r·d) per prompt, i.e. O(r·d) per token) is not counted."""
+        """FLOPs per prompt token of a `context`-token prompt (this layer never generates), 2 per MAC: scores and
+        weighted values over r principal keys, X′ = UᵀX, K′ = Uᵀ·RoPE(K), and the U·(X′W) expansions of the
+        queries (query="lowrank") and keys (key_path="cheap"); the SVD itself (O(L·r·d) per prompt) is not
+        counted."""
         r = layer_rank(context, self.rank, self.layer_idx)
-        hidden = self.q_proj.in_features if isinstance(self.q_proj, nn.Linear) else self.head_dim * self.n_heads
-        expand = (self.n_heads + self.n_kv_heads) * self.head_dim * (self.query == "lowrank")
-        return 4.0 * r * self.n_heads * self.head_dim + 2.0 * r * (hidden + expand)
+        q_linear: Any = getattr(self.q_proj, "base_layer", self.q_proj)  # peft-wrapped during recovery
+        hidden = int(q_linear.in_features)
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_key = (2 * q_width + hidden + kv_width + q_width * (self.query == "lowrank")
+                   + kv_width * (self.key_path == "cheap"))
+        return 2.0 * r * per_key
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "PrincipalKeyAttention", "rank": self.rank, "svd": self.svd, "query": self.query,

@@ -95,7 +95,7 @@ class LoraRecipe:
     save_every: int = 25
     loss: str = "last_token"  # last_token | last_kd | kd | hidden | layer | choice (kd.. layer need the teacher)
     scope: str = "all"  # all: `targets` of every decoder layer (the measured setting) | converted: only the layers
-    #                     the method converted (callers pass them as `layers`)
+    #                     the method converted (callers pass them as `converted`)
 
     def __post_init__(self) -> None:
         for key in ("rank", "alpha", "steps", "batch_size", "context", "save_every"):
@@ -212,7 +212,7 @@ def _lr_factor(recipe: LoraRecipe, step: int) -> float:
 
 def recover_with_lora(
     model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
-    stop_after: int | None = None, teacher: Any = None, layers: list[int] | None = None,
+    stop_after: int | None = None, teacher: Any = None, converted: list[int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Fine-tune LoRA adapters on `recipe.targets` of `model` (resuming from `out_dir`); returns (model, log).
 
@@ -220,8 +220,8 @@ def recover_with_lora(
     returned, so it saves and loads like any compressed model. `stop_after` runs at most that many steps in this
     call (a time box); the checkpoint written on stopping lets the next call continue exactly where this one
     stopped.
-    `teacher` (the original model) is required by the distillation losses. `layers`: the decoder layers whose
-    `recipe.targets` get adapters (None: all; with recipe.scope "converted" pass the converted layers).
+    `teacher` (the original model) is required by the distillation losses. `converted`: the layers the caller's
+    method converted; recipe.scope "converted" puts adapters on their `recipe.targets` only ("all": every layer).
     loss="layer" trains against the layers whose attention module differs in type from the teacher's.
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -230,14 +230,15 @@ def recover_with_lora(
     if recipe.loss not in ("last_token", "choice") and teacher is None:
         raise AttnslimError(f"LoRA recipe loss={recipe.loss!r} needs the original model: "
                             "pass teacher=<the dense model>")
+    if recipe.scope == "converted" and converted is None:
+        raise AttnslimError("LoRA recipe scope 'converted': pass the converted layers as `converted`")
     matched = replaced_layers(model, teacher) if recipe.loss == "layer" else []
+    modules = lora_targets(model, recipe.targets, converted if recipe.scope == "converted" else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)  # LoRA A initialisation
-    if recipe.scope == "converted" and layers is None:
-        raise AttnslimError("LoRA recipe scope 'converted': pass the converted layers as `layers`")
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=recipe.dropout,
-                        target_modules=lora_targets(model, recipe.targets, layers), bias="none")
+                        target_modules=modules, bias="none")
     peft_model = get_peft_model(model, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)

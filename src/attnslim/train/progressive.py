@@ -68,7 +68,7 @@ def progressive_recovery(
             method.convert(adapter, i, dict(entries[str(i)]), None)
         converted = sorted(converted + new)
         _, lora = recover_with_lora(model, tokenizer, recipe, Path(out_dir) / f"stage-{s}", progress=progress,
-                                    teacher=teacher, layers=converted if recipe.scope == "converted" else None)
+                                    teacher=teacher, converted=converted)
         log = {"stage": s, "new_layers": new, "layers": converted,
                "costs": {str(i): costs[i] for i in new if i in costs}, "lora": lora}
         logs.append(log)
