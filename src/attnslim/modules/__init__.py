@@ -5,9 +5,10 @@ from attnslim.modules.dropped import DroppedAttention
 from attnslim.modules.latent import LatentAttention
 from attnslim.modules.linearized import LinearizedAttention
 from attnslim.modules.lowrank import LowRankLinear
+from attnslim.modules.mla import MLAAttention
 from attnslim.modules.shared import DonorAttention, SharedAttention
 
 __all__ = [
-    "DonorAttention", "DroppedAttention", "LatentAttention", "LinearizedAttention", "LowRankLinear",
+    "DonorAttention", "DroppedAttention", "LatentAttention", "LinearizedAttention", "LowRankLinear", "MLAAttention",
     "SharedAttention",
 ]

@@ -171,12 +171,7 @@ class LatentAttention(nn.Module):
         return self.o_proj(out), None
 
     def _keep(self, attention_mask: Any, t: int, kv: int, device: torch.device) -> torch.Tensor | None:
-        """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
-        padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
-        window_free = self.sliding_window is None or kv <= self.sliding_window
-        if attention_mask is None and window_free and self.softcap is None and t in (1, kv):
-            return None
-        return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), self.sliding_window)
+        return attention_keep(attention_mask, t, kv, device, self.sliding_window, self.softcap)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor | None, path: str
                 ) -> torch.Tensor:
@@ -197,23 +192,7 @@ class LatentAttention(nn.Module):
         return out
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), n | h: grouped heads without copies.
-        keep=None: causal (t == kv) or one query attending to everything (t == 1).
-        Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
-        width differs from the query width (absorbed latents), falls back to a kernel ~10x slower on the CPU
-        (benchmarks/kernels.py)."""
-        t, kv = q.shape[2], k.shape[2]
-        if t <= FEW_QUERIES:
-            if keep is None and t > 1:  # causal over the last t of kv positions
-                keep = torch.ones(t, kv, dtype=torch.bool, device=q.device).tril(kv - t)[None, None]
-            return grouped_attention(q, k, v, keep, self.scaling, self.softcap)
-        v = v.expand(v.shape[0], k.shape[1], *v.shape[2:])  # a shared latent serves every key head (a view)
-        g = q.shape[1] // k.shape[1]
-        if keep is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.scaling, enable_gqa=g > 1)
-        if self.softcap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scaling, enable_gqa=g > 1)
-        return softmax_attention(q, repeat_kv(k, g), repeat_kv(v, g), keep, self.scaling, self.softcap)
+        return attend(q, k, v, keep, self.scaling, self.softcap)
 
     # --- reporting ---------------------------------------------------------------------------------
     def kv_cache_bytes_per_token(self) -> int:
@@ -247,3 +226,34 @@ class LatentAttention(nn.Module):
         ranks = ", ".join(f"r_{k}={v if v is not None else 'dense'}" for k, v in r.items())
         return (f"layer={self.layer_idx}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}, {ranks}, "
                 f"cache={self.cache} ({self.kv_cache_bytes_per_token()} B/token)")
+
+
+def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, sliding_window: int | None,
+                   softcap: float | None) -> torch.Tensor | None:
+    """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
+    padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
+    window_free = sliding_window is None or kv <= sliding_window
+    if attention_mask is None and window_free and softcap is None and t in (1, kv):
+        return None
+    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scaling: float,
+           softcap: float | None) -> torch.Tensor:
+    """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), n | h: grouped heads without copies.
+    keep=None: causal (t == kv) or one query attending to everything (t == 1).
+    Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
+    width differs from the query width (absorbed latents), falls back to a kernel ~10x slower on the CPU
+    (benchmarks/kernels.py)."""
+    t, kv = q.shape[2], k.shape[2]
+    if t <= FEW_QUERIES:
+        if keep is None and t > 1:  # causal over the last t of kv positions
+            keep = torch.ones(t, kv, dtype=torch.bool, device=q.device).tril(kv - t)[None, None]
+        return grouped_attention(q, k, v, keep, scaling, softcap)
+    v = v.expand(v.shape[0], k.shape[1], *v.shape[2:])  # a shared latent serves every key head (a view)
+    g = q.shape[1] // k.shape[1]
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=scaling, enable_gqa=g > 1)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=g > 1)
+    return softmax_attention(q, repeat_kv(k, g), repeat_kv(v, g), keep, scaling, softcap)

@@ -1,0 +1,290 @@
+"""`mla` and `transmla`: convert attention to multi-head latent attention with decoupled RoPE (`MLAAttention`).
+
+Both cache, per token and layer, one latent c (rank r) and one rotary key (d_rope dims) shared by every head:
+r + d_rope values instead of 2·n_kv·d_h. Decode absorbs the key up-projection into the query and the value
+up-projection into the output (modules/mla.py). Per layer (linalg/mla_rope.py, linalg/mla.py):
+  1. a change of basis of each RoPE frequency across the KV heads; `rope_dims`/2 components stay true rotary
+     pairs (the model's own cos/sin, so scaled RoPE is exact), the rest lose their rotation and join the
+     non-rotary key space;
+  2. one rank-r factorisation [k_nope; v] ≈ B (A x).
+q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py says how).
+
+`mla` (ours) — what LatentLLM adds to that form:
+  rope_select=query (default): balanced truncation of each frequency's logit, K and the lifted query moment
+    diagonalised together, components ranked by logit energy × the logit error of losing their rotation over
+    `rope_span` tokens; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
+  kv_weight=attention (default): the latent fit weighs key errors by what they do to each head's logits
+    (query second moments) times that head's output spread, and value errors by W_o (linalg/mla.attention_weight),
+    on the centred input covariance with LatentLLM's mean correction (Eq. 45); kv_weight=rootcov: K and V rows
+    balanced to equal energy, centred covariance (CARE's covariance-aware SVD); kv_weight=svd: a plain truncated
+    SVD of the weights (no statistics), the floor every other fit must beat.
+`transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
+  (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
+  the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
+  Deviation: α from second moments (streamed statistics), not from a mean of per-token norms.
+Statistics: Σxxᵀ, Σx, n at the attention input (q, k, v all read it); nothing else.
+KV budget: `kv_ratio` (kept fraction of the dense cache, r = ⌊kv_ratio·2·n_kv·d_h⌋ − d_rope) or an explicit `rank`.
+Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r²
+(block-identity A); query maps h·d_h·(d_rope + D_n), D_n = n_kv·d_h − d_rope.
+Why a new method and not a `latentllm` option: the module, the cache and the budget are different (a KV budget,
+not a weight ratio; q and o are not factorised), and most latentllm options (qk, vo, alloc, cache) would not
+apply; this file reuses latentllm's linear algebra (InputStats, root-covariance square roots, the block-identity
+junction, the mean correction). Refused: QK-norm layers (Gemma-3): a per-head RMS norm of the key acts after
+the key projection and can be neither shared by a latent nor absorbed. Results: BENCHMARKS.md, section MLA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnslim import _compat
+from attnslim.adapters.base import Adapter, AttentionSpec
+from attnslim.errors import AttnslimError
+from attnslim.linalg.mla import MLAFactors, assemble, attention_weight, fit_latent, head_moments, second_moment
+from attnslim.linalg.mla_rope import SELECTS, RotarySplit, split_rotary
+from attnslim.linalg.precond import InputStats
+from attnslim.methods.base import Collector, GramCollector, Method, require
+from attnslim.methods.lowrank_baselines import to_input_stats
+from attnslim.modules.mla import MLAAttention
+from attnslim.registry import register_method
+
+KV_WEIGHTS = ("attention", "rootcov", "svd")
+
+
+@dataclass(frozen=True)
+class _MLABase(Method):
+    kv_ratio: float | None = 0.5  # kept fraction of the dense KV cache: r + d_rope per token and layer
+    rank: int | None = None  # explicit latent rank r instead
+    rope_dims: int | None = None  # d_rope, even; default: the model's rotary dims (0 without RoPE)
+    damp: float = 1e-2
+
+    def __post_init__(self) -> None:
+        n = self.name
+        require((self.kv_ratio is None) != (self.rank is None), n, "kv_ratio/rank", (self.kv_ratio, self.rank),
+                "exactly one of kv_ratio (a kept fraction of the dense KV cache) or rank")
+        require(self.kv_ratio is None or (isinstance(self.kv_ratio, int | float) and 0 < self.kv_ratio <= 1), n,
+                "kv_ratio", self.kv_ratio, "(0, 1]: a kept fraction of the dense KV cache")
+        for key in ("rank", "rope_dims"):
+            v = getattr(self, key)
+            require(v is None or (isinstance(v, int) and not isinstance(v, bool)), n, key, v, "an integer")
+        require(self.rope_dims is None or (self.rope_dims >= 0 and self.rope_dims % 2 == 0), n, "rope_dims",
+                self.rope_dims, "an even number >= 0 (rotary dims come in frequency pairs)")
+        require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",
+                self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
+
+    # --- decisions --------------------------------------------------------------------------------------
+    def collector(self, adapter: Any, layer: int) -> Collector:
+        return GramCollector({"attn_in"})
+
+    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+        """Refuse every layer's bad input before any statistics are collected or any layer converted."""
+        for i in layers:
+            self._sizes(adapter, i)
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        out = {}
+        for i in layers:
+            spec = adapter.attention_spec(i)
+            rank, rope = self._sizes(adapter, i)
+            out[str(i)] = {"rank": rank, "rope_dims": rope, "kv_elements": rank + rope,
+                           "dense_kv_elements": 2 * spec.n_kv_heads * spec.head_dim}
+        return {"layers": out}
+
+    def _sizes(self, adapter: Adapter, layer: int) -> tuple[int, int]:
+        """(r, d_rope) of one layer, or a refusal naming the layer, the value and the fix."""
+        spec = adapter.attention_spec(layer)
+        where = f"{self.name}: layer {layer}"
+        if spec.k_norm is not None:
+            raise AttnslimError(
+                f"{where} normalises each head's key (QK-norm, {type(spec.k_norm).__name__}): a per-head RMS norm "
+                "after the key projection can be neither shared by one latent nor absorbed into the query, so MLA "
+                "refuses it; leave this layer out of the step's `layers` (latentllm handles QK-norm layers)")
+        d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
+        if spec.rope is not None:
+            _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
+        rope = d_rot if self.rope_dims is None else self.rope_dims
+        full_rot = self._rope_cap(spec.n_kv_heads, d_rot)
+        if rope > full_rot:
+            fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
+            raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
+                                f"keep ({spec.n_kv_heads} KV heads x {d_rot} rotary dims); {fix}")
+        dense = 2 * spec.n_kv_heads * spec.head_dim
+        rank = self.rank if self.kv_ratio is None else int(self.kv_ratio * dense) - rope
+        assert rank is not None
+        max_rank = min(spec.n_kv_heads * spec.head_dim * 2 - rope, spec.hidden_size)
+        if rank < 1:
+            budget = f"kv_ratio = {self.kv_ratio} keeps {rank + rope} of {dense} values" if self.kv_ratio else \
+                f"rank = {rank}"
+            raise AttnslimError(f"{where}: {budget}, which leaves no latent beside the {rope}-dim rotary key; "
+                                f"raise kv_ratio above {(rope + 1) / dense:.3f} or lower rope_dims")
+        if rank > max_rank:
+            raise AttnslimError(f"{where}: kv rank = {rank} exceeds {max_rank}, the most this layer allows "
+                                f"(min(2·n_kv·d_h − d_rope, hidden)); lower rank or kv_ratio")
+        return rank, rope
+
+    def _rope_cap(self, n_kv_heads: int, rotary_dims: int) -> int:
+        """The most rotary dims one layer can keep: every rotary component of every KV head."""
+        return n_kv_heads * rotary_dims
+
+    # --- conversion ---------------------------------------------------------------------------------------
+    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+        spec = adapter.attention_spec(layer)
+        where = f"{self.name}: layer {layer}"
+        gram = stats.get("attn_in") if isinstance(stats, dict) else None
+        if gram is None:
+            raise AttnslimError(f"{where}: no statistics at attn_in; the calibration did not reach it")
+        gram.check(f"layer {layer} attn_in")
+        st = to_input_stats(gram)
+        split = self._split(adapter, spec, st, entry["rope_dims"], where)
+        factors = self._fit(spec, split, st, entry["rank"], where)
+        module = self._install(adapter, layer, spec, entry)
+        _load(module, factors, spec)
+        entry["fit"] = {"rope_freq": [int(f) for f in factors.freq]}
+
+    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
+        raise NotImplementedError
+
+    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
+        raise NotImplementedError
+
+    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: dict[str, Any]) -> MLAAttention:
+        dtype = spec.q.dtype
+        o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=True, dtype=dtype)
+        rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
+        module = MLAAttention(
+            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
+            rank=entry["rank"], rope_dims=entry["rope_dims"], q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
+            k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
+            layer_type=spec.rope.layer_type if spec.rope is not None else None,
+            sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
+        )
+        adapter.replace_attention(layer, module)
+        return module.to(spec.q.device)
+
+    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+        self._install(adapter, layer, adapter.attention_spec(layer), entry)
+
+
+def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
+    """Copy the fitted tensors into the installed module (cast to its dtype)."""
+    with torch.no_grad():
+        for name, value in (("q_rope", f.q_rope), ("q_nope", f.q_nope), ("rope_freq", f.freq)):
+            target = getattr(module, name)
+            if target is not None:
+                target.copy_(value)
+        module.kv.b.copy_(f.kv.B)
+        if module.kv.block_identity:
+            assert f.kv.perm is not None  # fit_latent always returns the block-identity form
+            module.kv.a.copy_(f.kv.a2)
+            module.kv.perm.copy_(f.kv.perm)
+        else:  # full rank: A = J⁻¹ M as one dense matrix (the identity columns included)
+            module.kv.a.copy_(f.kv.A)
+        module.o_proj.weight.copy_(spec.o)
+        assert module.o_proj.bias is not None
+        module.o_proj.bias.copy_(f.o_bias)
+        if module.k_rope is not None:
+            module.k_rope.weight.copy_(f.k_rope)
+            if f.k_rope_bias is not None and module.k_rope.bias is not None:
+                module.k_rope.bias.copy_(f.k_rope_bias)
+
+
+def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[torch.Tensor, float]:
+    """(θ_j (d_rot/2,) radians per token, RoPE's attention scale) read from the model's own rotary tables."""
+    assert spec.rope is not None
+    rotary = adapter.rotary_embedding(spec.rope.layer_type)
+    if rotary is None:
+        raise AttnslimError(f"{where}: the adapter gives no rotary module for a RoPE layer")
+    x = torch.zeros(1, dtype=torch.float32, device=spec.q.device)
+    pos = torch.arange(2, device=spec.q.device)[None]
+    cos, sin = _compat.rotary_cos_sin(rotary, x, pos, spec.rope.layer_type)  # (1, 2, d_rot)
+    if cos.shape[-1] != spec.rope.rotary_dims:
+        raise AttnslimError(f"{where}: the model rotates {cos.shape[-1]} dims per head but the adapter says "
+                            f"{spec.rope.rotary_dims}; MLA needs the true rotary width (fix the adapter's RopeSpec)")
+    half = spec.rope.rotary_dims // 2
+    angles = torch.atan2(sin[0, 1, :half].double(), cos[0, 1, :half].double())
+    return angles, float(cos[0, 0, 0])
+
+
+def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
+                  fold: int, where: str) -> RotarySplit:
+    d_rot, angles, scale = 0, None, 1.0
+    if spec.rope is not None:
+        d_rot = spec.rope.rotary_dims
+        angles, scale = _rotary_info(adapter, spec, where)
+    q_mom = head_moments(spec.q, spec.q_bias, st, spec.n_heads) if select == "query" else None
+    return split_rotary(
+        second_moment(spec.k, spec.k_bias, st), q_mom,
+        n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
+        pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, label=where)
+
+
+def _stacked(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:
+    """(D_n + n_kv·d_h, d) the weights of [k_nope; v]."""
+    return torch.cat([split.nope_key @ spec.k.to(torch.float64), spec.v.to(torch.float64)])
+
+
+def _balanced(spec: AttentionSpec, split: RotarySplit, cov: torch.Tensor) -> list[torch.Tensor]:
+    """K rows scaled so their energy under `cov` equals the values' (TransMLA's balance, α²)."""
+    w_k, w_v = split.nope_key @ spec.k.to(torch.float64), spec.v.to(torch.float64)
+    e_k, e_v = float(torch.trace(w_k @ cov @ w_k.T)), float(torch.trace(w_v @ cov @ w_v.T))
+    alpha2 = e_v / e_k if e_k > 0 else 1.0
+    return [alpha2 * torch.eye(w_k.shape[0], dtype=torch.float64), torch.eye(w_v.shape[0], dtype=torch.float64)]
+
+
+@register_method("mla")
+@dataclass(frozen=True)
+class MLA(_MLABase):
+    rope_select: str = "query"
+    rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
+    kv_weight: str = "attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.rope_select in SELECTS, self.name, "rope_select", self.rope_select, " | ".join(SELECTS))
+        require(self.kv_weight in KV_WEIGHTS, self.name, "kv_weight", self.kv_weight, " | ".join(KV_WEIGHTS))
+        require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
+                "an integer >= 1")
+
+    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
+        return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1, where)
+
+    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
+        w_kv = _stacked(spec, split)
+        if self.kv_weight == "svd":
+            cov, weights, mean = torch.eye(spec.hidden_size, dtype=torch.float64), None, None
+        else:
+            cov, mean = st.centred_cov, st.mean
+            if self.kv_weight == "attention":
+                weights = list(attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
+                                                n_kv_heads=spec.n_kv_heads, scaling=spec.scaling))
+            else:
+                weights = _balanced(spec, split, cov)
+        kv = fit_latent(w_kv, cov, rank, weights, self.damp, where)
+        return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, mean)
+
+
+@register_method("transmla")
+@dataclass(frozen=True)
+class TransMLA(_MLABase):
+    freq_fold: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.freq_fold, int) and self.freq_fold >= 1, self.name, "freq_fold", self.freq_fold,
+                "an integer >= 1 (1: no folding)")
+
+    def _rope_cap(self, n_kv_heads: int, rotary_dims: int) -> int:
+        """FreqFold gives every frequency one slot: one rotary head's worth (all components without folding)."""
+        return rotary_dims if self.freq_fold > 1 else n_kv_heads * rotary_dims
+
+    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
+        return _split_common(adapter, spec, st, rope, "pca", 1, self.freq_fold, where)
+
+    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
+        kv = fit_latent(_stacked(spec, split), st.corr, rank, _balanced(spec, split, st.corr), self.damp, where)
+        return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, None)

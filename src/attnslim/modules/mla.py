@@ -1,0 +1,187 @@
+"""`MLAAttention`: multi-head latent attention with decoupled RoPE (DeepSeek-V2 form; math in linalg/mla.py).
+
+    q_i = q_proj(x)_i (norm if the model has a q-norm)        (d_h,) per query head, unchanged from the model
+    c = A x                                   (r,)  cached      one latent per token and layer (`kv`: LowRankLinear)
+    k_r = RoPE(W_kr x + b_kr)                 (d_rope,) cached  one rotary key shared by every head
+    [k_n; v] = B c                            B = [B_k (D_n, r); B_v (n_kv·d_h, r)]
+    logit_i = scaling · (N_q,i q_i · k_n + RoPE(R_q,i q_i) · k_r)     q_nope = N_q (h, D_n, d_h), q_rope = R_q
+    y = o_proj(concat_i softmax(logit_i) v_g(i))
+
+The cache holds [c, k_r] (b, 1, t, r + d_rope) in the key slot and nothing (b, 1, t, 0) in the value slot:
+r + d_rope values per token and layer. Two paths give the same output (tested):
+  absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
+             the attention-weighted latent goes through B_v per head after the softmax: cached latents are
+             never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
+             d_h (r + d_rope) + r d_h for the absorbed projections.
+  decompress (prefill): k_n = B_k c and v = B_v c for every cached token, then attention at width D_n + d_rope.
+B_kᵀ N_q,i is a product of two parameters; outside autograd it is computed once per parameter version.
+RoPE tables come from the model's rotary module (scaled RoPE stays exact), gathered at the kept frequencies
+`rope_freq`, at absolute cache positions: keys are rotated once when cached, so sliding-window caches (which
+keep only the last window) and left padding (every position of a row shifts alike) need nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnslim import _compat
+from attnslim.errors import AttnslimError
+from attnslim.linalg.rope import apply_rope
+from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
+from attnslim.modules.lowrank import LowRankLinear
+from attnslim.registry import register_module
+
+PATHS = ("auto", "absorb", "decompress")
+
+
+@register_module
+class MLAAttention(nn.Module):
+    rope_freq: torch.Tensor | None  # (d_rope/2,) long: model frequency index of each rotary pair
+
+    def __init__(
+        self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *, hidden_size: int,
+        rank: int, rope_dims: int, q_proj: nn.Module, o_proj: nn.Linear, k_rope_bias: bool,
+        q_norm: nn.Module | None = None, rotary: nn.Module | None = None, layer_type: str | None = None,
+        sliding_window: int | None = None, softcap: float | None = None, dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        d_n = n_kv_heads * head_dim - rope_dims
+        if rope_dims % 2 or d_n < 0 or (rope_dims and rotary is None):
+            raise AttnslimError(f"layer {layer_idx}: MLAAttention rope_dims = {rope_dims} must be even, at most "
+                                f"{n_kv_heads * head_dim}, and 0 without a rotary embedding")
+        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, n_heads, n_kv_heads, head_dim
+        self.scaling, self.sliding_window, self.softcap = scaling, sliding_window, softcap
+        self.rank, self.rope_dims, self.nope_dims = rank, rope_dims, d_n
+        self.q_proj, self.o_proj, self.q_norm = q_proj, o_proj, q_norm
+        # no zero-size tensors (safetensors would drop them): absent parts are None
+        self.q_rope = nn.Parameter(torch.zeros(n_heads, rope_dims, head_dim, dtype=dtype)) if rope_dims else None
+        self.q_nope = nn.Parameter(torch.zeros(n_heads, d_n, head_dim, dtype=dtype)) if d_n else None
+        self.k_rope = nn.Linear(hidden_size, rope_dims, bias=k_rope_bias, dtype=dtype) if rope_dims else None
+        # block identity saves r² weights below full rank; at r = hidden it would leave an empty A2
+        self.kv = LowRankLinear(hidden_size, d_n + n_kv_heads * head_dim, rank, False, rank < hidden_size, dtype)
+        self.register_buffer("rope_freq", torch.zeros(rope_dims // 2, dtype=torch.long) if rope_dims else None)
+        self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
+        self.layer_type = layer_type
+        self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
+        self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    # --- RoPE -----------------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate x (b, n, t, d_rope) as positions start .. start + t − 1, at the kept frequencies."""
+        if not self.rope_dims:
+            return x
+        end = start + x.shape[-2]
+        table = self._table
+        if table is None or table[0].shape[1] < end or table[0].device != x.device or table[0].dtype != x.dtype:
+            cap = max(256, 1 << (end - 1).bit_length())  # grow geometrically: O(1) amortised per token
+            pos = torch.arange(cap, device=x.device)[None]  # (1, cap)
+            cos, sin = _compat.rotary_cos_sin(self._rotary[0], x, pos, self.layer_type)  # (1, cap, d_rot)
+            assert self.rope_freq is not None
+            idx = torch.cat([self.rope_freq, self.rope_freq]).to(x.device)  # half-split: pair p at p and m + p
+            table = (cos[..., idx], sin[..., idx])
+            self._table = table
+        return apply_rope(x, table[0][:, start:end], table[1][:, start:end])
+
+    # --- projections ------------------------------------------------------------------------------------
+    def absorbed_query(self) -> torch.Tensor:
+        """(h, r, d_h) B_kᵀ N_q,i: maps query head i straight to latent space."""
+        b_k = self.kv.b[: self.nope_dims]  # (D_n, r)
+        if self.q_nope is None:  # every key dim is rotary: the latent carries values only
+            return b_k.new_zeros(self.n_heads, self.rank, self.head_dim)
+        if torch.is_grad_enabled() and (b_k.requires_grad or self.q_nope.requires_grad):
+            return torch.einsum("nr,hnd->hrd", b_k, self.q_nope)
+        key = (self.kv.b._version, self.q_nope._version, self.kv.b.data_ptr(), self.q_nope.data_ptr())
+        if self._absorbed is None or self._absorbed[0] != key:
+            self._absorbed = (key, torch.einsum("nr,hnd->hrd", b_k, self.q_nope).detach())
+        return self._absorbed[1]
+
+    def _project(self, q: torch.Tensor, maps: torch.Tensor | None) -> torch.Tensor:
+        """q (b, h, t, d_h) through per-head maps (h, e, d_h) -> (b, h, t, e); e = 0 where the maps are absent."""
+        if maps is None:
+            return q.new_zeros(*q.shape[:3], 0)
+        return torch.einsum("bhtd,hed->bhte", q, maps)
+
+    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        """(b, t, n·d_h) -> (b, n, t, d_h)."""
+        return y.view(*y.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    # --- forward ----------------------------------------------------------------------------------------
+    def forward(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        past_key_values: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        x = hidden_states  # (b, t, d)
+        b, t, _ = x.shape
+        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
+        q = self._heads(self.q_proj(x), self.n_heads)  # (b, h, t, d_h)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q_r = self._project(q, self.q_rope)  # (b, h, t, d_rope)
+        q_r = self._rope(q_r, past) if self.rope_dims else q_r
+        new = self.kv.latent(x)[:, None]  # (b, 1, t, r)
+        if self.k_rope is not None:
+            new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
+        store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
+        kv = store.shape[-2]
+        keep = attention_keep(attention_mask, t, kv, x.device, self.sliding_window, self.softcap)
+        path = self.path if self.path != "auto" else ("absorb" if t <= FEW_QUERIES else "decompress")
+        if path == "absorb":
+            out = self._absorb(q, q_r, store, keep)
+        elif path == "decompress":
+            out = self._decompress(q, q_r, store, keep)
+        else:
+            raise AttnslimError(f"layer {self.layer_idx}: MLAAttention path = {self.path!r}; valid: {PATHS}")
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h·d_h)
+        return self.o_proj(out), None
+
+    def _absorb(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
+                ) -> torch.Tensor:
+        """Scores and values in latent space; (b, h, t, d_h)."""
+        b, h, t, _ = q.shape
+        n_kv, r = self.n_kv_heads, self.rank
+        q_lat = torch.einsum("bhtd,hrd->bhtr", q, self.absorbed_query())  # (b, h, t, r)
+        lat = attend(torch.cat([q_lat, q_r], dim=-1), store, store[..., :r], keep, self.scaling, self.softcap)
+        b_v = self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r)  # (n_kv, d_h, r)
+        lat = lat.view(b, n_kv, h // n_kv, t, r)  # (b, n_kv, g, t, r): query head j·g + i uses KV head j
+        return (lat @ b_v[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
+
+    def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Keys and values rebuilt for every cached token; (b, h, t, d_h)."""
+        b, kv, n_kv = store.shape[0], store.shape[2], self.n_kv_heads
+        full = F.linear(store[:, 0, :, : self.rank], self.kv.b)  # (b, kv, D_n + n_kv·d_h)
+        k = torch.cat([full[..., None, : self.nope_dims].transpose(1, 2), store[..., self.rank :]], dim=-1)
+        v = self._heads(full[..., self.nope_dims :], n_kv)  # (b, n_kv, kv, d_h)
+        q_n = self._project(q, self.q_nope)  # (b, h, t, D_n)
+        k = k.expand(b, n_kv, kv, k.shape[-1])  # (b, n_kv, kv, D_n + d_rope): one key serves every head (view)
+        return attend(torch.cat([q_n, q_r], dim=-1), k, v, keep, self.scaling, self.softcap)
+
+    # --- reporting --------------------------------------------------------------------------------------
+    def kv_cache_bytes_per_token(self) -> int:
+        return (self.rank + self.rope_dims) * self.kv.b.element_size()
+
+    def attention_flops(self, context: int) -> float:
+        """FLOPs (2 per MAC) of the attention core for one new token at `context` tokens (the absorbed path):
+        scores h·T·(r + d_rope), values h·T·r, absorbed query and value projections h·d_h·(2r + d_rope)."""
+        h, r, e = self.n_heads, self.rank, self.rank + self.rope_dims
+        return 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r))
+
+    def ranks(self) -> dict[str, int]:
+        return {"kv": self.rank, "rope": self.rope_dims, "nope": self.nope_dims}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "MLAAttention", "heads": self.n_heads, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+            "ranks": self.ranks(), "cache": "latent+rope", "rope": bool(self._rotary),
+            "kv_bytes_per_token": self.kv_cache_bytes_per_token(),
+            "params": sum(p.numel() for p in self.parameters()),
+        }
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}, r_kv={self.rank}, "
+                f"d_rope={self.rope_dims}, d_nope={self.nope_dims} ({self.kv_cache_bytes_per_token()} B/token)")

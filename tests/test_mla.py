@@ -1,0 +1,231 @@
+"""`mla` / `transmla` and `MLAAttention` on tiny random models: exactness with every rotary dim and full rank,
+absorbed == decompressed, cached == uncached generation, save -> load, bad input; the rotary split alone."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import helpers
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.bench import kv_bytes_per_token
+from attnslim.errors import AttnslimError
+from attnslim.io import load, save
+from attnslim.linalg.mla_rope import split_rotary
+from attnslim.linalg.rope import apply_rope
+from attnslim.modules.mla import MLAAttention
+from conftest import TINY_BUILDERS, tiny_llama
+from helpers import ByteTokenizer, one_step
+
+# helpers.SavingTokenizer replaces test_pipeline._SavingTokenizer in a change under way beside this one
+SavingTokenizer = getattr(helpers, "SavingTokenizer", None) or __import__("test_pipeline")._SavingTokenizer
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+ROPE_FAMILIES = ("llama", "qwen2", "mistral")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _compress(model, method, args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
+        return compress(model, ByteTokenizer(), one_step(method, args, **kw), progress=False)
+
+
+def _exact_args(family: str) -> dict:
+    """Every rotary component kept, latent at full rank (2·n_kv·d_h − d_rope or hidden, the smaller)."""
+    spec = get_adapter(TINY_BUILDERS[family]()).attention_spec(0)
+    full = spec.n_kv_heads * spec.head_dim
+    rope = 0 if spec.rope is None else spec.n_kv_heads * spec.rope.rotary_dims
+    return {"kv_ratio": None, "rank": min(2 * full - rope, spec.hidden_size), "rope_dims": rope}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt"])
+@pytest.mark.parametrize("method,args", [("mla", {}), ("mla", {"rope_select": "pca"}),
+                                         ("mla", {"kv_weight": "rootcov"}), ("mla", {"kv_weight": "svd"}),
+                                         ("transmla", {"freq_fold": 1})])
+def test_full_rank_with_every_rotary_dim_reproduces_dense_logits(family, method, args):
+    """qwen2: q/k/v biases and sliding layers; mistral: sliding window everywhere; opt: no RoPE (d_rope = 0),
+    biases everywhere."""
+    model = TINY_BUILDERS[family]()
+    ref = model(input_ids=IDS).logits
+    _compress(model, method, {**_exact_args(family), **args})
+    assert all(isinstance(get_adapter(model).attention(i), MLAAttention) for i in range(4))
+    err = float((model(input_ids=IDS).logits - ref).abs().max().detach())
+    assert err < 1e-4, err
+
+
+def test_scaled_rope_is_exact_and_an_unknown_rotary_width_is_refused():
+    """yarn scales the frequencies and multiplies cos/sin by an attention scale: the kept pairs use the model's
+    own tables and the de-rotated terms carry the scale², so every component kept is still exact. A config whose
+    rotary width the adapter misreads (Llama ignores partial_rotary_factor, the adapter does not) is refused."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    model = tiny_llama(rope_parameters=rope)
+    ref = model(input_ids=IDS).logits
+    assert float(get_adapter(model).rotary_embedding().attention_scaling) != 1.0
+    _compress(model, "mla", {"kv_ratio": None, "rank": 32, "rope_dims": 32})
+    err = float((model(input_ids=IDS).logits - ref).abs().max().detach())
+    assert err < 1e-4, err
+    half = tiny_llama(rope_parameters=rope)
+    _compress(half, "mla", {"kv_ratio": None, "rank": 32, "rope_dims": 16})  # 8 of 16 pairs kept: lossy
+    assert float((half(input_ids=IDS).logits - ref).abs().max().detach()) > 1e-3
+    with pytest.raises(AttnslimError, match="layer 0: the model rotates 16 dims per head but the adapter says 8"):
+        _compress(tiny_llama(partial_rotary_factor=0.5), "mla", {"kv_ratio": 0.5})
+
+
+def test_rotary_split_keeps_logits_and_drops_only_phases():
+    """All components kept: RoPE logits of every head equal; none kept: the logits at equal positions (no
+    rotation) are still exact, since the change of basis only moves the phase."""
+    gen = torch.Generator().manual_seed(0)
+    h, n_kv, d_h, d_rot = 4, 2, 8, 8
+    wk = torch.randn(n_kv * d_h, 12, generator=gen, dtype=torch.float64)
+    wq = torch.randn(h * d_h, 12, generator=gen, dtype=torch.float64)
+    x = torch.randn(12, 12, generator=gen, dtype=torch.float64)  # 12 tokens as rows
+    k_mom, q = wk @ x.T @ x @ wk.T / 12, (x @ wq.T).view(12, h, d_h)
+    q_mom = torch.einsum("thd,the->hde", q, q) / 12
+    k = (x @ wk.T).view(12, n_kv, d_h)
+    angles = 10000.0 ** (-torch.arange(0, d_rot, 2, dtype=torch.float64) / d_rot)
+    pos = torch.arange(12, dtype=torch.float64)
+    cos = torch.cos(pos[:, None] * angles).repeat(1, 2)[None]  # (1, t, d_rot)
+    sin = torch.sin(pos[:, None] * angles).repeat(1, 2)[None]
+    qr = apply_rope(q.permute(1, 0, 2)[None], cos, sin)[0]  # (h, t, d_h)
+    kr = apply_rope(k.permute(1, 0, 2)[None], cos, sin)[0]  # (n_kv, t, d_h)
+    ref = qr @ kr.repeat_interleave(h // n_kv, 0).transpose(-1, -2)  # (h, t, t)
+    for select in ("pca", "query"):
+        kw = {"n_heads": h, "n_kv_heads": n_kv, "head_dim": d_h, "rotary_dims": d_rot, "select": select,
+              "angles": angles}
+        full = split_rotary(k_mom, q_mom, pairs=n_kv * d_rot // 2, **kw)
+        idx = torch.cat([full.freq, full.freq])
+        q_rope = apply_rope(torch.einsum("thd,hed->hte", q, full.rope_query)[None], cos[..., idx], sin[..., idx])[0]
+        k_rope = apply_rope((k.reshape(12, -1) @ full.rope_key.T)[None, None], cos[..., idx], sin[..., idx])[0]
+        assert torch.allclose(q_rope @ k_rope.transpose(-1, -2), ref, atol=1e-8), select
+        none = split_rotary(k_mom, q_mom, pairs=0, **kw)
+        q_n = torch.einsum("thd,hnd->htn", q, none.nope_query)  # (h, t, D_n)
+        k_n = k.reshape(12, -1) @ none.nope_key.T  # (t, D_n)
+        unrotated = torch.einsum("thd,thd->ht", q, k.repeat_interleave(h // n_kv, 1))
+        assert torch.allclose(torch.einsum("htn,tn->ht", q_n, k_n), unrotated, atol=1e-8), select
+
+
+def _paths_agree(module: MLAAttention, x: torch.Tensor, cache=None):
+    outs = []
+    for path in ("absorb", "decompress"):
+        module.path = path
+        outs.append(module(x, past_key_values=cache)[0])
+    module.path = "auto"
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
+    model = TINY_BUILDERS[family]()
+    _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
+    adapter = get_adapter(model)
+    for path in ("absorb", "decompress"):  # the whole model, prefill then decode, forced through one path
+        for i in range(4):
+            adapter.attention(i).path = path
+        cache = _compat.new_cache(model.config)
+        logits = model(input_ids=IDS, past_key_values=cache, use_cache=True).logits
+        step = model(input_ids=IDS[:, :1], past_key_values=cache, use_cache=True).logits
+        if path == "absorb":
+            ref = (logits, step)
+        else:
+            assert torch.allclose(logits, ref[0], atol=1e-4) and torch.allclose(step, ref[1], atol=1e-4)
+    module = adapter.attention(1)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    a, d = _paths_agree(module, x)
+    assert torch.allclose(a, d, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt"])
+def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
+    model = TINY_BUILDERS[family]()
+    dense = kv_bytes_per_token(model)["per_layer"][0]
+    sliding = get_adapter(model).attention_spec(0).sliding_window
+    report = _compress(model, "transmla" if family == "mistral" else "mla",
+                       {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
+    module = get_adapter(model).attention(0)
+    cache = _compat.new_cache(model.config)
+    model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert tuple(layer.keys.shape[1::2]) == (1, module.rank + module.rope_dims) and layer.values.shape[-1] == 0
+    kv = kv_bytes_per_token(model)
+    if sliding is None:
+        assert kv["per_layer"][0] == module.kv_cache_bytes_per_token() == 0.5 * dense
+    assert report.steps[0]["plan"]["layers"]["0"]["kv_elements"] == module.rank + module.rope_dims
+    cached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    uncached = model.generate(IDS[:1], max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)  # 28 tokens: past the sliding window (4) of qwen2/mistral
+
+
+def test_left_padding_changes_nothing():
+    model = tiny_llama()
+    _compress(model, "mla", {"kv_ratio": 0.5})
+    mask = torch.ones_like(IDS)
+    mask[1, :5] = 0
+    full = model(input_ids=IDS, attention_mask=mask).logits
+    row = model(input_ids=IDS[1:, 5:]).logits
+    assert torch.allclose(full[1, 5:], row[0], atol=1e-5)
+    out = model.generate(IDS, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    alone = model.generate(IDS[1:, 5:], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert torch.equal(out[1, 16:], alone[0, 11:])
+
+
+@pytest.mark.parametrize("family,method", [("qwen2", "mla"), ("llama", "transmla"), ("opt", "mla")])
+def test_save_load_identical_logits_and_generation(family, method, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = TINY_BUILDERS[family]()
+    report = _compress(model, method, {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
+    ref = model(input_ids=IDS).logits
+    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
+    loaded, _ = load(out)
+    assert torch.equal(loaded(input_ids=IDS).logits, ref)
+    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    cached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    uncached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_error_falls_as_the_kv_budget_grows_and_module_reports():
+    ref = tiny_llama()(input_ids=IDS).logits
+    errors = []
+    for ratio in (0.5, 0.75, 1.0):
+        model = tiny_llama()
+        _compress(model, "mla", {"kv_ratio": ratio}, windows=16, seq_len=64)
+        errors.append(float((model(input_ids=IDS).logits - ref).pow(2).mean()))
+    assert errors[0] > errors[1] > errors[2], errors
+    attn = get_adapter(model).attention(0)
+    assert "r_kv=48" in repr(attn) and "d_rope=16" in repr(attn) and attn.describe()["kind"] == "MLAAttention"
+    assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 48) + 4 * 16 * (64 + 48))
+
+
+def test_gemma3_qk_norm_is_refused_naming_the_layer():
+    with pytest.raises(AttnslimError, match="layer 0 normalises each head's key"):
+        _compress(TINY_BUILDERS["gemma3"](), "mla", {"kv_ratio": 0.5})
+
+
+@pytest.mark.parametrize(
+    "method,args,match",
+    [("mla", {"rope_dims": 3}, "rope_dims=3 is invalid.*even"),
+     ("mla", {"rope_dims": 34}, "layer 0: rope_dims = 34 exceeds the 32"),
+     ("transmla", {"rope_dims": 32}, "layer 0: rope_dims = 32 exceeds the 16"),
+     ("mla", {"kv_ratio": None, "rank": 0, "rope_dims": 16}, "layer 0: rank = 0.*no latent"),
+     ("mla", {"kv_ratio": None, "rank": 60}, "layer 0: kv rank = 60 exceeds 48"),
+     ("mla", {"kv_ratio": 0.2}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*raise kv_ratio above 0.266"),
+     ("mla", {"kv_ratio": 0.5, "rank": 8}, "exactly one"), ("mla", {"rope_select": "norm"}, "rope_select"),
+     ("mla", {"kv_weight": "pca"}, "kv_weight"), ("transmla", {"freq_fold": 0}, "freq_fold")],
+)
+def test_bad_input_is_refused_with_layer_value_and_fix(method, args, match):
+    model = tiny_llama()
+    with pytest.raises(AttnslimError, match=match):
+        _compress(model, method, args)
+    assert not any(isinstance(get_adapter(model).attention(i), MLAAttention) for i in range(4))
+
+
+def test_opt_refuses_rotary_dims_without_rope():
+    with pytest.raises(AttnslimError, match="rope_dims = 16 exceeds the 0 .*use rope_dims: 0"):
+        _compress(TINY_BUILDERS["opt"](), "mla", {"kv_ratio": 0.5, "rope_dims": 16})
