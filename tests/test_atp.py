@@ -297,12 +297,12 @@ def test_paper_layer_refuses_generation():
 
 @pytest.mark.parametrize("args", [{"rank": 0.5, "form": "paper"}, {"rank": 0.25, "form": "serving", "window": 4}])
 def test_save_load_identical_logits(llama, tmp_path, args):
-    from test_pipeline import _SavingTokenizer
+    from helpers import SavingTokenizer
 
     report = _compress(llama, args)
     assert report.params_after == report.params_before  # the weights are the original q/k/v/o
     ref = llama(input_ids=IDS).logits
-    loaded, _ = load(save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    loaded, _ = load(save(llama, SavingTokenizer(), tmp_path / "m", report.to_json()))
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     if args["form"] == "serving":
         with compression_point(loaded, 30), compression_point(llama, 30):
@@ -315,7 +315,7 @@ RECOVER = {"steps": 2, "rank": 4, "alpha": 8, "batch_size": 2, "context": 16, "s
 
 
 def test_recover_trains_merges_and_saves(tmp_path):
-    from test_pipeline import _SavingTokenizer
+    from helpers import SavingTokenizer
 
     plain, recovered = tiny_llama(), tiny_llama()
     recovered.load_state_dict(plain.state_dict())
@@ -329,7 +329,7 @@ def test_recover_trains_merges_and_saves(tmp_path):
     changed = dict(recovered.named_parameters())[q]
     assert not torch.equal(changed, dict(plain.named_parameters())[q])
     ref = recovered(input_ids=IDS).logits
-    loaded, _ = load(save(recovered, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    loaded, _ = load(save(recovered, SavingTokenizer(), tmp_path / "m", report.to_json()))
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
 
 

@@ -21,8 +21,7 @@ from attnslim.linalg.precond import InputStats
 from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, one_step
-from test_pipeline import _SavingTokenizer
+from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
@@ -119,7 +118,7 @@ def test_save_load_identical_logits_and_generation(family, variant, tmp_path):
     model = TINY_BUILDERS[family]()
     report = _compress(model, {**_lossy(family), **variant})
     ref = model(input_ids=IDS).logits
-    out = save(model, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
     loaded, _ = load(out)
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -224,7 +223,7 @@ def test_global_allocation_keeps_the_model_budget_and_moves_rank_across_layers(t
     assert all(r == ranks["uniform"][0] for r in ranks["uniform"])  # uniform: every layer alike
     assert any(r != ranks["global"][0] for r in ranks["global"]), ranks["global"]  # global: layers differ
     ref = model(input_ids=IDS).logits
-    save(model, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
     loaded, _ = load(tmp_path / "m")
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
 

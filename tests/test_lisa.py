@@ -19,6 +19,7 @@ from attnslim.io import load, save
 from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import SharedAttention, SharingConfig
+from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
 from conftest import tiny_llama, tiny_mistral
 from helpers import ByteTokenizer, one_step
@@ -31,6 +32,17 @@ def _compress(model, method, args, layers=LAYERS, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return compress(model, ByteTokenizer(), one_step(method, args, layers=layers, **kw), progress=False)
+
+
+def _lisa_then_ds(model):
+    """lisa on layer 1 and ds on layer 3: two steps of one recipe (a compressed model is not compressed again)."""
+    recipe = recipe_from_dict({
+        "name": "lisa-ds", "calibration": {"source": "tiny", "windows": 4, "seq_len": 32, "seed": 0, "batch_size": 2},
+        "steps": [{"method": "lisa", "layers": [1], "args": {}}, {"method": "ds", "layers": [3], "args": {}}],
+    })
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compress(model, ByteTokenizer(), recipe, progress=False)
 
 
 def _shared(model):
@@ -162,8 +174,7 @@ def test_other_families_cache_and_nf(family):
 
 def test_cache_holds_low_rank_keys_and_v_only_for_ds():
     model = tiny_llama()
-    _compress(model, "lisa", {}, layers=[1])
-    _compress(model, "ds", {}, layers=[3])
+    _lisa_then_ds(model)
     cache = _compat.new_cache(model.config)
     model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
     r, g, d, t = default_rank(16), 2, 16, 16
@@ -177,8 +188,7 @@ def test_cache_holds_low_rank_keys_and_v_only_for_ds():
 def test_flops_count_scores_aligner_and_values_per_entry():
     model = tiny_llama()
     dense = flops_per_token(model, 64)
-    _compress(model, "lisa", {}, layers=[1])
-    _compress(model, "ds", {}, layers=[3])
+    _lisa_then_ds(model)
     after = flops_per_token(model, 64)
     lisa, h, d, t = _shared(model)[1], 4, 16, 64
     r, align = lisa.cfg.rank, lisa.align
@@ -291,7 +301,7 @@ def test_save_load_identical_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from attnslim.recipe import recipe_from_dict
-    from test_pipeline import _SavingTokenizer
+    from helpers import SavingTokenizer
 
     model = tiny_llama()
     recipe = recipe_from_dict({
@@ -302,7 +312,7 @@ def test_save_load_identical_logits(tmp_path):
     report = compress(model, ByteTokenizer(), recipe, progress=False)
     _randomize(model)
     ref = model(input_ids=IDS).logits
-    out = save(model, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
     loaded, _ = load(out)
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -355,7 +365,7 @@ def test_analysis_reports_on_tiny_model():
     ("lisa", {"integrate": "sum"}, LAYERS, "integrate"),
     ("lisa", {"train": {"stepz": 3}}, LAYERS, "unknown key"),
     ("lisa", {"train": {"source": "c5"}}, LAYERS, "train.source must be one of"),
-    ("lisa", {"train": [3]}, LAYERS, "a mapping of DistillConfig fields"),
+    ("lisa", {"train": [3]}, LAYERS, "train=\\[3\\] is a list; expected a mapping"),
     ("ds", {"nf_min_len": 0}, LAYERS, "nf_min_len"),
 ])
 def test_bad_arguments(method, args, layers, match):
@@ -364,10 +374,13 @@ def test_bad_arguments(method, args, layers, match):
 
 
 def test_bad_donor_heads_and_data():
-    model = tiny_llama()
-    _compress(model, "drop", {"select": "given"}, layers=[1])
+    recipe = recipe_from_dict({  # drop layer 1, then share layer 2 with it: one recipe of two steps
+        "name": "drop-lisa", "calibration": {"source": "tiny", "windows": 4, "seq_len": 32, "seed": 0},
+        "steps": [{"method": "drop", "layers": [1], "args": {"select": "given"}},
+                  {"method": "lisa", "layers": [2], "args": {}}],
+    })
     with pytest.raises(AttnslimError, match="donor, layer 1, is a DroppedAttention"):
-        _compress(model, "lisa", {}, layers=[2])
+        compress(tiny_llama(), ByteTokenizer(), recipe, progress=False)
     adapter = get_adapter(tiny_llama())
     real_spec = adapter.attention_spec
     adapter.attention_spec = lambda i: dataclasses.replace(real_spec(i), n_heads=8) if i == 1 else real_spec(i)

@@ -19,8 +19,7 @@ from attnslim.io import load, save
 from attnslim.methods.nbl import Nbl, RelativeMoments
 from attnslim.modules.linearized import LinearizedAttention
 from conftest import tiny_llama
-from helpers import ByteTokenizer, one_step
-from test_pipeline import _SavingTokenizer
+from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 F64 = torch.float64
@@ -124,7 +123,7 @@ def test_save_load_identical_logits_and_cached_generation(llama, tmp_path, args)
 
     report = _compress(llama, args)
     ref = llama(input_ids=IDS).logits
-    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    out = save(llama, SavingTokenizer(), tmp_path / "m", report.to_json())
     loaded, _ = load(out)
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)

@@ -15,7 +15,7 @@ from attnslim.calib import GramStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.methods.lowrank_baselines import rank_for_ratio
-from helpers import ByteTokenizer, one_step
+from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -79,7 +79,7 @@ def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args
 
     report = _compress(llama, method, args)
     ref = llama(input_ids=IDS).logits
-    tok = _SavingTokenizer()
+    tok = SavingTokenizer()
     out = save(llama, tok, tmp_path / "m", report.to_json())
     loaded, _ = load(out)
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
@@ -92,16 +92,6 @@ def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args
     cached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
-
-
-class _SavingTokenizer(ByteTokenizer):
-    def save_pretrained(self, directory):
-        from tokenizers import Tokenizer, models
-        from transformers import PreTrainedTokenizerFast
-
-        vocab = {chr(65 + i): i for i in range(26)} | {"<unk>": 26}
-        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
-        fast.save_pretrained(directory)
 
 
 def test_chunked_statistics_equal_one_batch():
@@ -129,7 +119,7 @@ def test_nan_statistics_name_the_site():
     "args,match",
     [({"ratio": 1.5}, "ratio"), ({"ratio": 0.0}, "ratio"), ({"ratio": None, "rank": 0}, "rank"),
      ({"ratio": None, "rank": 99}, "exceeds"), ({"linears": ["q", "x"]}, "linears"), ({"bogus": 1}, "bogus"),
-     ({"ratio": None, "rank": 2.5}, "for a fraction use ratio")],
+     ({"ratio": None, "rank": 2.5}, "rank=2.5 is a float; expected an integer")],
 )
 def test_bad_lowrank_arguments(llama, args, match):
     with pytest.raises(AttnslimError, match=match):
@@ -157,9 +147,9 @@ def test_calibration_shorter_than_requested(llama):
 
 def test_save_refuses_existing_dir_and_unknown_format(llama, tmp_path):
     report = _compress(llama, "drop", {"count": 1})
-    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    out = save(llama, SavingTokenizer(), tmp_path / "m", report.to_json())
     with pytest.raises(AttnslimError, match="exists"):
-        save(llama, _SavingTokenizer(), out, report.to_json())
+        save(llama, SavingTokenizer(), out, report.to_json())
     info = json.loads((out / "compression.json").read_text())
     info["format_version"] = 99
     (out / "compression.json").write_text(json.dumps(info))
@@ -178,23 +168,23 @@ def test_save_refuses_existing_dir_and_unknown_format(llama, tmp_path):
 
 def test_overwrite_replaces_only_an_attnslim_output(llama, tmp_path, monkeypatch):
     report = _compress(llama, "drop", {"count": 1})
-    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
-    assert save(llama, _SavingTokenizer(), out, report.to_json(), overwrite=True) == out  # an earlier output: ok
+    out = save(llama, SavingTokenizer(), tmp_path / "m", report.to_json())
+    assert save(llama, SavingTokenizer(), out, report.to_json(), overwrite=True) == out  # an earlier output: ok
     empty = tmp_path / "empty"
     empty.mkdir()
-    save(llama, _SavingTokenizer(), empty, report.to_json(), overwrite=True)
+    save(llama, SavingTokenizer(), empty, report.to_json(), overwrite=True)
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
     (data / "precious.txt").write_text("keep me")
     with pytest.raises(AttnslimError, match="not a model saved by attnslim"):
-        save(llama, _SavingTokenizer(), data, report.to_json(), overwrite=True)
+        save(llama, SavingTokenizer(), data, report.to_json(), overwrite=True)
     assert (data / "precious.txt").read_text() == "keep me" and (data / "sub").is_dir()
     (tmp_path / "file").write_text("x")
     with pytest.raises(AttnslimError, match="not a directory"):
-        save(llama, _SavingTokenizer(), tmp_path / "file", report.to_json(), overwrite=True)
+        save(llama, SavingTokenizer(), tmp_path / "file", report.to_json(), overwrite=True)
     monkeypatch.chdir(out)  # even a saved model is not replaced while it is the working directory
     with pytest.raises(AttnslimError, match="working directory"):
-        save(llama, _SavingTokenizer(), ".", report.to_json(), overwrite=True)
+        save(llama, SavingTokenizer(), ".", report.to_json(), overwrite=True)
     assert (out / "compression.json").is_file()
 
 
@@ -207,7 +197,7 @@ def test_report_renders_plan_and_sizes(llama, tmp_path):
     from attnslim.report import write_report
 
     report = _compress(llama, "drop", {"count": 1})
-    out = save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json())
+    out = save(llama, SavingTokenizer(), tmp_path / "m", report.to_json())
     html_path, md_path = write_report(out)
     html, md = html_path.read_text(), md_path.read_text()
     assert html.startswith("<!doctype html>") and "<svg" in html and "KV bytes/token" in html
@@ -229,7 +219,7 @@ def test_report_plots_metrics_ranks_and_selection_scores(llama, tmp_path):
         warnings.simplefilter("ignore")
         info = compress(llama, ByteTokenizer(), recipe, progress=False).to_json()
     info["metrics"] = {"wiki ppl": {"before": 10.0, "after": 12.0}, "decode tok/s": {"before": 5.0, "after": 6.0}}
-    html = write_report(save(llama, _SavingTokenizer(), tmp_path / "m", info))[0].read_text()
+    html = write_report(save(llama, SavingTokenizer(), tmp_path / "m", info))[0].read_text()
     assert "Compressed / dense, per metric" in html and "<title>wiki ppl: 1.2</title>" in html
     assert "KV bytes/token vs wiki ppl" in html and "Step 2 (svdllm): per-layer decisions" in html
     assert "Step 1 (nbl): cca score per layer (chosen: " in html and html.count("<svg") >= 5
@@ -244,7 +234,7 @@ def test_every_family_compresses_saves_and_generates(tiny_model, tmp_path, metho
     logits = tiny_model(input_ids=ids).logits
     assert not torch.allclose(logits, dense) and torch.isfinite(logits).all()
     assert report.params_after["attention"] < report.params_before["attention"]
-    loaded, _ = load(save(tiny_model, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    loaded, _ = load(save(tiny_model, SavingTokenizer(), tmp_path / "m", report.to_json()))
     assert torch.equal(loaded(input_ids=ids).logits, logits)
     cached = loaded.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     uncached = loaded.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False, pad_token_id=0)
@@ -271,5 +261,5 @@ def test_composed_recipe_rest_step_takes_the_layers_the_selecting_step_left(llam
     assert all(isinstance(adapter.attention(i), LinearizedAttention) == (i in linear) for i in range(n))
     assert report.kv_bytes_per_token_after < report.kv_bytes_per_token_before
     ref = llama(input_ids=IDS).logits
-    loaded, _ = load(save(llama, _SavingTokenizer(), tmp_path / "m", report.to_json()))
+    loaded, _ = load(save(llama, SavingTokenizer(), tmp_path / "m", report.to_json()))
     assert torch.equal(loaded(input_ids=IDS).logits, ref)

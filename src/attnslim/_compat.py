@@ -158,3 +158,30 @@ def install_cache_layer(cache: Any, idx: int, layer: Any) -> None:
             raise AttnslimError(f"layer {idx}: the KV cache has only {len(cache.layers)} layers")
         cache.layers.append(cache.layer_class_to_replicate())
     cache.layers[idx] = layer
+
+
+# Keywords every from_pretrained call of attnslim passes: attnslim never needs a directory's own code, so
+# transformers must neither run it nor ask on the terminal whether to (a "y" there runs the directory's .py files).
+SAFE_LOADING: dict[str, bool] = {"trust_remote_code": False}
+
+
+def config_from_dict(model_type: str, values: dict[str, Any]) -> Any:
+    """The transformers config of `model_type` built from a config.json dict, without consulting auto_map."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise AttnslimError(f"model_type {model_type!r} is not known to this transformers; a newer version may be "
+                            "needed, or the directory is damaged")
+    return CONFIG_MAPPING[model_type].from_dict(values)
+
+
+# forward() keyword that computes the vocabulary projection at the last position only (prefill timing, decode)
+LAST_LOGITS_ONLY: dict[str, int] = {"logits_to_keep": 1}
+
+
+def check_positions(config: Any, tokens: int, what: str) -> None:
+    """Refuse `tokens` positions beyond the model's `max_position_embeddings` (when the config has one)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise AttnslimError(f"{what} = {tokens} tokens exceeds the model's {limit} positions "
+                            "(max_position_embeddings); use fewer tokens")

@@ -13,6 +13,7 @@ import torch
 from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.data import calib_windows
+from attnslim.errors import AttnslimError
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.registry import METHODS, lookup
@@ -72,6 +73,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     """Apply every step of `recipe` to `model` (in place) and report what changed."""
     start = time.time()
     adapter = get_adapter(model)
+    _refuse_compressed(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
     before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)
     cal = recipe.calibration
@@ -105,6 +107,18 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
         no_decode_layers=kv_after["no_decode"],
     )
+
+
+def _refuse_compressed(model: Any) -> None:
+    """A model that already holds attnslim modules cannot be compressed again: the new report would record only the
+    new steps, so the saved result could not load."""
+    from attnslim.registry import MODULES
+
+    lookup(METHODS, "method", "drop")  # populates MODULES too
+    held = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in MODULES})
+    if held:
+        raise AttnslimError(f"the model already holds attnslim modules ({', '.join(held)}); compress the original "
+                            "model with one recipe that holds all the steps (a recipe may have several steps)")
 
 
 def _frozen_copy(model: Any) -> Any:

@@ -64,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _quiet_transformers()
+    from attnslim.outdir import terminate_as_exit
+
     try:
-        return COMMANDS[args.command](args)
+        with terminate_as_exit():  # SIGTERM cleans up temp directories like Ctrl-C
+            return COMMANDS[args.command](args)
     except AttnslimError as err:
         print(f"attnslim: error: {err}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--recipe", default="default")
     p.add_argument("--out", default="out/demo")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier attnslim output")
     p.add_argument("--tokens", type=int, default=4096)
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
@@ -94,6 +95,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     tasks = resolve_tasks(args.tasks) if args.tasks is not None else []  # unknown names fail before loading
     only_scores = tasks or args.choice is not None  # perplexity by default only when no score is asked for
+    if args.data is not None and not parse_sources(args.data):
+        raise AttnslimError(f"--data {args.data!r} names no text source; give e.g. --data wiki,ptb or leave it out")
     sources = parse_sources(args.data if args.data is not None else "" if only_scores else "wiki,ptb,c4")
     check_lengths(args.seq_len, args.tokens)
     check_source("--choice-source", args.choice_source)
@@ -162,12 +165,15 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     from attnslim.api import compress
     from attnslim.bench.kv import no_decode_note
-    from attnslim.io import check_output, save
-    from attnslim.models import load_model
-    from attnslim.recipe import apply_overrides, load_recipe
+    from attnslim.io import save
+    from attnslim.models import load_model, refuse_compressed_input
+    from attnslim.outdir import check_output
+    from attnslim.recipe import apply_overrides, check_methods, load_recipe
 
     recipe = apply_overrides(load_recipe(args.recipe), args.set)
-    check_output(Path(args.out), args.overwrite)  # refuse before spending minutes compressing
+    check_methods(recipe)  # refuse before spending seconds loading and minutes compressing
+    refuse_compressed_input(args.model)
+    check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
     model, tokenizer = load_model(args.model)
     report = compress(model, tokenizer, recipe)
     save(model, tokenizer, args.out, report.to_json(), overwrite=args.overwrite)
@@ -185,9 +191,12 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 @command("generate")
 def cmd_generate(args: argparse.Namespace) -> int:
+    from attnslim.errors import AttnslimError
     from attnslim.generate import generate_text
     from attnslim.models import load_model
 
+    if not args.prompt.strip():
+        raise AttnslimError("--prompt is empty; give the text to continue, e.g. --prompt 'The history of'")
     model, tokenizer = load_model(args.model)
     print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens))
     return 0
@@ -197,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from attnslim.demo import run_demo
 
-    return run_demo(args.model, args.recipe, args.out, args.tokens)
+    return run_demo(args.model, args.recipe, args.out, args.tokens, overwrite=args.overwrite)
 
 
 ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")

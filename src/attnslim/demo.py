@@ -89,20 +89,25 @@ def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: 
     path.write_text(json.dumps(info, indent=1))
 
 
-def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = None) -> int:
+def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = None,
+             overwrite: bool = False) -> int:
     from attnslim.api import compress
     from attnslim.io import load, save
-    from attnslim.models import load_model
-    from attnslim.recipe import load_recipe
+    from attnslim.models import load_model, refuse_compressed_input
+    from attnslim.outdir import check_output
+    from attnslim.recipe import check_methods, load_recipe
 
     recipe = load_recipe(recipe_name)
+    check_methods(recipe)
+    refuse_compressed_input(model_name)
+    check_output(Path(out), overwrite, inputs=[Path(model_name)])  # before minutes of measuring and compressing
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)
     before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
     report = compress(model, tokenizer, recipe)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
-    save(model, tokenizer, out, report.to_json(), overwrite=True)
+    save(model, tokenizer, out, report.to_json(), overwrite=overwrite)
     del model
     model, tokenizer = load(out)
     after = measure(model, tokenizer, tokens, task_limit)

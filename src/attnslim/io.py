@@ -1,71 +1,75 @@
 """Save / load compressed models: safetensors weights + compression.json, rebuild-then-load (no pickle).
 
-A saved directory holds model.safetensors, config.json (the base architecture + an auto_map entry),
-tokenizer files, compression.json and attnslim_hf.py, a 10-line module that lets
-`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` load it through attnslim.
+A saved directory holds model.safetensors, config.json, tokenizer files, compression.json and attnslim_hf.py.
+- config.json's `model_type` is "attnslim" (the base family is kept under `attnslim_base_model_type`): transformers
+  does not know it, so loading without `trust_remote_code=True` fails loudly instead of returning the dense
+  architecture with random weights in every compressed layer.
+- With `trust_remote_code=True`, transformers runs the directory's own attnslim_hf.py (whatever file is there, not
+  the installed package's copy), which hands over to `attnslim.io.load`. `load` itself never imports anything from
+  the directory and passes `trust_remote_code=False` everywhere: use it for directories you did not write.
+- compression.json records the sha256 of model.safetensors; `load` checks it, so damage anywhere in the weights is
+  found before a number is computed from them.
+- Outputs are written through `attnslim.outdir` (temp directory, no-replace install or rename swap).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnslim import _compat
 from attnslim.errors import AttnslimError
+from attnslim.models.zoo import sha256_file
+from attnslim.outdir import MARKER, staged_output
 
-FORMAT_VERSION = 1
-COMPRESSION_JSON = "compression.json"
+FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) still loads
+READABLE_VERSIONS = (1, 2)
+COMPRESSION_JSON = MARKER
 WEIGHTS = "model.safetensors"
 HF_ENTRY = "attnslim_hf.py"
+MODEL_TYPE = "attnslim"
+BASE_TYPE_KEY = "attnslim_base_model_type"
 _ENTRY_SOURCE = Path(__file__).parent / "hf_entry" / "attnslim_hf.py"
+_REQUIRED_KEYS = ("recipe", "steps")
 
 
 def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, Any], overwrite: bool = False) -> Path:
-    """Write the compressed model to `directory` atomically (temp dir, then rename)."""
-    from safetensors.torch import save_model
+    """Write the compressed model to `directory` (temp directory, then a no-replace install or a rename swap)."""
+    from safetensors.torch import save_file
 
     target = Path(directory)
-    check_output(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    with staged_output(target, overwrite) as tmp:
+        save_file(_deduplicated_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = model.config.to_dict()
-        config["auto_map"] = {"AutoModelForCausalLM": "attnslim_hf.AttnslimForCausalLM"}
+        config[BASE_TYPE_KEY], config["model_type"] = config["model_type"], MODEL_TYPE
+        config["auto_map"] = {"AutoConfig": "attnslim_hf.AttnslimConfig",
+                              "AutoModelForCausalLM": "attnslim_hf.AttnslimForCausalLM"}
         (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
         tokenizer.save_pretrained(tmp)
         shutil.copy(_ENTRY_SOURCE, tmp / HF_ENTRY)
-        (tmp / COMPRESSION_JSON).write_text(json.dumps({"format_version": FORMAT_VERSION, **report}, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.replace(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        info = {"format_version": FORMAT_VERSION, **report, "weights_sha256": sha256_file(tmp / WEIGHTS)}
+        (tmp / COMPRESSION_JSON).write_text(json.dumps(info, indent=1))
     return target
 
 
-def check_output(target: Path, overwrite: bool) -> None:
-    """A new `target` is fine; an existing one needs `overwrite`, and is replaced only when it is an earlier
-    attnslim output (or an empty directory): never a file, the working directory or one of its parents, or a
-    directory of other data. The CLI calls this before compressing, `save` again before writing."""
-    if not target.exists():
-        return
-    if not overwrite:
-        raise AttnslimError(f"output directory {target} exists; choose another --out or pass --overwrite")
-    resolved, here = target.resolve(), Path.cwd().resolve()
-    if not target.is_dir():
-        raise AttnslimError(f"--overwrite: {target} is not a directory; choose another --out")
-    if resolved == here or resolved in here.parents:
-        raise AttnslimError(f"--overwrite: {target} is the working directory or one of its parents; "
-                            "choose a new --out directory")
-    if any(target.iterdir()) and not (target / COMPRESSION_JSON).is_file():
-        raise AttnslimError(f"--overwrite: {target} is not a model saved by attnslim (no {COMPRESSION_JSON}) "
-                            "and not empty, so it is not replaced; choose another --out or remove it yourself")
+def _deduplicated_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each tied tensor stored once, under its first name in sorted order.
+
+    safetensors' `save_model` does the same but records the dropped names in metadata in set order, so two identical
+    runs could write different bytes; `load_model` re-ties them from the model either way."""
+    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    out = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if key in kept:
+            continue
+        kept[key] = name
+        out[name] = tensor.detach().contiguous()
+    return out
 
 
 def read_compression_json(directory: Path) -> dict[str, Any]:
@@ -73,37 +77,65 @@ def read_compression_json(directory: Path) -> dict[str, Any]:
     if not path.exists():
         raise AttnslimError(f"{directory} is not a compressed model (no {COMPRESSION_JSON}); run attnslim compress")
     try:
-        info = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AttnslimError(f"{path} is damaged ({err}); re-create the directory with attnslim compress") from None
     version = info.get("format_version") if isinstance(info, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise AttnslimError(
-            f"{path}: format_version {version!r} is not supported by this attnslim (expects {FORMAT_VERSION}); "
-            "re-create the directory with this version"
+            f"{path}: format_version {version!r} is not supported by this attnslim (reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); re-create the directory with this version"
         )
+    missing = [k for k in _REQUIRED_KEYS if not isinstance(info.get(k), dict if k == "recipe" else list)]
+    if missing:
+        raise AttnslimError(f"{directory} is damaged ({COMPRESSION_JSON} has no valid {', '.join(missing)}); "
+                            "re-create it with attnslim compress")
     return info
 
 
 def load(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Rebuild the base architecture, re-create each step's modules (skeleton), load weights strictly."""
+    """Rebuild the base architecture, re-create each step's modules (skeleton), load weights strictly.
+
+    Anything wrong with the directory (weights, config, plan, tokenizer) is an AttnslimError that says so."""
+    from safetensors import SafetensorError
+
+    directory = Path(directory)
+    info = read_compression_json(directory)
+    try:
+        return _load(directory, info, dtype)
+    except AttnslimError as err:
+        raise AttnslimError(f"{directory}: {err}") from err
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        raise AttnslimError(f"{directory} is damaged ({type(err).__name__}: {detail}); "
+                            "re-create it with attnslim compress") from err
+
+
+def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any]:
     from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnslim.api import apply_skeletons
     from attnslim.registry import MODULES, lookup
 
-    directory = Path(directory)
-    info = read_compression_json(directory)
-    config = AutoConfig.from_pretrained(directory)
-    del config.auto_map
+    weights = directory / WEIGHTS
+    expected = info.get("weights_sha256")
+    if expected is None and info["format_version"] >= 2:
+        raise AttnslimError(f"{COMPRESSION_JSON} records no weights_sha256")
+    if expected is not None and sha256_file(weights) != expected:
+        raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
+                            "damaged or replaced); re-create the directory with attnslim compress")
+    values = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    values.pop("auto_map", None)
+    base_type = values.pop(BASE_TYPE_KEY, values.get("model_type"))
+    values["model_type"] = base_type
+    config = _compat.config_from_dict(str(base_type), values)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     apply_skeletons(model, info["steps"])
     for module in model.modules():
         kind = type(module)
         if kind.__module__.startswith("attnslim.") and kind.__name__ not in MODULES:
             lookup(MODULES, "module", kind.__name__)  # raises naming the unknown module
-    load_model(model, str(directory / WEIGHTS), strict=True)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    load_model(model, str(weights), strict=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     return model.eval(), tokenizer
-

@@ -35,6 +35,13 @@ class _Loader(yaml.SafeLoader):
         for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        """Refuse aliases: a few hundred bytes of nested aliases expand to gigabytes (a "billion laughs")."""
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not allowed in recipes; "
+                                              "write the value out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
 
 _INT = r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(_INT), list("-+0123456789"))
@@ -232,15 +239,32 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
     s = str(path_or_name)
     is_path = isinstance(path_or_name, Path) or s.endswith((".yaml", ".yml")) or "/" in s or "\\" in s
     path = Path(s).expanduser() if is_path else RECIPES_DIR / f"{s}.yaml"
+    if path.is_dir():
+        raise AttnslimError(f"recipe {s!r} is a directory; give the path of a YAML file")
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
         raise AttnslimError(f"recipe {s!r} not found ({path}); give a YAML path or a packaged name: {names}")
     try:
         return recipe_from_dict(yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader))
+    except UnicodeDecodeError as e:
+        raise AttnslimError(f"recipe file {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                            "UTF-8") from None
     except yaml.YAMLError as e:
         raise AttnslimError(f"recipe file {path} is not valid YAML (quote slices like \"-6:\"): {e}") from e
     except AttnslimError as e:
         raise AttnslimError(f"{path}: {e}") from e
+
+
+def check_methods(recipe: Recipe) -> None:
+    """Unknown methods and bad method arguments, found before a model is loaded (layer selectors that depend on
+    the model's depth are checked by `Recipe.resolve`)."""
+    from attnslim.registry import METHODS, lookup
+
+    for i, step in enumerate(recipe.steps):
+        try:
+            lookup(METHODS, "method", step.method).from_args(dict(step.args))
+        except AttnslimError as e:
+            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({step.method}): {e}") from e
 
 
 def dump_recipe(r: Recipe, path: str | Path) -> None:

@@ -30,7 +30,7 @@ def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple
     cache = _compat.new_cache(model.config)
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **_compat.LAST_LOGITS_ONLY)
     _sync(device)
     prefill = time.perf_counter() - start
     token = out.logits[:, -1:].argmax(-1)
@@ -51,6 +51,8 @@ def interleaved(
     vocab = min(int(getattr(models[names[0]].config, "vocab_size", 1000)), 1000)
     make = prompt or (lambda n: torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)))
     device = next(models[names[0]].parameters()).device
+    for name, model in models.items():
+        _compat.check_positions(model.config, max(contexts) + new_tokens, f"bench {name}: context + new tokens")
     result: dict[str, Any] = {"device": str(device), "contexts": contexts, "new_tokens": new_tokens,
                               "repeats": repeats, "reference": names[0], "models": {n: {} for n in names}}
     for ctx in contexts:

@@ -50,9 +50,16 @@ def _documents(source: str) -> list[str]:
         return [d.strip() for d in text.split("<|endoftext|>") if d.strip()]
     if source.startswith("file:"):
         path = Path(source[5:]).expanduser()
+        if path.is_dir():
+            raise AttnslimError(f"text file {path} is a directory; give file:PATH with a readable UTF-8 file")
         if not path.is_file():
             raise AttnslimError(f"text file {path} does not exist; give file:PATH with a readable UTF-8 file")
-        return [d.strip() for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise AttnslimError(f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start}); convert "
+                                "it, e.g. iconv -f latin1 -t utf-8") from None
+        return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
     raise AttnslimError(f"unknown text source {source!r}; valid: {', '.join(SOURCES)}, file:PATH")
 
 

@@ -61,9 +61,12 @@ def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int =
     ids = token_ids(source, "eval", tokenizer)
     n = tokens // seq_len
     if ids.numel() < n * seq_len:
+        most = ids.numel() // seq_len * seq_len
+        fix = (f"lower --tokens to at most {most}" if most else
+               f"lower --seq-len below {ids.numel()} or give a longer text")
         raise AttnslimError(
             f"the {source!r} evaluation split has {ids.numel()} tokens, fewer than the {n * seq_len} requested "
-            f"({n} windows of {seq_len}); lower --tokens to at most {ids.numel() // seq_len * seq_len}"
+            f"({n} windows of {seq_len}); {fix}"
         )
     desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens"
     return TokenWindows(ids[: n * seq_len].view(n, seq_len), source, "eval", desc)

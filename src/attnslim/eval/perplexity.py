@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from attnslim.adapters import get_adapter
 from attnslim.data import TokenWindows
+from attnslim.errors import AttnslimError
 from attnslim.eval.causal import require_causal
 
 
@@ -48,7 +50,35 @@ def perplexity(
         nll, n = window_nll(model, ids[start : start + batch_size].to(device))
         total, count = total + nll, count + n
     mean = total / count
+    if not math.isfinite(mean):
+        raise AttnslimError(f"perplexity on {label or windows.source} is not finite: {nonfinite_site(model, ids[:1])}"
+                            "; the weights are damaged or the compression diverged, so no number is reported")
     return PerplexityResult(
         ppl=math.exp(mean), nll=mean, predicted_tokens=count, windows=ids.shape[0], seq_len=ids.shape[1],
         description=windows.description,
     )
+
+
+@torch.no_grad()
+def nonfinite_site(model: Any, ids: torch.Tensor) -> str:
+    """Where NaN/Inf first appears: a parameter that holds it, else the first decoder layer whose output has it."""
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            return f"parameter {name} holds NaN/Inf"
+    layers = get_adapter(model).decoder_layers()
+    found: list[int] = []
+
+    def hook(index: int) -> Any:
+        def check(module: Any, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if not found and not torch.isfinite(out).all():
+                found.append(index)
+        return check
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        model(input_ids=ids.to(next(model.parameters()).device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return f"decoder layer {found[0]} produced NaN/Inf" if found else "the final norm or head produced NaN/Inf"

@@ -1,6 +1,9 @@
-"""Loads an attnslim-compressed directory through `AutoModelForCausalLM(..., trust_remote_code=True)`."""
+"""Loads an attnslim-compressed directory through `AutoModelForCausalLM(..., trust_remote_code=True)`.
 
-from transformers import PreTrainedModel
+transformers runs the copy of this file that sits in the directory. It hands over to the installed attnslim's
+`attnslim.io.load`, which imports nothing from the directory."""
+
+from transformers import PretrainedConfig, PreTrainedModel
 
 # arguments about where to fetch files: the directory is already local, so they change nothing
 _LOCATION_KWARGS = {"config", "cache_dir", "force_download", "proxies", "revision", "token", "local_files_only",
@@ -8,7 +11,15 @@ _LOCATION_KWARGS = {"config", "cache_dir", "force_download", "proxies", "revisio
                     "use_auth_token", "adapter_kwargs", "_from_auto", "_from_pipeline"}
 
 
+class AttnslimConfig(PretrainedConfig):
+    """config.json of an attnslim directory; `attnslim_base_model_type` names the base family."""
+
+    model_type = "attnslim"
+
+
 class AttnslimForCausalLM(PreTrainedModel):
+    config_class = AttnslimConfig
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):  # type: ignore[override]
         import torch

@@ -109,6 +109,9 @@ class Method:
             raise AttnslimError(
                 f"method {cls.name!r}: unknown argument(s) {sorted(unknown)}; valid: {sorted(valid)}"
             )
+        from attnslim.methods.argtypes import check_arg_types
+
+        check_arg_types(cls.name, cls, args)
         return cls(**args)
 
     def args(self) -> dict[str, Any]:

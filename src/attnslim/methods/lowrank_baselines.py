@@ -11,6 +11,7 @@ the linear's weights) gives r = floor(ratio·d'·d/(d'+d)). Statistics: the inpu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ class LowRankBaseline(Method):
         bad = [n for n in self.linears if n not in SITE_OF]
         require(not bad and len(self.linears) > 0, self.name, "linears", list(self.linears),
                 f"a non-empty subset of {list(SITE_OF)}")
-        require(self.damp >= 0, self.name, "damp", self.damp, ">= 0")
+        require(math.isfinite(self.damp) and self.damp >= 0, self.name, "damp", self.damp, "a finite number >= 0")
 
     def collector(self, adapter: Any, layer: int) -> Collector:
         if self.precond == "identity":

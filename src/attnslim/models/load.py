@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnslim import _compat
 from attnslim.errors import AttnslimError
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path, sha256_file
+from attnslim.outdir import check_writable_parent, staged_output
 
 CACHE_FORMAT = 1
 WEIGHTS = "model.safetensors"
 MANIFEST = "attnslim-cache.json"
+VERIFIED = "attnslim-verified.json"  # [inode, mtime_ns, size] of the weights when their full sha256 last matched
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -24,6 +25,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path).expanduser()
+    if not name_or_path.strip():
+        raise AttnslimError(f"the model name is empty; give a name ({', '.join(sorted(ZOO))}) or a directory")
     if name_or_path in ZOO:
         directory = ensure_cached(ZOO[name_or_path])
     elif path.is_dir():
@@ -36,24 +39,66 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
                                 f"({', '.join(sorted(ZOO))})")
         directory = path
-    elif "/" in name_or_path and not path.exists() and not name_or_path.startswith((".", "/")):
+    elif path.exists() or _looks_local(name_or_path):
+        raise AttnslimError(f"{name_or_path} is not a model: {_local_problem(path)}")
+    elif "/" in name_or_path:
         return _load_hub(name_or_path, dtype)
     else:
         raise AttnslimError(
             f"unknown model {name_or_path!r}: not a known name ({', '.join(sorted(ZOO))}), "
             "not a local directory, and not a hub id of the form org/name"
         )
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    _check_tokenizer_files(directory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa",
+                                                     **_compat.SAFE_LOADING)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
+    except (OSError, ValueError) as err:
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
+                            "holds config.json, the weights and the tokenizer files of one model") from err
     return model.eval(), tokenizer
+
+
+def refuse_compressed_input(name_or_path: str) -> None:
+    """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
+    steps, so the result could not load (and --out on the input would destroy it)."""
+    if (Path(name_or_path).expanduser() / "compression.json").is_file():
+        raise AttnslimError(f"{name_or_path} is already compressed by attnslim; compress the original model with "
+                            "one recipe that holds all the steps you want (a recipe may have several steps)")
+
+
+def _looks_local(text: str) -> bool:
+    """A path rather than a hub id: starts like a path, has more than one slash, or its first part exists here."""
+    first = text.split("/", 1)[0]
+    return text.startswith((".", "/", "~")) or text.count("/") > 1 or ("/" in text and Path(first).exists())
+
+
+def _local_problem(path: Path) -> str:
+    if path.exists():
+        return "it is a file, not a directory"
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return f"the local path does not exist ({parent} exists, {path.relative_to(parent)} does not in it)"
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_tokenizer_files(directory: Path) -> None:
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise AttnslimError(f"{directory} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy the "
+                            "tokenizer of the model into it")
 
 
 def _load_hub(repo_id: str, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(repo_id)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, attn_implementation="sdpa",
+                                                     **_compat.SAFE_LOADING)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, **_compat.SAFE_LOADING)
     except OSError as err:
         raise AttnslimError(
             f"could not load {repo_id!r} from the Hugging Face hub ({err.__class__.__name__}): the hub is not "
@@ -70,47 +115,55 @@ def ensure_cached(entry: ZooEntry) -> Path:
         return directory
     if directory.exists():
         print(f"attnslim: cache entry {directory} is unusable ({problem}); rebuilding it", flush=True)
+    check_writable_parent(directory)  # a read-only cache fails now, not after the conversion
     _convert(entry, directory)
     return directory
 
 
 def _cache_problem(directory: Path) -> str | None:
-    """None when the cache entry is complete and its weights match the recorded size and checksum."""
+    """None when the cache entry is complete and its weights match the recorded size and full sha256.
+
+    The full sha256 (about 1 s for 540 MB) runs once per weights file: a stamp keyed on its inode, mtime and size
+    records that it passed, so later runs only stat the file. Any change to the file changes its mtime."""
     manifest_path = directory / MANIFEST
     if not manifest_path.exists():
         return "no manifest" if directory.exists() else "missing"
     try:
         manifest = json.loads(manifest_path.read_text())
+        if not isinstance(manifest, dict):
+            return "unreadable manifest: not a JSON object"
         weights = directory / WEIGHTS
         if manifest.get("format") != CACHE_FORMAT:
             return f"cache format {manifest.get('format')} != {CACHE_FORMAT}"
         if not weights.exists() or weights.stat().st_size != manifest["size"]:
             return "weights missing or truncated"
-        if _quick_digest(weights) != manifest["quick_sha256"]:
-            return "weights checksum mismatch"
-    except (OSError, ValueError, KeyError) as err:
+        if _file_identity(weights) != _read_stamp(directory):
+            if sha256_file(weights) != manifest["sha256"]:
+                return "weights checksum mismatch"
+            _write_stamp(directory, _file_identity(weights))
+    except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable manifest: {err}"
     return None
 
 
-def _quick_digest(path: Path, block: int = 1 << 20) -> str:
-    """sha256 over the first and last MiB and the size: catches truncation and header damage in ~1 ms.
-
-    The full sha256 is recorded too (`attnslim.models.load.verify_full` checks it) but costs ~1 s.
-    """
-    import hashlib
-
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(block))
-        f.seek(max(0, path.stat().st_size - block))
-        h.update(f.read(block))
-    return h.hexdigest()
+def _file_identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_ino, st.st_mtime_ns, st.st_size]
 
 
-def verify_full(directory: Path) -> bool:
-    manifest = json.loads((directory / MANIFEST).read_text())
-    return bool(sha256_file(directory / WEIGHTS) == manifest["sha256"])
+def _read_stamp(directory: Path) -> list[int] | None:
+    try:
+        value = json.loads((directory / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, list) else None
+
+
+def _write_stamp(directory: Path, identity: list[int]) -> None:
+    try:
+        (directory / VERIFIED).write_text(json.dumps(identity))
+    except OSError:
+        pass  # a read-only cache: the full check simply runs again next time
 
 
 def _convert(entry: ZooEntry, directory: Path) -> None:
@@ -121,14 +174,13 @@ def _convert(entry: ZooEntry, directory: Path) -> None:
         raise AttnslimError(f"{source} does not match its published sha256; reinstall with: {entry.install}")
     print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once, ~30 s)", flush=True)
     start = time.time()
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32,
+                                                 **_compat.SAFE_LOADING)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name, **_compat.SAFE_LOADING)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=directory.parent))
-    try:
+    with staged_output(directory, overwrite=True, check=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         weights = tmp / WEIGHTS
@@ -137,13 +189,6 @@ def _convert(entry: ZooEntry, directory: Path) -> None:
             "source": str(source),
             "size": weights.stat().st_size,
             "sha256": sha256_file(weights),
-            "quick_sha256": _quick_digest(weights),
             "seconds": round(time.time() - start, 1),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.replace(directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
