@@ -1,3 +1,51 @@
-"""attnslim: cheaper attention for pretrained Hugging Face LLMs."""
+"""attnslim: cheaper attention for pretrained Hugging Face LLMs.
+
+The public API (everything else is internal and may change):
+
+    from attnslim import compress, save, load, load_model, load_recipe, Recipe, Step
+
+    model, tokenizer = load_model("smollm2-135m")
+    report = compress(model, tokenizer, load_recipe("svdllm"))   # in place
+    save(model, tokenizer, "out/svdllm", report.to_json())
+    model, tokenizer = load("out/svdllm")
+
+Names are imported on first use, so `import attnslim` (and the CLI's start-up) does not pay for torch and
+transformers until they are needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "compress": "attnslim.api",
+    "CompressionReport": "attnslim.api",
+    "save": "attnslim.io",
+    "load": "attnslim.io",
+    "load_model": "attnslim.models",
+    "load_recipe": "attnslim.recipe",
+    "Recipe": "attnslim.recipe",
+    "Step": "attnslim.recipe",
+    "Calibration": "attnslim.recipe",
+    "AttnslimError": "attnslim.errors",
+}
+__all__ = ["AttnslimError", "Calibration", "CompressionReport", "Recipe", "Step", "__version__", "compress", "load",
+           "load_model", "load_recipe", "save"]
+
+if TYPE_CHECKING:
+    from attnslim.api import CompressionReport, compress
+    from attnslim.errors import AttnslimError
+    from attnslim.io import load, save
+    from attnslim.models import load_model
+    from attnslim.recipe import Calibration, Recipe, Step, load_recipe
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'attnslim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

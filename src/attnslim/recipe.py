@@ -18,7 +18,7 @@ import yaml
 from attnslim.data.sources import check_source
 from attnslim.errors import AttnslimError
 
-RECIPES_DIR = Path(__file__).parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).parent / "recipes"  # package data; the checkout's recipes/ links here
 SELECTOR_FORMS = ('"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, a list of ints, '
                   'or "rest" (last step only: every layer the earlier steps did not convert)')
 REST = "rest"
