@@ -15,7 +15,7 @@ from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
-from attnslim.linalg.mla_rope import split_rotary
+from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
@@ -102,11 +102,16 @@ def test_rotary_split_keeps_logits_and_drops_only_phases():
         q_rope = apply_rope(torch.einsum("thd,hed->hte", q, full.rope_query)[None], cos[..., idx], sin[..., idx])[0]
         k_rope = apply_rope((k.reshape(12, -1) @ full.rope_key.T)[None, None], cos[..., idx], sin[..., idx])[0]
         assert torch.allclose(q_rope @ k_rope.transpose(-1, -2), ref, atol=1e-8), select
-        none = split_rotary(k_mom, q_mom, pairs=0, **kw)
+        none = split_rotary(k_mom, q_mom, pairs=0, span=1, **kw)  # span 1: no phase to lose, no shrinkage
         q_n = torch.einsum("thd,hnd->htn", q, none.nope_query)  # (h, t, D_n)
         k_n = k.reshape(12, -1) @ none.nope_key.T  # (t, D_n)
         unrotated = torch.einsum("thd,thd->ht", q, k.repeat_interleave(h // n_kv, 1))
         assert torch.allclose(torch.einsum("htn,tn->ht", q_n, k_n), unrotated, atol=1e-8), select
+    # select=query scales a de-rotated component's query by its phase's mean cosine: rows (j, component, re|im)
+    shrunk = split_rotary(k_mom, q_mom, pairs=0, span=64, **kw)
+    beta = torch.tensor([phase_mean(float(a), 64) for a in angles]).repeat_interleave(2 * n_kv)
+    assert torch.allclose(shrunk.nope_query, none.nope_query * beta[None, :, None], atol=1e-10)
+    assert phase_mean(0.0, 64) == pytest.approx(1.0) and abs(phase_mean(1.0, 64)) < 0.05
 
 
 def _paths_agree(module: MLAAttention, x: torch.Tensor, cache=None):
@@ -200,7 +205,7 @@ def test_error_falls_as_the_kv_budget_grows_and_module_reports():
     assert errors[0] > errors[1] > errors[2], errors
     attn = get_adapter(model).attention(0)
     assert "r_kv=48" in repr(attn) and "d_rope=16" in repr(attn) and attn.describe()["kind"] == "MLAAttention"
-    assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 48) + 4 * 16 * (64 + 48))
+    assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 48) + 4 * 16 * (64 + 48) - 48 * 48)  # B: 48 x 48
 
 
 def test_gemma3_qk_norm_is_refused_naming_the_layer():
@@ -229,3 +234,34 @@ def test_bad_input_is_refused_with_layer_value_and_fix(method, args, match):
 def test_opt_refuses_rotary_dims_without_rope():
     with pytest.raises(AttnslimError, match="rope_dims = 16 exceeds the 0 .*use rope_dims: 0"):
         _compress(TINY_BUILDERS["opt"](), "mla", {"kv_ratio": 0.5, "rope_dims": 16})
+
+
+@pytest.mark.real
+def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
+    """SmolLM2-135M, layers 0-5 at half the dense KV cache (measured from the cache): the default `mla` must beat
+    a plain truncated SVD of the same [k_nope; v] with the same rotary split, and TransMLA at the same cached
+    elements per token — it fails if the method fell back to either."""
+    from attnslim.data import eval_windows
+    from attnslim.eval import perplexity
+    from attnslim.models import load_model
+    from attnslim.recipe import recipe_from_dict
+
+    model, tokenizer = load_model("smollm2-135m")
+    windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)
+    dense_ppl = perplexity(model, windows, progress=False).ppl
+    dense_kv = kv_bytes_per_token(model)["per_layer"]
+    layers = list(range(0, 6))
+    ppl = {}
+    for name, method, args in (("mla", "mla", {}), ("svd", "mla", {"kv_weight": "svd"}), ("transmla", "transmla", {})):
+        model, _ = load_model("smollm2-135m")
+        recipe = recipe_from_dict({
+            "name": name, "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
+            "steps": [{"method": method, "layers": layers, "args": {"kv_ratio": 0.5, **args}}]})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compress(model, tokenizer, recipe, progress=False)
+        kv = kv_bytes_per_token(model)["per_layer"]
+        assert all(kv[i] == 0.5 * dense_kv[i] for i in layers) and kv[-1] == dense_kv[-1]
+        ppl[name] = perplexity(model, windows, progress=False).ppl / dense_ppl
+    assert ppl["mla"] < ppl["transmla"] and ppl["mla"] < ppl["svd"], ppl
+    assert ppl["mla"] < 1.2, ppl

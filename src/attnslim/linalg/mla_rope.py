@@ -14,11 +14,13 @@ Keeping every component is exact (tested).
 
 Choosing T and the kept components (`select`):
   pca:   T = the eigenvectors of the key second moment per frequency, summed over the real and imaginary parts
-         (orthogonal; TransMLA's RoRoPE); a component's score is its key energy.
+         (orthogonal; TransMLA's RoRoPE); every frequency's first component is kept before any second one, by
+         key energy; the others are de-rotated as they are.
   query: balanced truncation of the logit per frequency: T diagonalises the key moment K and the lifted query
          moment Q together (T K Tᵀ = T^{-T} Q T^{-1} = Σ), so component c carries logit energy σ_c² and the
-         components are the best change of basis for it; the score is σ_c² times the mean of 1 − cos(θ_j δ)
-         over δ < span, the logit error of dropping its rotation (slow frequencies barely rotate).
+         components are the best change of basis for it. A dropped component's query is scaled by β_j, the mean
+         cosine of its phase over causal distances < span (`phase_mean`), the least-squares stand-in for its
+         rotation; the score is the error that leaves, σ_c² (1 − β_j²).
 fold > 1 (TransMLA's FreqFold) treats `fold` neighbouring frequencies as one: the PCA runs over all their
 components and its top components take the group's frequency slots in order, which is exact only where the
 neighbouring frequencies are equal (an approximation the baseline makes; `select=query` never folds).
@@ -66,6 +68,7 @@ class _Group:
     key_t: torch.Tensor  # (M·n_kv, M·n_kv) rows = components, over coordinates (g, j) g-major
     query_t: torch.Tensor  # (M·n_kv, M·n_kv) = key_t^{-T}
     score: torch.Tensor  # (M·n_kv,) keep score of each component
+    shrink: float = 1.0  # factor on a de-rotated component's query (its phase's mean cosine; 1 = de-rotate as is)
 
 
 def split_rotary(
@@ -95,7 +98,7 @@ def split_rotary(
     groups = [list(range(s, min(s + fold, half))) for s in range(0, half, fold)]
     built = [_group(key_moment, query_moment, f, n_heads, n_kv_heads, head_dim, half, select, angles, span, damp)
              for f in groups]
-    kept = _choose(built, pairs, fold)
+    kept = _choose(built, pairs, fold, by_rank=select == "pca")
     return _assemble(built, kept, n_heads, n_kv_heads, head_dim, rotary_dims, scale)
 
 
@@ -131,20 +134,30 @@ def _group(k_mom: torch.Tensor, q_mom: torch.Tensor | None, freqs: list[int], h:
     inv_sqrt = sig.clamp_min(sig.max() * 1e-12).rsqrt()
     key_t = inv_sqrt[:, None] * (u.T @ lq)  # T = Σ^{-1/2} Uᵀ Q^{1/2}:   T K Tᵀ = Σ
     query_t = inv_sqrt[:, None] * (vh @ lk)  # T^{-T} = Σ^{-1/2} Vᵀ K^{1/2}: T^{-T} Q T^{-1} = Σ
+    beta = phase_mean(float(angles[freqs[0]]), span)
+    return _Group(freqs, key_t, query_t, sig.pow(2) * (1.0 - beta**2), beta)
+
+
+def phase_mean(angle: float, span: int) -> float:
+    """β = E[cos(θ δ)] over causal distances δ < span, weighted span − δ (a query at position p sees δ ≤ p, so
+    over a window short distances are the more frequent). Replacing a component's rotated logit term
+    Re(w z̄ e^{iθδ}) by β·Re(w z̄) leaves the least mean-square error, (1 − β²)/2 · |w|²|z|²: slow frequencies
+    (β ≈ 1) lose almost nothing without their rotation, fast ones (β ≈ 0) are better dropped than de-rotated."""
     delta = torch.arange(span, dtype=_F64)
-    phase = 1.0 - torch.cos(angles.to(_F64)[freqs[0]] * delta).mean()  # logit error of dropping the rotation
-    return _Group(freqs, key_t, query_t, sig.pow(2) * phase)
+    weight = span - delta
+    return float((weight * torch.cos(angle * delta)).sum() / weight.sum())
 
 
-def _choose(groups: list[_Group], pairs: int, fold: int) -> list[tuple[int, int]]:
+def _choose(groups: list[_Group], pairs: int, fold: int, by_rank: bool) -> list[tuple[int, int]]:
     """The `pairs` (group, component) with the largest scores; with fold > 1 only a group's first M components
-    (one per frequency slot) are candidates."""
+    (one per frequency slot) are candidates. by_rank (RoRoPE): every group's first component before any second
+    one, so the kept pairs cover every frequency before doubling any."""
     cands = []
     for gi, grp in enumerate(groups):
         limit = len(grp.freqs) if fold > 1 else grp.score.numel()
-        cands += [(float(grp.score[c]), gi, c) for c in range(limit)]
-    cands.sort(key=lambda s: -s[0])
-    return sorted((gi, c) for _, gi, c in cands[:pairs])
+        cands += [(c // len(grp.freqs) if by_rank else 0, -float(grp.score[c]), gi, c) for c in range(limit)]
+    cands.sort()
+    return sorted((gi, c) for _, _, gi, c in cands[:pairs])
 
 
 def _assemble(groups: list[_Group], kept: list[tuple[int, int]], h: int, n_kv: int, d_h: int, d_rot: int,
@@ -175,7 +188,7 @@ def _assemble(groups: list[_Group], kept: list[tuple[int, int]], h: int, n_kv: i
                 rope_query[:, p], rope_query[:, m + p] = rows_q
             else:
                 nope_k += rows_k
-                nope_q += [r * scale**2 for r in rows_q]
+                nope_q += [r * (scale**2 * grp.shrink) for r in rows_q]
     for kv_head in range(n_kv):  # head dims RoPE never rotates (partial rotary): unchanged, unscaled
         for d in range(d_rot, d_h):
             nope_k.append(torch.zeros(n_kv * d_h, dtype=_F64).index_fill_(0, torch.tensor([kv_head * d_h + d]), 1.0))

@@ -11,13 +11,15 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
 
 `mla` (ours) — what LatentLLM adds to that form:
   rope_select=query (default): balanced truncation of each frequency's logit, K and the lifted query moment
-    diagonalised together, components ranked by logit energy × the logit error of losing their rotation over
-    `rope_span` tokens; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
-  kv_weight=attention (default): the latent fit weighs key errors by what they do to each head's logits
-    (query second moments) times that head's output spread, and value errors by W_o (linalg/mla.attention_weight),
-    on the centred input covariance with LatentLLM's mean correction (Eq. 45); kv_weight=rootcov: K and V rows
-    balanced to equal energy, centred covariance (CARE's covariance-aware SVD); kv_weight=svd: a plain truncated
-    SVD of the weights (no statistics), the floor every other fit must beat.
+    diagonalised together; a dropped component's query is shrunk by the mean cosine of its phase over causal
+    distances < `rope_span` (its least-squares stand-in), and components are kept by the logit error dropping
+    them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
+  kv_weight=rootcov (default): [k_nope; v] fitted on the centred input covariance (CARE's covariance-aware SVD,
+    LatentLLM's root-covariance objective) with the key rows balanced to the values' energy and LatentLLM's
+    mean correction (Eq. 45); kv_weight=attention: within the key block, errors weighted by what they do to each
+    head's logits (query second moments × that head's output spread), within the value block by W_o
+    (linalg/mla.attention_weight), then balanced the same way; kv_weight=svd: a plain truncated SVD of the
+    weights (no statistics), the floor every fit must beat. Which wins is measured (BENCHMARKS.md, MLA).
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
@@ -228,12 +230,15 @@ def _stacked(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:
     return torch.cat([split.nope_key @ spec.k.to(torch.float64), spec.v.to(torch.float64)])
 
 
-def _balanced(spec: AttentionSpec, split: RotarySplit, cov: torch.Tensor) -> list[torch.Tensor]:
-    """K rows scaled so their energy under `cov` equals the values' (TransMLA's balance, α²)."""
-    w_k, w_v = split.nope_key @ spec.k.to(torch.float64), spec.v.to(torch.float64)
-    e_k, e_v = float(torch.trace(w_k @ cov @ w_k.T)), float(torch.trace(w_v @ cov @ w_v.T))
-    alpha2 = e_v / e_k if e_k > 0 else 1.0
-    return [alpha2 * torch.eye(w_k.shape[0], dtype=torch.float64), torch.eye(w_v.shape[0], dtype=torch.float64)]
+def _balance(weights: list[torch.Tensor], w_kv: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
+    """The key block's weight (D_n, D_n) rescaled so the weighted key energy tr(W_k C W_kᵀ S_k²) equals the
+    values' (TransMLA's balance α², here under any within-block weights); [keys, values] as given otherwise."""
+    w_k, w_v = weights
+    d_n = w_k.shape[0]
+    rows_k, rows_v = w_kv[:d_n], w_kv[d_n:]  # (D_n, d), (n_kv·d_h, d)
+    e_k = float(torch.trace(w_k @ rows_k @ cov @ rows_k.T)) if d_n else 0.0
+    e_v = float(torch.trace(w_v @ rows_v @ cov @ rows_v.T))
+    return [w_k * (e_v / e_k) if e_k > 0 else w_k, w_v]
 
 
 @register_method("mla")
@@ -241,7 +246,7 @@ def _balanced(spec: AttentionSpec, split: RotarySplit, cov: torch.Tensor) -> lis
 class MLA(_MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
-    kv_weight: str = "attention"
+    kv_weight: str = "rootcov"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -260,10 +265,12 @@ class MLA(_MLABase):
         else:
             cov, mean = st.centred_cov, st.mean
             if self.kv_weight == "attention":
-                weights = list(attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
-                                                n_kv_heads=spec.n_kv_heads, scaling=spec.scaling))
+                w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
+                                            n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
+                weights = _balance([w_k, w_v], w_kv, cov)
             else:
-                weights = _balanced(spec, split, cov)
+                weights = _balance([torch.eye(split.nope_key.shape[0], dtype=torch.float64),
+                                    torch.eye(spec.v.shape[0], dtype=torch.float64)], w_kv, cov)
         kv = fit_latent(w_kv, cov, rank, weights, self.damp, where)
         return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, mean)
 
@@ -286,5 +293,7 @@ class TransMLA(_MLABase):
         return _split_common(adapter, spec, st, rope, "pca", 1, self.freq_fold, where)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
-        kv = fit_latent(_stacked(spec, split), st.corr, rank, _balanced(spec, split, st.corr), self.damp, where)
+        w_kv = _stacked(spec, split)
+        eye = [torch.eye(split.nope_key.shape[0], dtype=torch.float64), torch.eye(spec.v.shape[0], dtype=torch.float64)]
+        kv = fit_latent(w_kv, st.corr, rank, _balance(eye, w_kv, st.corr), self.damp, where)
         return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, None)

@@ -1,0 +1,125 @@
+"""Issue 20: multi-head latent attention with decoupled RoPE (`mla`) beside TransMLA (`transmla`) on smollm2-135m.
+
+Groups (--groups, comma-separated; default oneshot,speed):
+  oneshot  at every KV point (--kv, default 0.5,0.375,0.25 of the dense cache, measured from the cache): `mla`
+           (query-weighted rotary choice, balanced root-covariance latent: the default), `mla` with the attention
+           weighting, `mla` with TransMLA's RoRoPE choice (rope_select=pca), `transmla` (RoRoPE + FreqFold 4 +
+           BKV-PCA) at the same cached elements per token; at 0.5 also a plain truncated SVD of [k_nope; v]
+           (kv_weight=svd) and today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE)
+  heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's)
+  speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
+           attention-core FLOPs per new token and the KV bytes per token of each model beside them
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py                                  # 8192 tokens per set
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --name mla-small --tokens 2048 --windows 16 --kv 0.5
+    .venv/bin/python benchmarks/make_report.py                                            # BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from typing import Any
+
+from common import Harness, calibration
+
+from attnslim.api import compress
+from attnslim.bench import interleaved, kv_bytes_per_token
+from attnslim.bench.flops import flops_per_token
+from attnslim.models import load_model
+from attnslim.recipe import recipe_from_dict
+
+HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
+
+
+def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"method": method, "layers": "all", "args": args}]
+
+
+def oneshot_variants(kv: float) -> dict[str, list[dict[str, Any]]]:
+    p = f"{kv * 100:g}".replace(".", "")
+    out = {
+        f"mla-kv{p}": step("mla", {"kv_ratio": kv}),
+        f"mla-attnweight-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "attention"}),
+        f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
+        f"transmla-kv{p}": step("transmla", {"kv_ratio": kv}),
+    }
+    if kv == 0.5:
+        out[f"mla-plainsvd-kv{p}"] = step("mla", {"kv_ratio": kv, "kv_weight": "svd"})
+        out[f"latentllm-kvonly-kv{p}"] = step("latentllm", {"ratio": 1.0, "kv_ratio": kv})
+    return out
+
+
+def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
+          repeats: int) -> None:
+    """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them."""
+    dense, tokenizer = load_model(h.model_name)
+    models: dict[str, Any] = {"dense": dense.eval()}
+    for key in keys:
+        model, _ = load_model(h.model_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compress(model, tokenizer, recipe_from_dict(recipes[key]), progress=False)
+        models[key] = model.eval()
+    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
+    costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
+                    **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
+    h.data["speed"], h.data["costs"] = result, costs
+    lines = ["Decode and prefill against dense (greedy, HF DynamicCache, float32, medians of interleaved repetitions; "
+             "FLOPs per new token of the attention core / of the whole model, from attnslim.bench.flops):", "",
+             "| model | KV B/token | " + " | ".join(
+                 f"decode tok/s @{c} (×dense) | prefill ms @{c} | attn-core MFLOPs @{c} | total MFLOPs @{c}"
+                 for c in contexts) + " |",
+             "|---|---|" + "---|---|---|---|" * len(contexts)]
+    for name, rows in result["models"].items():
+        cells = " | ".join(
+            f"{rows[str(c)]['decode_tok_s']:.1f} ({rows[str(c)]['decode_ratio']:.2f}×) | "
+            f"{rows[str(c)]['prefill_s'] * 1000:.0f} | {costs[name][str(c)]['attention_core'] / 1e6:.1f} | "
+            f"{costs[name][str(c)]['total'] / 1e6:.1f}" for c in contexts)
+        lines.append(f"| {name} | {costs[name]['kv_bytes_per_token']:,.0f} | {cells} |")
+    h.data["notes"] = lines
+    h.save()
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="mla", help="results file benchmarks/results/NAME.json")
+    parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per source")
+    parser.add_argument("--sources", default="wiki,ptb,c4")
+    parser.add_argument("--windows", type=int, default=32, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
+    parser.add_argument("--kv", default="0.5,0.375,0.25", help="kept fractions of the dense KV cache")
+    parser.add_argument("--groups", default="oneshot,speed")
+    parser.add_argument("--only", default="", help="comma-separated variant keys to run")
+    parser.add_argument("--contexts", default="512,2048,4096")
+    parser.add_argument("--speed-variants", default="mla-kv50,latentllm-kvonly-kv50")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
+    cal = calibration(args.windows, args.seq_len)
+    groups = set(args.groups.split(","))
+    kvs = [float(k) for k in args.kv.split(",")]
+    variants: dict[str, list[dict[str, Any]]] = {}
+    for kv in kvs:
+        variants |= oneshot_variants(kv)
+    recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
+    heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
+             for k in variants if k.startswith(("mla-kv", "transmla-kv"))}
+    todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
+    only = {k for k in args.only.split(",") if k}
+    h.dense()
+    for key, recipe in (recipes | heals).items():
+        if key in todo and (not only or key in only):
+            start = time.time()
+            h.run(key, recipe)
+            print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+    if "speed" in groups:
+        speed(h, recipes, args.speed_variants.split(","), [int(c) for c in args.contexts.split(",")],
+              args.new_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
