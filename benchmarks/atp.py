@@ -47,6 +47,7 @@ from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.analysis.conversion import calibration_prompts, cheapest_layers, conversion_costs
 from attnslim.analysis.lowrank import format_lowrank, lowrank_report
+from attnslim.analysis.progressive import progressive_recovery
 from attnslim.data import eval_windows
 from attnslim.eval.choice import choice_accuracy, choice_items
 from attnslim.linalg.attention import repeat_kv, softmax_attention
@@ -55,7 +56,6 @@ from attnslim.models import load_model
 from attnslim.modules.principal import PrincipalKeyAttention
 from attnslim.modules.principal_serving import continuation_nll
 from attnslim.train.lora import LoraRecipe, recover_with_lora
-from attnslim.train.progressive import progressive_recovery
 
 FRACTIONS = {"1/2": 0.5, "1/4": 0.25, "1/8": 0.125}
 PAPER_FRACTIONS = {"1/2": 0.5, "1/3": 1 / 3, "1/4": 0.25}
@@ -252,7 +252,8 @@ def run_choice(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any], 
 
 def run_progressive(store: Store, group: dict[str, Any], model: Any, tokenizer: Any, dense: dict[int, Any],
                     args: argparse.Namespace, items: Any, recipe: LoraRecipe, teacher: Any) -> None:
-    """The layer at 1/2 keys (V′/√L) converted in stages (train/progressive.py), LoRA after each; accuracy per stage."""
+    """The layer at 1/2 keys (V′/√L) converted in stages (analysis/progressive.py), LoRA after each; accuracy
+    per stage."""
     counts = args.choice_progressive
     kind = LOSS_TAGS.get(recipe.loss, "")
     name = (f"atp 1/2 V/sqrt(L), progressive {'→'.join(map(str, counts))} + LoRA {kind}{recipe.steps} steps/stage, "
@@ -374,7 +375,7 @@ def notes(data: dict[str, Any]) -> list[str]:
                 "layers whose lone conversion costs least (analysis/conversion.py, last-position KL on 32 "
                 "calibration windows; `attnslim analyze --what conversion`). \"progressive a→b→c\": converted in "
                 "stages of a, b, c layers, each stage's new layers the cheapest on the model as recovered so far, "
-                "each stage followed by the LoRA budget named (train/progressive.py). \"+ task fine-tune N steps\": "
+                "each stage followed by the LoRA budget named (analysis/progressive.py). \"+ task fine-tune N steps\": "
                 "then the paper's task fine-tuning (§5.2; train/lora.py loss \"choice\": next-word items from the "
                 "calibration split, one per sequence, CE over the candidates at the last position), LoRA s summed "
                 "over both trainings, final loss the fine-tune's.",
@@ -430,7 +431,7 @@ def main() -> None:
                    "conversion cost (analysis/conversion.py, calibration split), e.g. '10,15'")
     p.add_argument("--choice-progressive", default="", help="also the layer (V/sqrt(L), 1/2 keys) converted in "
                    "stages of these layer counts, each stage's layers the cheapest on the recovered model and followed "
-                   "by --lora-steps of LoRA (train/progressive.py), e.g. '15,22,30'")
+                   "by --lora-steps of LoRA (analysis/progressive.py), e.g. '15,22,30'")
     p.add_argument("--lora-steps", type=int, default=300)
     p.add_argument("--lora-batch", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=2e-4)

@@ -98,7 +98,8 @@ def main() -> None:
                                                         "--max-new-tokens", "1"], None))
     cases.append(("120 bench --contexts 100000", ["bench", "--contexts", "100000", "--repeats", "1",
                                                   "--new-tokens", "1"], None))
-    cases.append(("7 a local path typo", ["eval", "svd2x/sub", "--data", "wiki"], None))
+    cases.append(("7 a local path typo (its first part exists here)", ["eval", "svd2/svdlm_1", "--data", "wiki"],
+                  None))
     cases.append(("36 ratio=abc", ["compress", *CHEAP, "--set", "steps.0.args.ratio=abc", "--out", "x3"], None))
     cases.append(("114 empty prompt", ["generate", "--prompt", ""], None))
     cases.append(("222 ATTNSLIM_CACHE=''", ["eval", "--data", "wiki", "--tokens", "1024"], None))

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from attnslim.checksum import sha256_file
 from attnslim.data import calib_windows, eval_windows, load_text
 from attnslim.errors import AttnslimError
 from attnslim.models import load as load_mod
@@ -20,7 +21,7 @@ def _fake_entry(tmp_path, monkeypatch):
     d.mkdir(parents=True)
     weights = d / load_mod.WEIGHTS
     weights.write_bytes(b"x" * 5000)
-    manifest = {"format": load_mod.CACHE_FORMAT, "size": 5000, "sha256": zoo.sha256_file(weights)}
+    manifest = {"format": load_mod.CACHE_FORMAT, "size": 5000, "sha256": sha256_file(weights)}
     (d / load_mod.MANIFEST).write_text(json.dumps(manifest))
     return d, weights
 

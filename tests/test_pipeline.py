@@ -55,6 +55,21 @@ def test_ratio_gives_real_parameter_count(llama):
     assert report.params_after["attention"] <= 0.5 * report.params_before["attention"]
 
 
+def test_drop_scores_what_the_stream_receives_after_gemma3s_output_norm():
+    """Layer 2's attention output is the largest (its o_proj scaled by 100), but post_attention_layernorm's gain is
+    0 there (Gemma's (1 + w) with w = -1): the stream receives nothing from it, so it is the one to drop. Scoring the
+    raw output would keep it as the most important."""
+    from conftest import tiny_gemma3
+
+    model = tiny_gemma3()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.post_attention_layernorm.weight.fill_(-1.0 if i == 2 else 4.0)
+        model.model.layers[2].self_attn.o_proj.weight.mul_(100.0)
+    report = _compress(model, "drop", {"count": 1})
+    assert list(report.steps[0]["plan"]["layers"]) == ["2"]
+
+
 def test_drop_removes_kv_cache_and_selects_by_similarity(llama):
     report = _compress(llama, "drop", {"count": 2})
     plan = report.steps[0]["plan"]

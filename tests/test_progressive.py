@@ -1,4 +1,4 @@
-"""train/progressive.py: convert in stages, recover after each, re-rank the rest on the recovered model."""
+"""analysis/progressive.py: convert in stages, recover after each, re-rank the rest on the recovered model."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 
 from attnslim.adapters import get_adapter
 from attnslim.analysis.conversion import calibration_prompts, cheapest_layers, conversion_costs
+from attnslim.analysis.progressive import progressive_recovery
 from attnslim.errors import AttnslimError
 from attnslim.methods.atp import Atp
 from attnslim.modules.principal import PrincipalKeyAttention
 from attnslim.train.lora import LoraRecipe
-from attnslim.train.progressive import progressive_recovery
 from conftest import tiny_llama
 from helpers import ByteTokenizer
 

@@ -309,8 +309,8 @@ def test_d5_damage_in_the_middle_of_saved_weights_is_found(saved):
 
 def test_d5_cache_runs_a_full_sha256_once_per_new_file(tmp_path, monkeypatch):
     """Cases 214-215: damage in the middle of the cached dense weights was never detected."""
+    from attnslim.checksum import sha256_file
     from attnslim.models import load as load_mod
-    from attnslim.models import zoo
 
     monkeypatch.setenv("ATTNSLIM_CACHE", str(tmp_path))
     d = tmp_path / "models" / "smollm2-135m"
@@ -318,7 +318,7 @@ def test_d5_cache_runs_a_full_sha256_once_per_new_file(tmp_path, monkeypatch):
     weights = d / load_mod.WEIGHTS
     weights.write_bytes(b"x" * (3 << 20))
     (d / load_mod.MANIFEST).write_text(json.dumps({"format": load_mod.CACHE_FORMAT, "size": 3 << 20,
-                                                   "sha256": zoo.sha256_file(weights)}))
+                                                   "sha256": sha256_file(weights)}))
     assert load_mod._cache_problem(d) is None
     hashed = []
     monkeypatch.setattr(load_mod, "sha256_file", lambda p: hashed.append(p) or "")

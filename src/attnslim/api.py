@@ -14,9 +14,9 @@ from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
+from attnslim.methods import METHODS, lookup_method
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
-from attnslim.registry import METHODS, lookup
 from attnslim.train.heal import HealConfig, heal
 
 
@@ -79,7 +79,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
-    methods = [lookup(METHODS, "method", step.method).from_args(dict(step.args)) for step, _ in steps]
+    methods = [lookup_method(step.method).from_args(dict(step.args)) for step, _ in steps]
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
     trains = recipe.heal is not None or any(method.trains for method in methods)
@@ -112,9 +112,8 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
 def _refuse_compressed(model: Any) -> None:
     """A model that already holds attnslim modules cannot be compressed again: the new report would record only the
     new steps, so the saved result could not load."""
-    from attnslim.registry import MODULES
+    from attnslim.modules import MODULES
 
-    lookup(METHODS, "method", "drop")  # populates MODULES too
     held = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in MODULES})
     if held:
         raise AttnslimError(f"the model already holds attnslim modules ({', '.join(held)}); compress the original "
@@ -128,14 +127,15 @@ def _frozen_copy(model: Any) -> Any:
 
 
 def _methods() -> dict[str, type]:
-    lookup(METHODS, "method", "drop")  # makes sure the registry is populated
     return dict(METHODS)
 
 
-def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
-    """Re-create the replacement modules named by saved plans (empty weights; loading fills them)."""
-    adapter = get_adapter(model)
-    for step in steps:
-        method = lookup(METHODS, "method", step["method"]).from_args(dict(step["args"]))
-        for key, entry in step["plan"]["layers"].items():
-            method.skeleton(adapter, int(key), entry)
+def check_recipe(recipe: Recipe) -> None:
+    """Unknown methods and bad method arguments, found before a model is loaded (layer selectors that depend on
+    the model's depth are checked by `Recipe.resolve` once it is)."""
+    for i, step in enumerate(recipe.steps):
+        try:
+            lookup_method(step.method).from_args(dict(step.args))
+        except AttnslimError as e:
+            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({step.method}): {e}") from e
+

@@ -1,11 +1,46 @@
-"""The subcommands of `attnslim` (each a few lines over the API)."""
+"""The subcommands of `attnslim` (each a few lines over the API) and their small parsing helpers."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
 from typing import Any
 
-from attnslim.cli import DEFAULT_MODEL, command, emit_json, parse_ints, parse_sources
+from attnslim.errors import AttnslimError
+
+DEFAULT_MODEL = "smollm2-135m"
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    def deco(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+def emit_json(obj: Any) -> None:
+    print(json.dumps(obj, default=float), flush=True)
+
+
+def parse_sources(text: str) -> list[str]:
+    from attnslim.data import SOURCES
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name not in SOURCES and not name.startswith("file:"):
+            raise AttnslimError(f"unknown text source {name!r}; valid: {', '.join(SOURCES)}, file:PATH")
+    return names
+
+
+def parse_ints(flag: str, text: str) -> list[int]:
+    """Comma-separated ints ("512,2048"), or an error naming the flag."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise AttnslimError(f"{flag} {text!r}: expected comma-separated integers, e.g. 512,2048") from None
 
 
 def add_parsers(sub: Any) -> None:
@@ -163,15 +198,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_compress(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from attnslim.api import compress
+    from attnslim.api import check_recipe, compress
     from attnslim.bench.kv import no_decode_note
     from attnslim.io import save
     from attnslim.models import load_model, refuse_compressed_input
     from attnslim.outdir import check_output
-    from attnslim.recipe import apply_overrides, check_methods, load_recipe
+    from attnslim.recipe import apply_overrides, load_recipe
 
     recipe = apply_overrides(load_recipe(args.recipe), args.set)
-    check_methods(recipe)  # refuse before spending seconds loading and minutes compressing
+    check_recipe(recipe)  # refuse before spending seconds loading and minutes compressing
     refuse_compressed_input(args.model)
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
     model, tokenizer = load_model(args.model)
@@ -215,8 +250,8 @@ ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")
 def _method_from_cli(name: str, items: list[str]) -> Any:
     """A method instance from --method and its --arg KEY=VALUE items (values parsed as YAML)."""
     from attnslim.errors import AttnslimError
+    from attnslim.methods import lookup_method
     from attnslim.recipe import yaml_value
-    from attnslim.registry import METHODS, lookup
 
     args = {}
     for item in items:
@@ -224,7 +259,7 @@ def _method_from_cli(name: str, items: list[str]) -> Any:
         if not eq or not key:
             raise AttnslimError(f"--arg {item!r} must look like key=value, e.g. --arg rank=0.25")
         args[key] = yaml_value(raw, f"--arg {item}")
-    return lookup(METHODS, "method", name).from_args(args)
+    return lookup_method(name).from_args(args)
 
 
 def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dict[str, Any], str]:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from attnslim import _compat
+from attnslim.checksum import sha256_file
 from attnslim.errors import AttnslimError
-from attnslim.models.zoo import sha256_file
 from attnslim.outdir import MARKER, staged_output
 
 FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) still loads
@@ -111,12 +111,24 @@ def load(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any
                             "re-create it with attnslim compress") from err
 
 
+def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
+    """Re-create the replacement modules named by saved plans (empty weights; loading fills them)."""
+    from attnslim.adapters import get_adapter
+    from attnslim.methods import lookup_method
+
+    adapter = get_adapter(model)
+    for step in steps:
+        method = lookup_method(step["method"]).from_args(dict(step["args"]))
+        for key, entry in step["plan"]["layers"].items():
+            method.skeleton(adapter, int(key), entry)
+
+
 def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any]:
     from safetensors.torch import load_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnslim.api import apply_skeletons
-    from attnslim.registry import MODULES, lookup
+    from attnslim.modules import MODULES
+    from attnslim.registry import lookup
 
     weights = directory / WEIGHTS
     expected = info.get("weights_sha256")

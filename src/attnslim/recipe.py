@@ -17,6 +17,7 @@ import yaml
 
 from attnslim.data.sources import check_source
 from attnslim.errors import AttnslimError
+from attnslim.settings import HealConfig
 
 RECIPES_DIR = Path(__file__).parent / "recipes"  # package data; the checkout's recipes/ links here
 SELECTOR_FORMS = ('"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, a list of ints, '
@@ -152,14 +153,12 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     steps: tuple[Step, ...] = ()
     description: str = ""
-    heal: dict[str, Any] | None = None  # settings of train/heal.HealConfig: distil the result after the steps
+    heal: dict[str, Any] | None = None  # settings of settings.HealConfig: distil the result after the steps
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise AttnslimError(f"name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
         if self.heal is not None:
-            from attnslim.train.heal import HealConfig  # validates keys and values; errors name them
-
             object.__setattr__(self, "heal", asdict(HealConfig.from_dict(self.heal)))
         if not isinstance(self.description, str):
             raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
@@ -253,18 +252,6 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
         raise AttnslimError(f"recipe file {path} is not valid YAML (quote slices like \"-6:\"): {e}") from e
     except AttnslimError as e:
         raise AttnslimError(f"{path}: {e}") from e
-
-
-def check_methods(recipe: Recipe) -> None:
-    """Unknown methods and bad method arguments, found before a model is loaded (layer selectors that depend on
-    the model's depth are checked by `Recipe.resolve`)."""
-    from attnslim.registry import METHODS, lookup
-
-    for i, step in enumerate(recipe.steps):
-        try:
-            lookup(METHODS, "method", step.method).from_args(dict(step.args))
-        except AttnslimError as e:
-            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({step.method}): {e}") from e
 
 
 def dump_recipe(r: Recipe, path: str | Path) -> None:

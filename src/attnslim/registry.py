@@ -34,14 +34,9 @@ def register_module(cls: type[T]) -> type[T]:
 
 
 def lookup(table: dict[str, Any], kind: str, name: str) -> Any:
-    _ensure_loaded()
+    """table[name], or an error listing the valid names. The tables fill as the packages that register into them
+    are imported: use `attnslim.methods.lookup_method` and `attnslim.modules.MODULES`, which import them all."""
     if name not in table:
         raise AttnslimError(f"unknown {kind} {name!r}; valid choices: {', '.join(sorted(table)) or '(none)'}")
     return table[name]
 
-
-def _ensure_loaded() -> None:
-    """Import the packages whose import registers entries (explicit list, no package walking)."""
-    import attnslim.adapters  # noqa: F401
-    import attnslim.methods  # noqa: F401
-    import attnslim.modules  # noqa: F401

@@ -30,7 +30,7 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
   layers at 1/2 keys with V′/√L (0.53 drop-in): "kd" at lr 1e-3 gives 0.67 after 150 steps and 0.61 after 300 (a
   plateau at batch 4 × 256; the paper trains on ~85× more tokens). On the 15 layers whose lone conversion
   costs least (`attnslim analyze --what conversion`): 0.80 drop-in, 0.94 after 80 "kd" steps (dense 0.96;
-  recipes/atp-paper.yaml). Converting in stages (train/progressive.py, a multi-step recipe) does not do better
+  recipes/atp-paper.yaml). Converting in stages (analysis/progressive.py, a multi-step recipe) does not do better
   on all 30 layers: 15 → 22 → 26 → 28 → 30 layers with 80 steps each give 0.94 → 0.86 → 0.74 → 0.72 → 0.66.
   The paper's own recovery, fine-tuning on the task (loss "choice": next-word items of the calibration split),
   does not help either: 100 steps after the 150 "kd" steps give 0.65.
@@ -114,7 +114,7 @@ class Atp(Method):
 
     def lora_recipe(self) -> Any:
         """The `recover` mapping as a train/lora.py LoraRecipe (validated there)."""
-        from attnslim.train.config import config_from_mapping
+        from attnslim.settings import config_from_mapping
         from attnslim.train.lora import LoraRecipe
 
         return config_from_mapping(LoraRecipe, "atp.recover", self.recover)

@@ -1,7 +1,10 @@
 """`drop`: remove the attention sub-block of chosen layers (LLM-Drop, arXiv 2406.15786).
 
-Selection "similarity" follows LLM-Drop: importance = 1 − mean_tokens cos(h, h + attn(h)) with h the
-residual stream entering the layer; the `count` least important candidate layers are dropped.
+Selection "similarity" follows LLM-Drop: importance = 1 − mean_tokens cos(h, h + a) with h the residual stream
+entering the layer and a what the attention sub-block adds to it; the `count` least important candidate layers are
+dropped. Where the decoder layer normalises the attention output before the add (Gemma-3's
+post_attention_layernorm), a = norm(attn(h)), as NBL scores it: the raw output's scale says nothing about what the
+stream receives, and scoring it made every Gemma-3 layer look alike.
 Selection "given" drops every layer of the step's selector. A dropped layer outputs zero, computes no
 Q/K/V and stores no KV cache (a 1-byte/token position marker, see _compat).
 """
@@ -24,7 +27,8 @@ class SimilarityCollector(Collector):
 
     sites = {"resid_in", "attn_out"}
 
-    def __init__(self) -> None:
+    def __init__(self, out_norm: torch.nn.Module | None = None) -> None:
+        self.out_norm = out_norm  # the norm the decoder layer applies to the attention output (Gemma-3), or None
         self.pending: torch.Tensor | None = None
         self.total, self.n = 0.0, 0
 
@@ -34,7 +38,8 @@ class SimilarityCollector(Collector):
             return
         assert self.pending is not None, "resid_in must be seen before attn_out"
         h = self.pending.to(torch.float64)
-        cos = F.cosine_similarity(h, h + x.to(torch.float64), dim=-1)  # (b, t)
+        added = (x if self.out_norm is None else self.out_norm(x)).to(torch.float64)  # (b, t, d)
+        cos = F.cosine_similarity(h, h + added, dim=-1)  # (b, t)
         self.total += float(cos.sum())
         self.n += cos.numel()
         self.pending = None
@@ -58,7 +63,9 @@ class Drop(Method):
                     "an integer >= 0 (how many candidate layers to drop)")
 
     def collector(self, adapter: Any, layer: int) -> Collector:
-        return SimilarityCollector() if self.select == "similarity" else NoStats()
+        if self.select == "given":
+            return NoStats()
+        return SimilarityCollector(adapter.attention_output_norm(layer))
 
     def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         if self.select == "given":

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from attnslim import _compat
+from attnslim.checksum import sha256_file
 from attnslim.errors import AttnslimError
-from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path, sha256_file
+from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
 from attnslim.outdir import check_writable_parent, staged_output
 
 CACHE_FORMAT = 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -64,12 +63,6 @@ def package_dir(entry: ZooEntry) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def gguf_path(entry: ZooEntry) -> Path:

@@ -7,8 +7,9 @@ from attnslim.modules.linearized import LinearizedAttention
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.modules.mla import MLAAttention
 from attnslim.modules.shared import DonorAttention, SharedAttention
+from attnslim.registry import MODULES
 
 __all__ = [
     "DonorAttention", "DroppedAttention", "LatentAttention", "LinearizedAttention", "LowRankLinear", "MLAAttention",
-    "SharedAttention",
+    "SharedAttention", "MODULES",
 ]

@@ -36,7 +36,7 @@ from attnslim.data import calib_windows, check_source, mixture, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.linalg.scores import spec_qkv_scores
 from attnslim.modules.shared import SharedAttention
-from attnslim.train.config import check_ints, check_ranges, config_from_mapping
+from attnslim.settings import check_ints, check_ranges, config_from_mapping
 from attnslim.train.schedule import warmup_cosine
 from attnslim.train.teacher import teacher_attention
 

@@ -18,45 +18,17 @@ LISA's distill): a 200-step heal of SmolLM2-135M took about an hour on one conte
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attnslim.data import calib_windows, check_source
+from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
-from attnslim.train.config import check_ints, check_ranges, config_from_mapping
+from attnslim.settings import PARAMS, HealConfig
 from attnslim.train.schedule import warmup_cosine
-
-PARAMS = ("changed", "all")
-
-
-@dataclass(frozen=True)
-class HealConfig:
-    steps: int = 100
-    batch_size: int = 4
-    seq_len: int = 256
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup: float = 0.05  # fraction of steps
-    temperature: float = 1.0
-    params: str = "changed"
-    source: str = "wiki"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_source("heal.source", self.source)
-        check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2})
-        check_ranges("heal", self, {
-            "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
-            "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
-            "params": (self.params in PARAMS, " | ".join(PARAMS))})
-
-    @classmethod
-    def from_dict(cls, d: Any) -> HealConfig:
-        return config_from_mapping(cls, "heal", d)
 
 
 def healing_parameters(student: Any, teacher: Any, which: str) -> dict[str, torch.nn.Parameter]:

@@ -1,11 +1,13 @@
-"""Validation shared by the training configs (`heal`, LISA's `train`): every bad value is an error that names
-the recipe key, the value and the valid range."""
+"""Settings a recipe carries, validated on construction (`heal`), and the validation helpers shared by the training
+configs (`heal`, LISA's `train`, ATP's `recover`): every bad value is an error that names the recipe key, the value
+and the valid range. Plain data: nothing here trains."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from attnslim.data import check_source
 from attnslim.errors import AttnslimError
 
 T = TypeVar("T")
@@ -34,3 +36,32 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
     if unknown := sorted(set(d) - valid):
         raise AttnslimError(f"{section} has unknown key(s) {unknown}; valid: {sorted(valid)}")
     return cls(**d)
+
+
+PARAMS = ("changed", "all")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int = 100
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of steps
+    temperature: float = 1.0
+    params: str = "changed"
+    source: str = "wiki"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_source("heal.source", self.source)
+        check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2})
+        check_ranges("heal", self, {
+            "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
+            "params": (self.params in PARAMS, " | ".join(PARAMS))})
+
+    @classmethod
+    def from_dict(cls, d: Any) -> HealConfig:
+        return config_from_mapping(cls, "heal", d)
