@@ -208,6 +208,16 @@ def test_error_falls_as_the_kv_budget_grows_and_module_reports():
     assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 48) + 4 * 16 * (64 + 48) - 48 * 48)  # B: 48 x 48
 
 
+def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
+    model = tiny_llama()
+    report = _compress(model, "mla", {"kv_ratio": 0.75, "alloc": "global"}, windows=16, seq_len=64)
+    entries = report.steps[0]["plan"]["layers"].values()
+    ranks = [e["rank"] for e in entries]
+    assert sum(ranks) == 4 * 32 and len(set(ranks)) > 1, ranks  # uniform: 0.75 x 64 - 16 = 32 per layer
+    assert kv_bytes_per_token(model)["total"] == pytest.approx(4 * 48 * 4)
+    assert [get_adapter(model).attention(i).rank for i in range(4)] == ranks
+
+
 def test_gemma3_qk_norm_is_refused_naming_the_layer():
     with pytest.raises(AttnslimError, match="layer 0 normalises each head's key"):
         _compress(TINY_BUILDERS["gemma3"](), "mla", {"kv_ratio": 0.5})

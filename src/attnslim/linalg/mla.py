@@ -92,14 +92,10 @@ def attention_weight(q: torch.Tensor, q_bias: torch.Tensor | None, v: torch.Tens
     return w_k, w_v
 
 
-def fit_latent(w_kv: torch.Tensor, cov: torch.Tensor, rank: int, weights: list[torch.Tensor] | None,
-               damp: float, label: str) -> LowRankFactors:
-    """W_kv (D, d) ≈ B A at rank r minimising ‖S (W_kv − B A) C^{1/2}‖, S = blockdiag(weights)^{1/2} (the
-    identity for None), C = cov (d, d) + λI, λ = damp · mean(diag(cov)). Returned with the block-identity
-    junction (A has an r×r identity block)."""
+def _weighted(w_kv: torch.Tensor, cov: torch.Tensor, weights: list[torch.Tensor] | None, damp: float, label: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e (D,) descending, U (D, D) its eigenvectors, S W (D, d), S⁻¹ (D, D)) of S W C Wᵀ S."""
     d_out, d_in = w_kv.shape
-    if not 1 <= rank <= min(d_out, d_in):
-        raise AttnslimError(f"{label}: kv rank = {rank} is out of range; valid 1..{min(d_out, d_in)}")
     s, s_inv = torch.eye(d_out, dtype=_F64), torch.eye(d_out, dtype=_F64)
     if weights is not None:
         start = 0
@@ -113,10 +109,46 @@ def fit_latent(w_kv: torch.Tensor, cov: torch.Tensor, rank: int, weights: list[t
     c = cov.to(_F64)  # damped like every LatentLLM covariance: directions calibration never saw keep their weight
     c = c + damp * float(torch.diagonal(c).mean()) * torch.eye(d_in, dtype=_F64)
     e, u = torch.linalg.eigh(sw @ c @ sw.T)  # (D,) ascending: left singular vectors of S W C^{1/2}
-    u_r = u[:, torch.argsort(e, descending=True)[:rank]]  # (D, r)
+    order = torch.argsort(e, descending=True)
+    return e[order].clamp_min(0.0), u[:, order], sw, s_inv
+
+
+def latent_spectrum(w_kv: torch.Tensor, cov: torch.Tensor, weights: list[torch.Tensor] | None, damp: float,
+                    label: str) -> torch.Tensor:
+    """(min(D, d),) descending squared singular values of S W_kv C^{1/2}: rank k + 1 removes entry k of the
+    weighted error `fit_latent` leaves."""
+    e = _weighted(w_kv, cov, weights, damp, label)[0]
+    return e[: min(w_kv.shape)]
+
+
+def fit_latent(w_kv: torch.Tensor, cov: torch.Tensor, rank: int, weights: list[torch.Tensor] | None,
+               damp: float, label: str) -> LowRankFactors:
+    """W_kv (D, d) ≈ B A at rank r minimising ‖S (W_kv − B A) C^{1/2}‖, S = blockdiag(weights)^{1/2} (the
+    identity for None), C = cov (d, d) + λI, λ = damp · mean(diag(cov)). Returned with the block-identity
+    junction (A has an r×r identity block)."""
+    if not 1 <= rank <= min(w_kv.shape):
+        raise AttnslimError(f"{label}: kv rank = {rank} is out of range; valid 1..{min(w_kv.shape)}")
+    _, u, sw, s_inv = _weighted(w_kv, cov, weights, damp, label)
+    u_r = u[:, :rank]  # (D, r)
     b, a = s_inv @ u_r, u_r.T @ sw  # (D, r), (r, d)
     b2, a2, perm = block_identity(b, a)
     return LowRankFactors(b2, a2, None, perm)
+
+
+def allocate_ranks(spectra: dict[int, torch.Tensor], budget: int, floor: int) -> dict[int, int]:
+    """Latent ranks per layer summing to `budget`, each >= `floor` and <= its spectrum's length: the largest
+    entries of the spectra, each normalised to unit total energy (the relative weighted error each rank removes,
+    comparable across layers), greedily — LatentLLM's alloc=global, for one cached latent per layer."""
+    ranks = {i: min(floor, int(e.numel())) for i, e in spectra.items()}
+    if sum(ranks.values()) > budget:
+        raise AttnslimError(f"the KV budget of {budget} latent values over {len(spectra)} layers is below the "
+                            f"floor of {floor} per layer; raise kv_ratio")
+    gains = [(float(e[k]) / max(float(e.sum()), 1e-300), i, k) for i, e in spectra.items()
+             for k in range(ranks[i], e.numel())]
+    gains.sort(reverse=True)
+    for _, i, _k in gains[: budget - sum(ranks.values())]:
+        ranks[i] += 1
+    return ranks
 
 
 def assemble(q: torch.Tensor, k: torch.Tensor, k_bias: torch.Tensor | None, v: torch.Tensor,

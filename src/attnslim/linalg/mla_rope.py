@@ -49,6 +49,8 @@ class RotarySplit:
     nope_key:   (D_n, n_kv·d_h)  stacked key -> non-rotary key, D_n = n_kv·d_h − 2m
     nope_query: (h, D_n, d_h)    query head -> its non-rotary query (de-rotated terms carry the RoPE
                                  attention scale², which the rotated terms get from the cos/sin tables)
+    nope_weight: (D_n,)          how much of each non-rotary key row the logits still see: the square of its
+                                 query's shrinkage (1 for rows never shrunk)
     """
 
     rope_key: torch.Tensor
@@ -56,6 +58,7 @@ class RotarySplit:
     freq: torch.Tensor
     nope_key: torch.Tensor
     nope_query: torch.Tensor
+    nope_weight: torch.Tensor
 
     @property
     def rope_dims(self) -> int:
@@ -167,6 +170,7 @@ def _assemble(groups: list[_Group], kept: list[tuple[int, int]], h: int, n_kv: i
     rope_query = torch.zeros(h, 2 * m, d_h, dtype=_F64)
     nope_k: list[torch.Tensor] = []  # rows (n_kv·d_h,)
     nope_q: list[torch.Tensor] = []  # rows (h, d_h)
+    nope_w: list[float] = []
     freq: list[int] = []
     keep = set(kept)
     for gi, grp in enumerate(groups):
@@ -189,12 +193,15 @@ def _assemble(groups: list[_Group], kept: list[tuple[int, int]], h: int, n_kv: i
             else:
                 nope_k += rows_k
                 nope_q += [r * (scale**2 * grp.shrink) for r in rows_q]
+                nope_w += [grp.shrink**2] * 2
     for kv_head in range(n_kv):  # head dims RoPE never rotates (partial rotary): unchanged, unscaled
         for d in range(d_rot, d_h):
             nope_k.append(torch.zeros(n_kv * d_h, dtype=_F64).index_fill_(0, torch.tensor([kv_head * d_h + d]), 1.0))
             row = torch.zeros(h, d_h, dtype=_F64)
             row[kv_head * g : (kv_head + 1) * g, d] = 1.0
             nope_q.append(row)
+            nope_w.append(1.0)
     nk = torch.stack(nope_k) if nope_k else torch.zeros(0, n_kv * d_h, dtype=_F64)
     nq = torch.stack(nope_q, 1) if nope_q else torch.zeros(h, 0, d_h, dtype=_F64)
-    return RotarySplit(rope_key, rope_query, torch.tensor(freq, dtype=torch.long), nk, nq)
+    return RotarySplit(rope_key, rope_query, torch.tensor(freq, dtype=torch.long), nk, nq,
+                       torch.tensor(nope_w, dtype=_F64))

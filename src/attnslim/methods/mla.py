@@ -20,6 +20,9 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     head's logits (query second moments × that head's output spread), within the value block by W_o
     (linalg/mla.attention_weight), then balanced the same way; kv_weight=svd: a plain truncated SVD of the
     weights (no statistics), the floor every fit must beat. Which wins is measured (BENCHMARKS.md, MLA).
+  alloc=global: the step's latent budget (the uniform ranks' sum) spread over its layers by the normalised
+    weighted spectrum of each layer's [k_nope; v] (LatentLLM's global allocation; a dense statistics pass
+    first, then a sequential refit); per-layer KV then differs, the step's total stays.
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
@@ -47,7 +50,16 @@ from torch import nn
 from attnslim import _compat
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.errors import AttnslimError
-from attnslim.linalg.mla import MLAFactors, assemble, attention_weight, fit_latent, head_moments, second_moment
+from attnslim.linalg.mla import (
+    MLAFactors,
+    allocate_ranks,
+    assemble,
+    attention_weight,
+    fit_latent,
+    head_moments,
+    latent_spectrum,
+    second_moment,
+)
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit, split_rotary
 from attnslim.linalg.precond import InputStats
 from attnslim.methods.base import Collector, GramCollector, Method, require
@@ -56,6 +68,8 @@ from attnslim.modules.mla import MLAAttention
 from attnslim.registry import register_method
 
 KV_WEIGHTS = ("attention", "rootcov", "svd")
+ALLOCS = ("uniform", "global")
+ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
 
 @dataclass(frozen=True)
@@ -137,11 +151,7 @@ class _MLABase(Method):
     def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
-        gram = stats.get("attn_in") if isinstance(stats, dict) else None
-        if gram is None:
-            raise AttnslimError(f"{where}: no statistics at attn_in; the calibration did not reach it")
-        gram.check(f"layer {layer} attn_in")
-        st = to_input_stats(gram)
+        st = _input_stats(stats, layer, where)
         split = self._split(adapter, spec, st, entry["rope_dims"], where)
         factors = self._fit(spec, split, st, entry["rank"], where)
         module = self._install(adapter, layer, spec, entry)
@@ -170,6 +180,15 @@ class _MLABase(Method):
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
         self._install(adapter, layer, adapter.attention_spec(layer), entry)
+
+
+def _input_stats(stats: Any, layer: int, where: str) -> InputStats:
+    """The attention-input statistics GramCollector gathered for one layer."""
+    gram = stats.get("attn_in") if isinstance(stats, dict) else None
+    if gram is None:
+        raise AttnslimError(f"{where}: no statistics at attn_in; the calibration did not reach it")
+    gram.check(f"layer {layer} attn_in")
+    return to_input_stats(gram)
 
 
 def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
@@ -247,9 +266,11 @@ class MLA(_MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "rootcov"
+    alloc: str = "uniform"  # or "global": the step's latent budget spread over its layers by spectrum
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.alloc in ALLOCS, self.name, "alloc", self.alloc, " | ".join(ALLOCS))
         require(self.rope_select in SELECTS, self.name, "rope_select", self.rope_select, " | ".join(SELECTS))
         require(self.kv_weight in KV_WEIGHTS, self.name, "kv_weight", self.kv_weight, " | ".join(KV_WEIGHTS))
         require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
@@ -258,19 +279,44 @@ class MLA(_MLABase):
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1, where)
 
-    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
+    @property
+    def selects_layers(self) -> bool:  # type: ignore[override]
+        """alloc=global plans every layer's rank from statistics of all of them (then refits sequentially)."""
+        return self.alloc == "global"
+
+    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+        out = super().plan(adapter, layers, stats)
+        if self.alloc != "global":
+            return out
+        spectra = {}
+        for i in layers:  # statistics of the model as it enters the step (the uniform plan's d_rope)
+            spec, where = adapter.attention_spec(i), f"{self.name}: layer {i}"
+            st = _input_stats(stats.get(i), i, where)
+            split = self._split(adapter, spec, st, out["layers"][str(i)]["rope_dims"], where)
+            spectra[i] = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
+        uniform = {i: out["layers"][str(i)]["rank"] for i in layers}
+        ranks = allocate_ranks(spectra, sum(uniform.values()), max(1, min(uniform.values()) // 4))
+        for i in layers:
+            entry = out["layers"][str(i)]
+            entry["rank"], entry["kv_elements"] = ranks[i], ranks[i] + entry["rope_dims"]
+        return out
+
+    def _objective(self, spec: AttentionSpec, split: RotarySplit, st: InputStats
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
+        """(W_kv, C, output-side weights, mean for the value correction) of the latent fit (`kv_weight`)."""
         w_kv = _stacked(spec, split)
         if self.kv_weight == "svd":
-            cov, weights, mean = torch.eye(spec.hidden_size, dtype=torch.float64), None, None
-        else:
-            cov, mean = st.centred_cov, st.mean
-            if self.kv_weight == "attention":
-                w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
-                                            n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
-                weights = _balance([w_k, w_v], w_kv, cov)
-            else:
-                weights = _balance([torch.eye(split.nope_key.shape[0], dtype=torch.float64),
-                                    torch.eye(spec.v.shape[0], dtype=torch.float64)], w_kv, cov)
+            return w_kv, torch.eye(spec.hidden_size, dtype=torch.float64), None, None
+        cov = st.centred_cov
+        if self.kv_weight == "attention":
+            w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
+                                        n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
+            return w_kv, cov, _balance([w_k, w_v], w_kv, cov), st.mean
+        rows = [torch.diag(split.nope_weight.clamp_min(ROW_FLOOR)), torch.eye(spec.v.shape[0], dtype=torch.float64)]
+        return w_kv, cov, _balance(rows, w_kv, cov), st.mean
+
+    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
+        w_kv, cov, weights, mean = self._objective(spec, split, st)
         kv = fit_latent(w_kv, cov, rank, weights, self.damp, where)
         return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, mean)
 
