@@ -1,11 +1,13 @@
 """The report's plots, built from compression.json alone: per-layer decisions of each step, selection scores,
-before/after ratios of the measured metrics, and KV bytes against perplexity."""
+compressed/dense ratios of the measured metrics, KV bytes against perplexity, KV bytes per layer, the heal's KL."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from attnslim.report.svg import bar_chart, line_chart
+from attnslim.report.facts import better, kind, ratio
+from attnslim.report.svg import bar_chart, line_chart, ratio_chart
 
 
 def _numeric_decisions(layers: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
@@ -38,17 +40,35 @@ def step_charts(n: int, step: dict[str, Any]) -> list[str]:
 
 
 def metric_charts(info: dict[str, Any]) -> list[str]:
-    """Compressed/dense ratio of every measured metric (1 = unchanged), and KV bytes/token against wiki ppl."""
+    """Compressed/dense ratio of every quality and speed metric on an axis around 1 (sizes have their own table:
+    a halved cache on the same axis would flatten a 10% perplexity change), and KV bytes/token against ppl."""
     metrics = info.get("metrics") or {}
-    if not metrics:
-        return []
-    names = list(metrics)
-    ratios = [metrics[k]["after"] / metrics[k]["before"] if metrics[k]["before"] else 0.0 for k in names]
-    out = [bar_chart("Compressed / dense, per metric (dashed line: 1 = unchanged)", names, ratios, "ratio",
-                     reference=1.0)]
-    ppl = next((k for k in names if k.endswith("ppl")), None)
+    rows = [(name, ratio(entry), better(name, entry)) for name, entry in metrics.items() if kind(name) != "size"]
+    note = "dashed line: 1 = unchanged · green: better · red: worse"
+    out = [ratio_chart("Compressed / dense, per metric", rows, note)] if rows else []
+    ppl = next((k for k in metrics if "ppl" in k.lower()), None)
     if ppl is not None:
         kb, ka = info["kv_bytes_per_token_before"], info["kv_bytes_per_token_after"]
         series = {"dense": [(kb, metrics[ppl]["before"])], "compressed": [(ka, metrics[ppl]["after"])]}
         out.append(line_chart(f"KV bytes/token vs {ppl}", series, "KV bytes/token", ppl, x_from_zero=True))
     return out
+
+
+def kv_layer_chart(info: dict[str, Any]) -> list[str]:
+    """KV-cache bytes per token of each layer after compression, the dense layer's as a dashed line."""
+    per_layer = info.get("kv_bytes_per_layer_after")
+    if not per_layer:
+        return []
+    dense = max(info.get("kv_bytes_per_layer_dense") or [0.0]) or None
+    return [bar_chart("KV-cache bytes per token, per layer", [str(i) for i in range(len(per_layer))],
+                      [float(v) for v in per_layer], "bytes/token", reference=dense,
+                      reference_label="dense" if dense else "")]
+
+
+def heal_chart(heal: dict[str, Any] | None) -> list[str]:
+    """The heal's distillation KL at every step."""
+    history = [float(v) for v in (heal or {}).get("history", []) if math.isfinite(float(v))]
+    if not history:
+        return []
+    return [line_chart("Heal: KL to the dense model per step", {"KL": [(float(i + 1), v) for i, v in
+                                                                        enumerate(history)]}, "step", "KL")]

@@ -1,65 +1,227 @@
-"""Tiny dependency-free SVG charts (bar and line) for self-contained HTML reports."""
+"""Tiny dependency-free SVG charts (bars, ratios around 1, lines, heat maps) for self-contained HTML reports.
+
+Every chart carries a viewBox, so a browser scales it down to a narrow screen instead of cutting it off, and lays
+its text out from an estimated glyph width (`CHAR` · font size per character) so labels do not run into each other:
+numeric x labels are thinned, long ones rotated, and the ratio chart puts one metric per row.
+"""
 
 from __future__ import annotations
 
+import math
 from html import escape
 
-W, H, PAD = 640, 260, 48
+W, H, PAD = 560, 260, 48
+BLUE, RED, GREEN, GREY = "#4a7ab5", "#c0392b", "#2e8b57", "#777"
+COLORS = [BLUE, "#c33", "#3a3", "#a6c", "#e90"]
+CHAR = 0.62  # upper estimate of a sans-serif glyph's width, as a fraction of the font size
 
 
-def _frame(title: str, y_max: float, y_label: str) -> list[str]:
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-             f'font-size="11"><text x="{W / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
-             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 10}" y2="{H - PAD}" stroke="#333"/>',
-             f'<line x1="{PAD}" y1="28" x2="{PAD}" y2="{H - PAD}" stroke="#333"/>',
-             f'<text x="12" y="{H / 2}" transform="rotate(-90 12 {H / 2})" text-anchor="middle">'
-             f'{escape(y_label)}</text>']
-    for frac in (0.0, 0.5, 1.0):
-        y = H - PAD - frac * (H - PAD - 28)
-        parts.append(f'<text x="{PAD - 4}" y="{y + 4}" text-anchor="end">{y_max * frac:.3g}</text>')
+def text_width(text: str, size: float) -> float:
+    return CHAR * size * len(text)
+
+
+def svg_open(width: float, height: float, font_size: int = 11) -> str:
+    """The opening tag: fixed size on a wide screen, scaled (viewBox) to the container on a narrow one."""
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'viewBox="0 0 {width:.0f} {height:.0f}" style="max-width:100%;height:auto" role="img" '
+            f'font-family="sans-serif" font-size="{font_size}">')
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 times a power of ten)."""
+    if not hi > lo:
+        lo, hi = lo - (abs(lo) or 1.0) * 0.05, hi + (abs(hi) or 1.0) * 0.05
+    raw = (hi - lo) / max(count - 1, 1)
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1.0, 2.0, 2.5, 5.0, 10.0) if m * mag >= raw * (1 - 1e-9))
+    start, stop = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
+    return [start + i * step for i in range(round((stop - start) / step) + 1)]
+
+
+def tick_text(value: float, ticks: list[float]) -> str:
+    """A tick value with as many decimals as the tick step needs."""
+    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else abs(value) or 1.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if round(step / 10.0 ** math.floor(
+        math.log10(step) + 1e-9), 6) == 2.5 else 0)
+    return f"{0.0 if abs(value) < step * 1e-9 else value:,.{decimals}f}"
+
+
+def _title(width: float, title: str, subtitle: str = "") -> list[str]:
+    parts = [f'<text x="{width / 2:.0f}" y="17" text-anchor="middle" font-size="13" font-weight="bold">'
+             f'{escape(title)}</text>']
+    if subtitle:
+        parts.append(f'<text x="{width / 2:.0f}" y="32" text-anchor="middle" fill="{GREY}">{escape(subtitle)}</text>')
     return parts
 
 
+def _y_axis(left: float, right: float, top: float, bottom: float, ticks: list[float], label: str) -> list[str]:
+    """Grid lines, tick labels and the rotated axis label of a vertical value axis spanning ticks[0]..ticks[-1]."""
+    lo, hi = ticks[0], ticks[-1]
+    parts = [f'<line x1="{left:.1f}" y1="{top:.1f}" x2="{left:.1f}" y2="{bottom:.1f}" stroke="#333"/>']
+    for t in ticks:
+        y = bottom - (t - lo) / (hi - lo) * (bottom - top)
+        parts.append(f'<line x1="{left:.1f}" y1="{y:.1f}" x2="{right:.1f}" y2="{y:.1f}" stroke="#e4e4e4"/>')
+        parts.append(f'<text class="tick" x="{left - 4:.1f}" y="{y + 4:.1f}" text-anchor="end">'
+                     f'{tick_text(t, ticks)}</text>')
+    mid = (top + bottom) / 2
+    parts.append(f'<text x="12" y="{mid:.1f}" transform="rotate(-90 12 {mid:.1f})" text-anchor="middle">'
+                 f'{escape(label)}</text>')
+    return parts
+
+
+def _left_margin(ticks: list[float]) -> float:
+    return max(PAD, 26 + max(text_width(tick_text(t, ticks), 11) for t in ticks))
+
+
 def bar_chart(title: str, labels: list[str], values: list[float], y_label: str = "",
-              reference: float | None = None) -> str:
-    y_max = max([*values, reference or 0.0, 1e-12])
-    parts = _frame(title, y_max, y_label)
+              reference: float | None = None, reference_label: str = "") -> str:
+    """Vertical bars from 0 (for counts and sizes); a dashed line at `reference` if given."""
+    ticks = nice_ticks(0.0, max([*values, reference or 0.0, 1e-12]))
+    left, right, top, size = _left_margin(ticks), W - 12, 44.0, 11
     n = max(len(values), 1)
-    step = (W - PAD - 20) / n
+    step = (right - left) / n
+    widest = max((text_width(label, size) for label in labels), default=0.0)
+    numeric = all(label.lstrip("-").isdigit() for label in labels)
+    rotate = not numeric and widest + 6 > step
+    every = max(1, math.ceil((size * 1.6 if rotate else widest + 6) / step))
+    bottom = top + H - PAD - 28
+    height = bottom + 22 + (widest * 0.71 if rotate else 0)
+    parts = [svg_open(W, height), *_title(W, title), *_y_axis(left, right, top, bottom, ticks, y_label)]
+    scale = (bottom - top) / ticks[-1]
     for i, (label, v) in enumerate(zip(labels, values, strict=True)):
-        h = v / y_max * (H - PAD - 28)
-        x = PAD + 4 + i * step
-        parts.append(f'<rect x="{x:.1f}" y="{H - PAD - h:.1f}" width="{max(step - 3, 1):.1f}" height="{h:.1f}" '
-                     f'fill="#4a7ab5"><title>{escape(label)}: {v:.4g}</title></rect>')
-        if n <= 40:
-            parts.append(f'<text x="{x + step / 2:.1f}" y="{H - PAD + 14}" text-anchor="middle">{escape(label)}</text>')
+        h, x = v * scale, left + i * step
+        parts.append(f'<rect x="{x + 1.5:.1f}" y="{bottom - h:.1f}" width="{max(step - 3, 1):.1f}" height="{h:.1f}" '
+                     f'fill="{BLUE}"><title>{escape(label)}: {v:.4g}</title></rect>')
+        if n <= 12:
+            parts.append(f'<text class="value" x="{x + step / 2:.1f}" y="{bottom - h - 3:.1f}" '
+                         f'text-anchor="middle">{v:.4g}</text>')
+        if i % every == 0:
+            cx, ly = x + step / 2, bottom + 14
+            turn = f' transform="rotate(-45 {cx:.1f} {ly:.1f})"' if rotate else ""
+            parts.append(f'<text class="label" x="{cx:.1f}" y="{ly:.1f}" text-anchor="{"end" if rotate else "middle"}"'
+                         f'{turn}>{escape(label)}</text>')
+    parts.append(f'<line x1="{left:.1f}" y1="{bottom:.1f}" x2="{right:.1f}" y2="{bottom:.1f}" stroke="#333"/>')
     if reference is not None:
-        y = H - PAD - reference / y_max * (H - PAD - 28)
-        parts.append(f'<line x1="{PAD}" y1="{y:.1f}" x2="{W - 10}" y2="{y:.1f}" stroke="#c33" stroke-dasharray="4"/>')
+        y = bottom - reference * scale
+        parts.append(f'<line x1="{left:.1f}" y1="{y:.1f}" x2="{right:.1f}" y2="{y:.1f}" stroke="{RED}" '
+                     'stroke-dasharray="4"/>')
+        if reference_label:
+            parts.append(f'<text x="{right:.1f}" y="{y - 4:.1f}" text-anchor="end" fill="{RED}">'
+                         f'{escape(reference_label)}</text>')
     return "".join(parts) + "</svg>"
+
+
+def _wrap(text: str, width: float, size: float) -> list[str]:
+    """Words of `text` on lines no wider than `width` (a single long word keeps its own line)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
+def ratio_chart(title: str, rows: list[tuple[str, float, str | None]], subtitle: str = "") -> str:
+    """One row per (label, ratio, better) with a bar from 1 to the ratio, on an axis around 1 (not from 0).
+
+    `better` is "lower", "higher" or None; it is written under the label, and the bar and value are green when the
+    ratio moved the better way, red when the worse way (with the words, for readers who do not see colour)."""
+    size, width, value_w = 13, 520, 108
+    label_w = min(max([text_width(label, size) for label, _, _ in rows] + [80.0]), 170.0)
+    x0, x1 = 14 + label_w + 10, width - value_w
+    finite = [r for _, r, _ in rows if math.isfinite(r)]
+    lo, hi = min([*finite, 1.0]), max([*finite, 1.0])
+    pad = 0.08 * max(hi - lo, 0.04)
+    ticks = nice_ticks(lo - pad, hi + pad)
+
+    def x_of(r: float) -> float:
+        return x0 + (r - ticks[0]) / (ticks[-1] - ticks[0]) * (x1 - x0)
+
+    y, body = 44.0, []
+    for label, r, better in rows:
+        lines = _wrap(label, label_w, size)
+        row_h = max(38.0, 16.0 * len(lines) + 22)
+        cy = y + row_h / 2
+        ly = cy - 16.0 * (len(lines) - 1) / 2 - (2 if better else -5)
+        body += [f'<text class="label" x="{x0 - 10:.1f}" y="{ly + 16 * k:.1f}" text-anchor="end">{escape(line)}</text>'
+                 for k, line in enumerate(lines)]
+        if better:
+            body.append(f'<text class="label" x="{x0 - 10:.1f}" y="{ly + 16 * len(lines) - 2:.1f}" '
+                        f'text-anchor="end" font-size="11" fill="{GREY}">{better} is better</text>')
+        verdict = ("unchanged" if not math.isfinite(r) or abs(r - 1) < 5e-4 else
+                   "better" if better and (r < 1) == (better == "lower") else "worse" if better else "")
+        color = {"better": GREEN, "worse": RED}.get(verdict, BLUE if verdict else GREY)
+        if math.isfinite(r):
+            a, b = sorted((x_of(1.0), x_of(r)))
+            body.append(f'<rect x="{a:.1f}" y="{cy - 7:.1f}" width="{max(b - a, 1.5):.1f}" height="14" fill="{color}">'
+                        f'<title>{escape(label)}: {r:.4g}</title></rect>')
+            change = f"{r:.3f} ({100 * (r - 1):+.1f}%)"
+        else:
+            change = "n/a"
+        body.append(f'<text class="value" x="{x1 + 8:.1f}" y="{cy + 4 - (6 if verdict else 0):.1f}" '
+                    f'fill="{color}">{change}</text>')
+        if verdict:
+            body.append(f'<text class="value" x="{x1 + 8:.1f}" y="{cy + 12:.1f}" font-size="11" fill="{color}">'
+                        f'{verdict}</text>')
+        y += row_h
+    bottom = y + 4
+    parts = [svg_open(width, bottom + 22, size), *_title(width, title, subtitle)]
+    for t in ticks:
+        parts.append(f'<line x1="{x_of(t):.1f}" y1="40" x2="{x_of(t):.1f}" y2="{bottom:.1f}" stroke="#e4e4e4"/>')
+        parts.append(f'<text class="tick" x="{x_of(t):.1f}" y="{bottom + 15:.1f}" text-anchor="middle" '
+                     f'font-size="11">{tick_text(t, ticks)}</text>')
+    parts.append(f'<line x1="{x_of(1.0):.1f}" y1="40" x2="{x_of(1.0):.1f}" y2="{bottom:.1f}" stroke="#333" '
+                 'stroke-dasharray="4"/>')
+    return "".join(parts + body) + "</svg>"
 
 
 def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str, y_label: str,
                x_from_zero: bool = False) -> str:
+    """Lines with points; the y axis spans the data (rounded), the x axis too (from 0 with `x_from_zero`)."""
+    series = {k: [(x, y) for x, y in v if math.isfinite(x) and math.isfinite(y)] for k, v in series.items()}
     points = [p for s in series.values() for p in s] or [(0.0, 0.0)]
-    x_min, x_max = min(p[0] for p in points), max(p[0] for p in points)
-    x_min = min(x_min, 0.0) if x_from_zero else x_min
-    y_max = max(p[1] for p in points) or 1.0
-    parts = _frame(title, y_max, y_label)
-    parts.append(f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">{escape(x_label)}</text>')
-    for x, anchor in ((x_min, "start"), (x_max, "end")):
-        parts.append(f'<text x="{PAD if anchor == "start" else W - 20}" y="{H - PAD + 14}" text-anchor="{anchor}">'
-                     f'{x:.4g}</text>')
-    colors = ["#4a7ab5", "#c33", "#3a3", "#a6c", "#e90"]
-    span = (x_max - x_min) or 1.0
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_ticks = nice_ticks(min([*xs, 0.0]) if x_from_zero else min(xs), max(xs), 6)
+    if all(float(x).is_integer() for x in xs) and x_ticks[1] - x_ticks[0] < 1:
+        x_ticks = [float(v) for v in range(math.floor(x_ticks[0]), math.ceil(x_ticks[-1]) + 1)]
+    y_ticks = nice_ticks(min(ys), max(ys))
+    left, size = _left_margin(y_ticks), 11
+    right = W - max(16.0, text_width(tick_text(x_ticks[-1], x_ticks), size) / 2 + 4)
+    top = 40.0 + (16 if len(series) > 1 else 0)
+    bottom = H - 36
+    x_span, y_span = (x_ticks[-1] - x_ticks[0]) or 1.0, (y_ticks[-1] - y_ticks[0]) or 1.0
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return left + (x - x_ticks[0]) / x_span * (right - left), bottom - (y - y_ticks[0]) / y_span * (bottom - top)
+
+    parts = [svg_open(W, H), *_title(W, title), *_y_axis(left, right, top, bottom, y_ticks, y_label),
+             f'<line x1="{left:.1f}" y1="{bottom:.1f}" x2="{right:.1f}" y2="{bottom:.1f}" stroke="#333"/>',
+             f'<text x="{(left + right) / 2:.1f}" y="{H - 4}" text-anchor="middle">{escape(x_label)}</text>']
+    gap = (right - left) / max(len(x_ticks) - 1, 1)
+    every = max(1, math.ceil((max(text_width(tick_text(t, x_ticks), size) for t in x_ticks) + 8) / gap))
+    for i, t in enumerate(x_ticks):
+        if i % every == 0:
+            parts.append(f'<text class="label" x="{at(t, y_ticks[0])[0]:.1f}" y="{bottom + 14:.1f}" '
+                         f'text-anchor="middle">{tick_text(t, x_ticks)}</text>')
+    legend_x, labelled = left, len(points) <= 6
     for k, (name, pts) in enumerate(series.items()):
-        coords = [(PAD + (x - x_min) / span * (W - PAD - 20), H - PAD - y / y_max * (H - PAD - 28))
-                  for x, y in sorted(pts)]
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
-        color = colors[k % len(colors)]
+        color = COLORS[k % len(COLORS)]
+        coords = [(at(x, y), (x, y)) for x, y in sorted(pts)]
+        path = " ".join(f"{cx:.1f},{cy:.1f}" for (cx, cy), _ in coords)
         parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in coords]
-        parts.append(f'<text x="{W - 120}" y="{34 + 14 * k}" fill="{color}">{escape(name)}</text>')
+        for (cx, cy), (x, y) in coords:
+            parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3.5" fill="{color}"><title>{escape(name)}: '
+                         f'{x:.4g}, {y:.4g}</title></circle>')
+            if labelled:
+                anchor, dx = ("end", -6) if cx > (left + right) / 2 else ("start", 6)
+                parts.append(f'<text class="value" x="{cx + dx:.1f}" y="{cy - 6:.1f}" text-anchor="{anchor}" '
+                             f'fill="{color}">{y:.4g}</text>')
+        if len(series) > 1:
+            parts.append(f'<line x1="{legend_x:.1f}" y1="{top - 14:.1f}" x2="{legend_x + 14:.1f}" y2="{top - 14:.1f}" '
+                         f'stroke="{color}" stroke-width="3"/><text x="{legend_x + 18:.1f}" y="{top - 10:.1f}">'
+                         f'{escape(name)}</text>')
+            legend_x += 30 + text_width(name, size)
     return "".join(parts) + "</svg>"
 
 
@@ -69,13 +231,12 @@ def heat_map(title: str, matrix: list[list[float]], label: str = "") -> str:
     v_max = max([v for row in matrix for v in row] or [1.0]) or 1.0
     size = min((W - 2 * PAD) / n, (H * 2 - 2 * PAD) / n)
     side = 2 * PAD + n * size
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{side:.0f}" height="{side + 20:.0f}" '
-             f'font-family="sans-serif" font-size="10"><text x="{side / 2:.0f}" y="16" text-anchor="middle" '
+    parts = [svg_open(side, side + 20, 10), f'<text x="{side / 2:.0f}" y="16" text-anchor="middle" '
              f'font-size="13">{escape(title)} (max {v_max:.3g}{", " + escape(label) if label else ""})</text>']
     for i, row in enumerate(matrix):
         for j, v in enumerate(row):
             t = max(0.0, min(1.0, v / v_max))
-            rgb = (int(255 - 181 * t), int(255 - 133 * t), int(255 - 74 * t))  # white -> #4a7ab5
+            rgb = (int(255 - 181 * t), int(255 - 133 * t), int(255 - 74 * t))  # white -> BLUE
             parts.append(f'<rect x="{PAD + j * size:.1f}" y="{PAD + i * size:.1f}" width="{size:.1f}" '
                          f'height="{size:.1f}" fill="rgb{rgb}"><title>{i}, {j}: {v:.4g}</title></rect>')
         if n <= 40 and i % max(1, n // 10) == 0:
