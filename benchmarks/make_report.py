@@ -36,6 +36,9 @@ SECTIONS = {
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression (issue 8 targets)", "benchmarks/heal.py"),
     "heal-default": ("Healing the default recipe's compression: which text to heal on (issue 8 targets)",
                      "benchmarks/heal.py"),
+    "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20)", "benchmarks/mla.py"),
+    "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20; small run: 2048 "
+                  "evaluation tokens, 16 calibration windows)", "benchmarks/mla.py"),
 }
 
 

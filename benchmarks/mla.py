@@ -2,10 +2,10 @@
 
 Groups (--groups, comma-separated; default oneshot,speed):
   oneshot  at every KV point (--kv, default 0.5,0.375,0.25 of the dense cache, measured from the cache): `mla`
-           (query-weighted rotary choice, balanced root-covariance latent: the default), `mla` with the attention
-           weighting, `mla` with TransMLA's RoRoPE choice (rope_select=pca), `transmla` (RoRoPE + FreqFold 4 +
-           BKV-PCA) at the same cached elements per token; at 0.5 also a plain truncated SVD of [k_nope; v]
-           (kv_weight=svd) and today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE)
+           (query-weighted rotary choice, attention-weighted latent: the defaults) and `transmla` (RoRoPE +
+           FreqFold 4 + BKV-PCA) at the same cached elements per token; at 0.5 also `mla` with kv_weight=rootcov,
+           with alloc=global, with TransMLA's RoRoPE choice (rope_select=pca), a plain truncated SVD of
+           [k_nope; v] (kv_weight=svd) and today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE)
   heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them
@@ -42,7 +42,8 @@ def oneshot_variants(kv: float) -> dict[str, list[dict[str, Any]]]:
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv})}
     if kv == 0.5:  # the ablations, at one KV point
         out |= {
-            f"mla-attnweight-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "attention"}),
+            f"mla-rootcov-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "rootcov"}),
+            f"mla-global-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),
             f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
             f"mla-plainsvd-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "svd"}),
             f"latentllm-kvonly-kv{p}": step("latentllm", {"ratio": 1.0, "kv_ratio": kv}),

@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 
-import helpers
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
@@ -19,10 +18,7 @@ from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
-from helpers import ByteTokenizer, one_step
-
-# helpers.SavingTokenizer replaces test_pipeline._SavingTokenizer in a change under way beside this one
-SavingTokenizer = getattr(helpers, "SavingTokenizer", None) or __import__("test_pipeline")._SavingTokenizer
+from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 ROPE_FAMILIES = ("llama", "qwen2", "mistral")
@@ -128,20 +124,22 @@ def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
     model = TINY_BUILDERS[family]()
     _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
     adapter = get_adapter(model)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))  # prefill past FEW_QUERIES
     for path in ("absorb", "decompress"):  # the whole model, prefill then decode, forced through one path
         for i in range(4):
             adapter.attention(i).path = path
         cache = _compat.new_cache(model.config)
-        logits = model(input_ids=IDS, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         step = model(input_ids=IDS[:, :1], past_key_values=cache, use_cache=True).logits
         if path == "absorb":
             ref = (logits, step)
         else:
             assert torch.allclose(logits, ref[0], atol=1e-4) and torch.allclose(step, ref[1], atol=1e-4)
     module = adapter.attention(1)
-    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
-    a, d = _paths_agree(module, x)
-    assert torch.allclose(a, d, atol=1e-5)
+    for t in (5, 24):  # 24 > FEW_QUERIES: SDPA with padded value widths instead of grouped_attention
+        x = torch.randn(2, t, 64, generator=torch.Generator().manual_seed(2))
+        a, d = _paths_agree(module, x)
+        assert torch.allclose(a, d, atol=1e-5), t
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt"])

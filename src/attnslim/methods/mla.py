@@ -14,12 +14,14 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     diagonalised together; a dropped component's query is shrunk by the mean cosine of its phase over causal
     distances < `rope_span` (its least-squares stand-in), and components are kept by the logit error dropping
     them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
-  kv_weight=rootcov (default): [k_nope; v] fitted on the centred input covariance (CARE's covariance-aware SVD,
-    LatentLLM's root-covariance objective) with the key rows balanced to the values' energy and LatentLLM's
-    mean correction (Eq. 45); kv_weight=attention: within the key block, errors weighted by what they do to each
-    head's logits (query second moments × that head's output spread), within the value block by W_o
-    (linalg/mla.attention_weight), then balanced the same way; kv_weight=svd: a plain truncated SVD of the
-    weights (no statistics), the floor every fit must beat. Which wins is measured (BENCHMARKS.md, MLA).
+  kv_weight=attention (default): [k_nope; v] fitted on the centred input covariance (LatentLLM's root-covariance
+    objective, LatentLLM's mean correction, Eq. 45) with output-side weights: within the key block, errors
+    weighted by what they do to each head's logits (query second moments, shrinkage included, × that head's
+    output spread), within the value block by W_o (linalg/mla.attention_weight); the key block is then scaled
+    to the values' weighted energy (TransMLA's balance); kv_weight=rootcov: the same without the output side
+    (each de-rotated key row weighted by its query's squared shrinkage only; CARE's covariance-aware SVD);
+    kv_weight=svd: a plain truncated SVD of the weights (no statistics), the floor every fit must beat.
+    Measured against each other: BENCHMARKS.md, section MLA.
   alloc=global: the step's latent budget (the uniform ranks' sum) spread over its layers by the normalised
     weighted spectrum of each layer's [k_nope; v] (LatentLLM's global allocation; a dense statistics pass
     first, then a sequential refit); per-layer KV then differs, the step's total stays.
@@ -265,7 +267,7 @@ def _balance(weights: list[torch.Tensor], w_kv: torch.Tensor, cov: torch.Tensor)
 class MLA(_MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
-    kv_weight: str = "rootcov"
+    kv_weight: str = "attention"
     alloc: str = "uniform"  # or "global": the step's latent budget spread over its layers by spectrum
 
     def __post_init__(self) -> None:

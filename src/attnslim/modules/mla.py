@@ -145,7 +145,10 @@ class MLAAttention(nn.Module):
         b, h, t, _ = q.shape
         n_kv, r = self.n_kv_heads, self.rank
         q_lat = torch.einsum("bhtd,hrd->bhtr", q, self.absorbed_query())  # (b, h, t, r)
-        lat = attend(torch.cat([q_lat, q_r], dim=-1), store, store[..., :r], keep, self.scaling, self.softcap)
+        # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
+        # over the whole cached row there and keep the latent columns
+        values = store if t > FEW_QUERIES else store[..., :r]
+        lat = attend(torch.cat([q_lat, q_r], dim=-1), store, values, keep, self.scaling, self.softcap)[..., :r]
         b_v = self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r)  # (n_kv, d_h, r)
         lat = lat.view(b, n_kv, h // n_kv, t, r)  # (b, n_kv, g, t, r): query head j·g + i uses KV head j
         return (lat @ b_v[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
@@ -159,7 +162,11 @@ class MLAAttention(nn.Module):
         v = self._heads(full[..., self.nope_dims :], n_kv)  # (b, n_kv, kv, d_h)
         q_n = self._project(q, self.q_nope)  # (b, h, t, D_n)
         k = k.expand(b, n_kv, kv, k.shape[-1])  # (b, n_kv, kv, D_n + d_rope): one key serves every head (view)
-        return attend(torch.cat([q_n, q_r], dim=-1), k, v, keep, self.scaling, self.softcap)
+        pad = k.shape[-1] - self.head_dim if q.shape[2] > FEW_QUERIES else 0
+        if pad > 0:  # SDPA's fast kernels need the value width to equal the query width (zero columns, sliced off)
+            v = F.pad(v, (0, pad))
+        out = attend(torch.cat([q_n, q_r], dim=-1), k, v, keep, self.scaling, self.softcap)
+        return out[..., : self.head_dim]
 
     # --- reporting --------------------------------------------------------------------------------------
     def kv_cache_bytes_per_token(self) -> int:
