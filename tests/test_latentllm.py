@@ -325,23 +325,32 @@ def test_joint_ud_refuses_unsupported_activations():
 
 
 @pytest.mark.real
-def test_real_smollm2_few_layers_at_80_percent():
-    """SmolLM2-135M, latentllm on layers 10-12 at 80% kept attention: small ppl loss, fewer KV bytes."""
+def test_real_smollm2_latentllm_beats_svdllm_at_the_same_budget():
+    """SmolLM2-135M, layers 10-12 at 50% kept attention, same calibration and evaluation windows: latentllm loses
+    at most half of what its baseline svdllm (whitened SVD) loses, so a silent fallback to plain factors fails."""
+    import copy
+
     from attnslim.data import eval_windows
     from attnslim.eval import perplexity
     from attnslim.models import load_model
     from attnslim.recipe import recipe_from_dict
 
-    model, tokenizer = load_model("smollm2-135m")
-    windows = eval_windows("wiki", tokenizer, tokens=512, seq_len=256)  # 2 windows
-    dense_ppl = perplexity(model, windows, progress=False).ppl
-    dense_kv = kv_bytes_per_token(model)["total"]
-    recipe = recipe_from_dict({
-        "name": "t", "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
-        "steps": [{"method": "latentllm", "layers": [10, 11, 12], "args": {"ratio": 0.8}}],
-    })
-    report = compress(model, tokenizer, recipe, progress=False)
-    ppl = perplexity(model, windows, progress=False).ppl
-    assert ppl / dense_ppl < 1.1, (ppl, dense_ppl)
-    assert kv_bytes_per_token(model)["total"] < dense_kv
-    assert report.params_after["attention"] < report.params_before["attention"]
+    dense, tokenizer = load_model("smollm2-135m")
+    windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)  # 4 windows
+    dense_ppl = perplexity(dense, windows, progress=False).ppl
+    dense_kv = kv_bytes_per_token(dense)["total"]
+    ppl, reports = {}, {}
+    for method in ("latentllm", "svdllm"):
+        model = copy.deepcopy(dense)
+        recipe = recipe_from_dict({
+            "name": method, "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
+            "steps": [{"method": method, "layers": [10, 11, 12], "args": {"ratio": 0.5}}],
+        })
+        reports[method] = compress(model, tokenizer, recipe, progress=False)
+        ppl[method] = perplexity(model, windows, progress=False).ppl
+        if method == "latentllm":
+            assert kv_bytes_per_token(model)["total"] < dense_kv
+    loss = {m: ppl[m] / dense_ppl - 1 for m in ppl}
+    assert loss["latentllm"] < 0.5 * loss["svdllm"], (ppl, dense_ppl)
+    kept = {m: r.params_after["attention"] / r.params_before["attention"] for m, r in reports.items()}
+    assert kept["latentllm"] <= kept["svdllm"] + 0.01, kept  # not better by keeping more

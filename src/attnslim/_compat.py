@@ -172,7 +172,11 @@ def config_from_dict(model_type: str, values: dict[str, Any]) -> Any:
     if model_type not in CONFIG_MAPPING:
         raise AttnslimError(f"model_type {model_type!r} is not known to this transformers; a newer version may be "
                             "needed, or the directory is damaged")
-    return CONFIG_MAPPING[model_type].from_dict(values)
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(values)
+    except Exception as err:  # transformers' config validators raise several types (huggingface_hub's among them)
+        problem = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        raise AttnslimError(f"config.json is not a valid {model_type} configuration ({problem})") from err
 
 
 # forward() keyword that computes the vocabulary projection at the last position only (prefill timing, decode)

@@ -211,7 +211,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
     model, tokenizer = load_model(args.model)
     report = compress(model, tokenizer, recipe)
-    save(model, tokenizer, args.out, report.to_json(), overwrite=args.overwrite)
+    save(model, tokenizer, args.out, {**report.to_json(), "base_model": args.model}, overwrite=args.overwrite)
     summary = report.summary()
     for group, ratio in summary["kept_ratio"].items():
         print(f"{group:>9}: {report.params_before[group]:>12,} -> {report.params_after[group]:>12,}  ({ratio:.3f})")

@@ -107,7 +107,7 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
     report = compress(model, tokenizer, recipe)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
-    save(model, tokenizer, out, report.to_json(), overwrite=overwrite)
+    save(model, tokenizer, out, {**report.to_json(), "base_model": model_name}, overwrite=overwrite)
     del model
     model, tokenizer = load(out)
     after = measure(model, tokenizer, tokens, task_limit)
