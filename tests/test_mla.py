@@ -228,7 +228,7 @@ def test_gemma3_qk_norm_is_refused_naming_the_layer():
      ("transmla", {"rope_dims": 32}, "layer 0: rope_dims = 32 exceeds the 16"),
      ("mla", {"kv_ratio": None, "rank": 0, "rope_dims": 16}, "layer 0: rank = 0.*no latent"),
      ("mla", {"kv_ratio": None, "rank": 60}, "layer 0: kv rank = 60 exceeds 48"),
-     ("mla", {"kv_ratio": 0.2}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*raise kv_ratio above 0.266"),
+     ("mla", {"kv_ratio": 0.2, "rope_dims": 16}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*above 0.266"),
      ("mla", {"kv_ratio": 0.5, "rank": 8}, "exactly one"), ("mla", {"rope_select": "norm"}, "rope_select"),
      ("mla", {"kv_weight": "pca"}, "kv_weight"), ("transmla", {"freq_fold": 0}, "freq_fold")],
 )

@@ -78,7 +78,7 @@ ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keep
 class _MLABase(Method):
     kv_ratio: float | None = 0.5  # kept fraction of the dense KV cache: r + d_rope per token and layer
     rank: int | None = None  # explicit latent rank r instead
-    rope_dims: int | None = None  # d_rope, even; default: the model's rotary dims (0 without RoPE)
+    rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
     damp: float = 1e-2
 
     def __post_init__(self) -> None:
@@ -125,13 +125,14 @@ class _MLABase(Method):
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
         if spec.rope is not None:
             _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
-        rope = d_rot if self.rope_dims is None else self.rope_dims
+        dense = 2 * spec.n_kv_heads * spec.head_dim
+        rope = self.rope_dims if self.rope_dims is not None else default_rope_dims(
+            d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
         full_rot = self._rope_cap(spec.n_kv_heads, d_rot)
         if rope > full_rot:
             fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
             raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
                                 f"keep ({spec.n_kv_heads} KV heads x {d_rot} rotary dims); {fix}")
-        dense = 2 * spec.n_kv_heads * spec.head_dim
         rank = self.rank if self.kv_ratio is None else int(self.kv_ratio * dense) - rope
         assert rank is not None
         max_rank = min(spec.n_kv_heads * spec.head_dim * 2 - rope, spec.hidden_size)
@@ -182,6 +183,16 @@ class _MLABase(Method):
 
     def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
         self._install(adapter, layer, adapter.attention_spec(layer), entry)
+
+
+def default_rope_dims(rotary_dims: int, elements: int | None, dense: int) -> int:
+    """d_rope when none is given: E²/(1.5·D) rounded to even (E cached elements per token, D = 2·n_kv·d_h the
+    dense cache), at least 8 and at most one head's rotary dims; the model's rotary dims with an explicit rank.
+    Fitted to a rope_dims sweep on SmolLM2-135M at KV 0.5, 0.375 and 0.25 (BENCHMARKS.md, MLA): the tighter the
+    budget, the more the latent is worth against the rotary key. 0 without RoPE."""
+    if rotary_dims == 0 or elements is None:
+        return rotary_dims
+    return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements * elements / (3.0 * dense))))
 
 
 def _input_stats(stats: Any, layer: int, where: str) -> InputStats:
