@@ -39,6 +39,8 @@ SECTIONS = {
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20)", "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20; small run: 2048 "
                   "evaluation tokens, 16 calibration windows)", "benchmarks/mla.py"),
+    "mla-speed": ("MLA: decode and prefill speed against dense, with FLOPs and KV bytes (issue 20)",
+                  "benchmarks/mla.py"),
 }
 
 
