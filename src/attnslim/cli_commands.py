@@ -81,6 +81,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--out", default="out/demo")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier attnslim output")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--task-limit", type=int, default=200, help="items per zero-shot task (0: every item)")
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -241,7 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from attnslim.demo import run_demo
 
-    return run_demo(args.model, args.recipe, args.out, args.tokens, overwrite=args.overwrite)
+    if args.task_limit < 0:
+        raise AttnslimError(f"--task-limit {args.task_limit}: use 0 (every item) or a positive number of items")
+    return run_demo(args.model, args.recipe, args.out, args.tokens, args.task_limit or None, overwrite=args.overwrite)
 
 
 ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")
