@@ -113,7 +113,11 @@ def main() -> None:
         "",
     ]
     for path in sorted(RESULTS.glob("*.json")):
-        lines += section(path.stem, json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
+            print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
+            continue
+        lines += section(path.stem, data)
     (ROOT.parent / "BENCHMARKS.md").write_text("\n".join(lines))
     print(f"wrote {ROOT.parent / 'BENCHMARKS.md'}")
 
