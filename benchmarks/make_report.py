@@ -12,13 +12,13 @@ from typing import Any
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
 SECTIONS = {
-    "baselines": ("Baselines (pipeline issue)", "benchmarks/baselines.py"),
+    "baselines": ("Baselines", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
     "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
                         "benchmarks/latentllm.py"),
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
-    "composed": ("Composed recipes: NBL + LatentLLM (issue 8 targets)", "benchmarks/composed.py"),
+    "composed": ("Composed recipes: NBL + LatentLLM (the default recipe's targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
     "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers (losses compared) and on the cheapest "
                      "layers", "benchmarks/atp.py"),
@@ -32,16 +32,55 @@ SECTIONS = {
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
     "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
-    "heal-sweep": ("Healing settings on one composed model (issue 8 targets)", "benchmarks/heal.py"),
-    "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression (issue 8 targets)", "benchmarks/heal.py"),
-    "heal-default": ("Healing the default recipe's compression: which text to heal on (issue 8 targets)",
+    "heal-sweep": ("Healing settings on one composed model", "benchmarks/heal.py"),
+    "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression", "benchmarks/heal.py"),
+    "heal-default": ("Healing the default recipe's compression: which text to heal on",
                      "benchmarks/heal.py"),
-    "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20)", "benchmarks/mla.py"),
-    "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (issue 20; small run: 2048 "
-                  "evaluation tokens, 16 calibration windows)", "benchmarks/mla.py"),
-    "mla-speed": ("MLA: decode and prefill speed against dense, with FLOPs and KV bytes (issue 20)",
+    "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
+    "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
+                  "tokens, 16 calibration windows)", "benchmarks/mla.py"),
+    "mla-speed": ("MLA: decode and prefill speed against dense, with FLOPs and KV bytes",
                   "benchmarks/mla.py"),
 }
+
+
+# sections in this order (by method), then any other result file in name order
+ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
+         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-small", "mla-speed", "nbl", "nbl-calib",
+         "nbl-small", "nbl-gemma3", "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery",
+         "lmeval_check")
+# the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
+HEADLINES = (
+    ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
+    ("latentllm", "latentllm", "latentllm-80", "svdllm-attn-80", "--recipe latentllm"),
+    ("mla (+ 40-step heal)", "mla-small", "mla-kv50-heal40", "transmla-kv50-heal40", "--recipe mla"),
+    ("nbl", "nbl", "nbl-similarity-m6", "drop-similarity-layers-m6", "--recipe nbl"),
+    ("lisa", "lisa", "lisa-50", "ds-50", "--recipe lisa"),
+    ("atp (serving cache)", "atp", "hybrid r=1/4", "recent r=1/4", "--recipe atp"),
+)
+
+
+def summary(results: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per method's headline result beside its baseline of the same run (wiki ppl ratios to dense)."""
+    lines = ["## Summary", "",
+             "One row per method: its headline variant and the baseline it improves on, measured in the same run; "
+             "ratios to the dense model. The section named in the last column has the exact command and setup (a packaged recipe may differ in budget or calibration).", "",
+             "| method | variant | wiki | ptb | c4 | KV ×dense | kept total | baseline: wiki | packaged recipe of this kind | section |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, name, key, base, recipe in HEADLINES:
+        data = results.get(name, {})
+        v, b = data.get("variants", {}).get(key), data.get("variants", {}).get(base)
+        if v is None or b is None:
+            continue
+        ratio = v.get("ppl_ratio", {})
+        cells = " | ".join(f"{ratio[s]:.3f}" if s in ratio else "–" for s in ("wiki", "ptb", "c4"))
+        kv = v["kv_bytes_per_token"] / data["dense"]["kv_bytes_per_token"]
+        base_wiki = b.get("ppl_ratio", {}).get("wiki")
+        base_cell = f"{base}: {base_wiki:.3f}" if base_wiki is not None else base
+        title = SECTIONS.get(name, (name, ""))[0]
+        lines.append(f"| {method} | {key} | {cells} | {kv:.2f} | {v['kept']['total']:.3f} | {base_cell} | "
+                     f"`attnslim compress {recipe}` | {title} |")
+    return lines + [""]
 
 
 def ppl_table(data: dict[str, Any]) -> list[str]:
@@ -112,12 +151,16 @@ def main() -> None:
         "in the same harness; \"kept\" is the fraction of the parameter group counted from the real tensors.",
         "",
     ]
+    results = {}
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
         if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
             print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
             continue
-        lines += section(path.stem, data)
+        results[path.stem] = data
+    lines += summary(results)
+    for name in sorted(results, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
+        lines += section(name, results[name])
     (ROOT.parent / "BENCHMARKS.md").write_text("\n".join(lines))
     print(f"wrote {ROOT.parent / 'BENCHMARKS.md'}")
 
