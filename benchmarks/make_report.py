@@ -64,8 +64,10 @@ def summary(results: dict[str, dict[str, Any]]) -> list[str]:
     """One row per method's headline result beside its baseline of the same run (wiki ppl ratios to dense)."""
     lines = ["## Summary", "",
              "One row per method: its headline variant and the baseline it improves on, measured in the same run; "
-             "ratios to the dense model. The section named in the last column has the exact command and setup (a packaged recipe may differ in budget or calibration).", "",
-             "| method | variant | wiki | ptb | c4 | KV ×dense | kept total | baseline: wiki | packaged recipe of this kind | section |",
+             "ratios to the dense model. The section named in the last column has the exact command and setup "
+             "(a packaged recipe may differ in budget or calibration).", "",
+             "| method | variant | wiki | ptb | c4 | KV ×dense | kept total | baseline: wiki "
+             "| packaged recipe of this kind | section |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for method, name, key, base, recipe in HEADLINES:
         data = results.get(name, {})
