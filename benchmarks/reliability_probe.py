@@ -54,7 +54,8 @@ def classify(res: dict[str, object], check: Check | None) -> str:
 
 class Probe:
     def __init__(self, work: Path) -> None:
-        self.w, self.results = work, []  # type: ignore[var-annotated]
+        self.w = work
+        self.results: list[dict[str, object]] = []
         base = run(["compress", *CHEAP, "--out", "svd2", "--overwrite"], work)
         assert base["rc"] == 0, base
         d = work / "svd2"
@@ -142,7 +143,7 @@ def output_cases(p: Probe) -> None:
     stale.mkdir(exist_ok=True)
     (stale / ".attnslim-writer").write_text("999999")
     res = run(["compress", *CHEAP, "--out", "kout4"], w)
-    reported = "left by an interrupted write" in str(res["stderr"]) or "interrupted" in str(res["stderr"])
+    reported = "left by an interrupted write" in str(res["stderr"])
     p.record("153 SIGKILL during save: reported by the next save", "held" if reported and res["rc"] == 0
              else "FAILED CHECK", str(res["stderr"])[-200:])
     sigterm_case(p)

@@ -32,6 +32,23 @@ class SavingTokenizer(ByteTokenizer):
         fast.save_pretrained(directory)
 
 
+def reloaded_with_both_loaders(model: Any, report: dict[str, Any], directory: Any, ids: Any) -> Any:
+    """Save `model`, load it with attnslim.io.load and with transformers' trust_remote_code entry, assert both give
+    exactly the logits of `model` on `ids`, and return the attnslim-loaded model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from attnslim.io import load, save
+
+    ref = model(input_ids=ids).logits
+    out = save(model, SavingTokenizer(), directory, report)
+    loaded, _ = load(out)
+    assert torch.equal(loaded(input_ids=ids).logits, ref)
+    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(auto(input_ids=ids).logits, ref)
+    return loaded
+
+
 def convert_atp(model: Any, **args: Any) -> Any:
     """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
     from attnslim.adapters import get_adapter

@@ -21,7 +21,7 @@ from attnslim.linalg.precond import InputStats
 from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, SavingTokenizer, one_step
+from helpers import ByteTokenizer, SavingTokenizer, one_step, reloaded_with_both_loaders
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
@@ -113,16 +113,9 @@ def test_cache_bytes_match_module_report_and_padding():
 @pytest.mark.parametrize("family,variant", [("qwen2", {"mlp": "joint_ud"}), ("opt", {"vo": "joint"}),
                                             ("gemma3", {"mlp": "local"})])
 def test_save_load_identical_logits_and_generation(family, variant, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = TINY_BUILDERS[family]()
     report = _compress(model, {**_lossy(family), **variant})
-    ref = model(input_ids=IDS).logits
-    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
-    loaded, _ = load(out)
-    assert torch.equal(loaded(input_ids=IDS).logits, ref)
-    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    loaded = reloaded_with_both_loaders(model, report.to_json(), tmp_path / "m", IDS)
     cached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)

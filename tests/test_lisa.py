@@ -15,7 +15,6 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
-from attnslim.io import load, save
 from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import SharedAttention, SharingConfig
@@ -298,10 +297,8 @@ def test_training_resumes_from_checkpoint(tmp_path, monkeypatch):
 
 
 def test_save_load_identical_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from attnslim.recipe import recipe_from_dict
-    from helpers import SavingTokenizer
+    from helpers import reloaded_with_both_loaders
 
     model = tiny_llama()
     recipe = recipe_from_dict({
@@ -311,12 +308,7 @@ def test_save_load_identical_logits(tmp_path):
     })
     report = compress(model, ByteTokenizer(), recipe, progress=False)
     _randomize(model)
-    ref = model(input_ids=IDS).logits
-    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
-    loaded, _ = load(out)
-    assert torch.equal(loaded(input_ids=IDS).logits, ref)
-    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    loaded = reloaded_with_both_loaders(model, report.to_json(), tmp_path / "m", IDS)
     assert torch.equal(loaded.generate(IDS[:1], max_new_tokens=5, do_sample=False),
                        model.generate(IDS[:1], max_new_tokens=5, do_sample=False))
 

@@ -13,12 +13,11 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.errors import AttnslimError
-from attnslim.io import load, save
 from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
-from helpers import ByteTokenizer, SavingTokenizer, one_step
+from helpers import ByteTokenizer, one_step, reloaded_with_both_loaders
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 ROPE_FAMILIES = ("llama", "qwen2", "mistral")
@@ -178,16 +177,9 @@ def test_left_padding_changes_nothing():
 
 @pytest.mark.parametrize("family,method", [("qwen2", "mla"), ("llama", "transmla"), ("opt", "mla")])
 def test_save_load_identical_logits_and_generation(family, method, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = TINY_BUILDERS[family]()
     report = _compress(model, method, {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
-    ref = model(input_ids=IDS).logits
-    out = save(model, SavingTokenizer(), tmp_path / "m", report.to_json())
-    loaded, _ = load(out)
-    assert torch.equal(loaded(input_ids=IDS).logits, ref)
-    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    loaded = reloaded_with_both_loaders(model, report.to_json(), tmp_path / "m", IDS)
     cached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)

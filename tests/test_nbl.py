@@ -15,11 +15,10 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
-from attnslim.io import load, save
 from attnslim.methods.nbl import Nbl, RelativeMoments
 from attnslim.modules.linearized import LinearizedAttention
 from conftest import tiny_llama
-from helpers import ByteTokenizer, SavingTokenizer, one_step
+from helpers import ByteTokenizer, one_step, reloaded_with_both_loaders
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 F64 = torch.float64
@@ -119,15 +118,8 @@ def test_linearized_layers_hold_nothing_in_the_cache(llama):
 
 @pytest.mark.parametrize("args", [{"m": 2}, {"m": 2, "input": "residual", "sequential": True}])
 def test_save_load_identical_logits_and_cached_generation(llama, tmp_path, args):
-    from transformers import AutoModelForCausalLM
-
     report = _compress(llama, args)
-    ref = llama(input_ids=IDS).logits
-    out = save(llama, SavingTokenizer(), tmp_path / "m", report.to_json())
-    loaded, _ = load(out)
-    assert torch.equal(loaded(input_ids=IDS).logits, ref)
-    auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    assert torch.equal(auto(input_ids=IDS).logits, ref)
+    loaded = reloaded_with_both_loaders(llama, report.to_json(), tmp_path / "m", IDS)
     cached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)

@@ -14,7 +14,7 @@ from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
-from attnslim.methods import METHODS, lookup_method
+from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.train.heal import HealConfig, heal
@@ -79,7 +79,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
-    methods = [lookup_method(step.method).from_args(dict(step.args)) for step, _ in steps]
+    methods = check_recipe(recipe)
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
     trains = recipe.heal is not None or any(method.trains for method in methods)
@@ -130,12 +130,14 @@ def _methods() -> dict[str, type]:
     return dict(METHODS)
 
 
-def check_recipe(recipe: Recipe) -> None:
-    """Unknown methods and bad method arguments, found before a model is loaded (layer selectors that depend on
-    the model's depth are checked by `Recipe.resolve` once it is)."""
+def check_recipe(recipe: Recipe) -> list[Method]:
+    """Each step's method built from its arguments: unknown methods and bad arguments are found here, before a model
+    is loaded (layer selectors that depend on the model's depth are checked by `Recipe.resolve` once it is)."""
+    methods = []
     for i, step in enumerate(recipe.steps):
         try:
-            lookup_method(step.method).from_args(dict(step.args))
+            methods.append(lookup_method(step.method).from_args(dict(step.args)))
         except AttnslimError as e:
             raise AttnslimError(f"recipe {recipe.name!r} step {i} ({step.method}): {e}") from e
+    return methods
 

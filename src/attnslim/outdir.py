@@ -157,11 +157,11 @@ def _writer_alive(directory: Path) -> bool:
     except (OSError, ValueError):
         return False  # finished (install pending) or an old copy set aside: not being written
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, owned by another user
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
