@@ -141,6 +141,35 @@ def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
         assert torch.allclose(a, d, atol=1e-5), t
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_changes(family):
+    """Outside autograd, decode runs on derived weights ([W_q; A; W_kr] in one GEMM, the absorbed and rotary query
+    maps in another). They must give the unfused values (qwen2: q/k biases; opt: no RoPE) and be rebuilt when a
+    parameter changes in place (heal), never serve stale weights."""
+    model = TINY_BUILDERS[family]()
+    _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
+    module = get_adapter(model).attention(1)
+    x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(4))
+
+    def decode(grad: bool) -> torch.Tensor:  # a 17-token prefill, then 3 single-token steps through `absorb`
+        cache, outs = _compat.new_cache(model.config), []
+        with torch.set_grad_enabled(grad):
+            module(x[:, :17], past_key_values=cache)
+            for s in range(17, 20):
+                outs.append(module(x[:, s : s + 1], past_key_values=cache)[0].detach())
+        return torch.cat(outs, dim=1)
+
+    unfused = decode(True)
+    assert module._fused is None
+    fused = decode(False)
+    assert module._fused is not None and torch.allclose(fused, unfused, atol=1e-5)
+    with torch.no_grad():
+        module.kv.b.mul_(1.5)  # in place: same storage, new version
+        module.q_proj.weight.add_(0.1)
+    assert torch.allclose(decode(False), decode(True), atol=1e-5)
+    assert not torch.allclose(decode(False), fused, atol=1e-3)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt"])
 def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
     model = TINY_BUILDERS[family]()

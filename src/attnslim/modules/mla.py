@@ -22,7 +22,7 @@ keep only the last window) and left padding (every position of a row shifts alik
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,12 @@ from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
+
+
+class _Fused(NamedTuple):
+    w_in: torch.Tensor  # (h·d_h + r + d_rope, d)
+    b_in: torch.Tensor | None  # (h·d_h + r + d_rope,)
+    maps: torch.Tensor  # (h, d_h, r + d_rope)
 
 
 @register_module
@@ -69,6 +75,7 @@ class MLAAttention(nn.Module):
         self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._fused: tuple[tuple[int, ...], _Fused] | None = None
 
     # --- RoPE -----------------------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -117,41 +124,97 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         x = hidden_states  # (b, t, d)
         b, t, _ = x.shape
-        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
-        q = self._heads(self.q_proj(x), self.n_heads)  # (b, h, t, d_h)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q_r = self._project(q, self.q_rope)  # (b, h, t, d_rope)
-        q_r = self._rope(q_r, past) if self.rope_dims else q_r
-        new = self.kv.latent(x)[:, None]  # (b, 1, t, r)
-        if self.k_rope is not None:
-            new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
-        store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
-        kv = store.shape[-2]
-        keep = attention_keep(attention_mask, t, kv, x.device, self.sliding_window, self.softcap)
         path = self.path if self.path != "auto" else ("absorb" if t <= FEW_QUERIES else "decompress")
-        if path == "absorb":
-            out = self._absorb(q, q_r, store, keep)
-        elif path == "decompress":
-            out = self._decompress(q, q_r, store, keep)
-        else:
+        if path not in PATHS[1:]:
             raise AttnslimError(f"layer {self.layer_idx}: MLAAttention path = {self.path!r}; valid: {PATHS}")
+        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
+        fused = self.fused() if path == "absorb" and not torch.is_grad_enabled() else None
+        if fused is not None:  # inference decode: one input GEMM, one query-map GEMM (same values, fewer ops)
+            new, q_cat = self._decode_inputs(x, fused, past)
+            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
+            keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
+            out = self._attend_latent(q_cat, store, keep, 1.0)  # `scaling` is in the fused query maps
+        else:
+            q = self._heads(self.q_proj(x), self.n_heads)  # (b, h, t, d_h)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q_r = self._project(q, self.q_rope)  # (b, h, t, d_rope)
+            q_r = self._rope(q_r, past) if self.rope_dims else q_r
+            new = self.kv.latent(x)[:, None]  # (b, 1, t, r)
+            if self.k_rope is not None:
+                new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
+            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
+            keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
+            if path == "absorb":
+                out = self._absorb(q, q_r, store, keep)
+            else:
+                out = self._decompress(q, q_r, store, keep)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h·d_h)
         return self.o_proj(out), None
 
     def _absorb(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                 ) -> torch.Tensor:
         """Scores and values in latent space; (b, h, t, d_h)."""
-        b, h, t, _ = q.shape
-        n_kv, r = self.n_kv_heads, self.rank
         q_lat = torch.einsum("bhtd,hrd->bhtr", q, self.absorbed_query())  # (b, h, t, r)
+        return self._attend_latent(torch.cat([q_lat, q_r], dim=-1), store, keep, self.scaling)
+
+    def _attend_latent(self, q_cat: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None, scaling: float
+                       ) -> torch.Tensor:
+        """q_cat (b, h, t, r + d_rope) [absorbed query; rotated rotary query] against the cached [c, k_r]:
+        attention-weighted latents, then each head's value up-projection; (b, h, t, d_h)."""
+        b, h, t, _ = q_cat.shape
+        n_kv, r = self.n_kv_heads, self.rank
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
         # over the whole cached row there and keep the latent columns
         values = store if t > FEW_QUERIES else store[..., :r]
-        lat = attend(torch.cat([q_lat, q_r], dim=-1), store, values, keep, self.scaling, self.softcap)[..., :r]
+        lat = attend(q_cat, store, values, keep, scaling, self.softcap)[..., :r]
         b_v = self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r)  # (n_kv, d_h, r)
-        lat = lat.view(b, n_kv, h // n_kv, t, r)  # (b, n_kv, g, t, r): query head j·g + i uses KV head j
-        return (lat @ b_v[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
+        lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
+        return (lat @ b_v.transpose(-1, -2)).view(b, h, t, self.head_dim)  # no copy of B_v per group
+
+    # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
+    def fused(self) -> _Fused | None:
+        """Derived weights for decode outside autograd, rebuilt when a parameter changes (None where q_proj is
+        not a plain Linear, e.g. factorised by another step: the unfused path then runs, with the same values):
+          w_in (h·d_h + r + d_rope, d)  [W_q; A; W_kr]  (A dense: the block identity written out)
+          maps (h, d_h, r + d_rope)     scaling · [B_kᵀ N_q,i; R_q,i]ᵀ per head: q -> [absorbed query; rotary
+                                        query], the softmax scale folded in (RoPE is linear: it commutes)."""
+        if not isinstance(self.q_proj, nn.Linear):
+            return None
+        parts = [self.q_proj.weight, self.kv.b, *self.kv.parameters(), *(self.k_rope.parameters() if self.k_rope
+                 else ()), *(p for p in (self.q_nope, self.q_rope, self.q_proj.bias) if p is not None)]
+        key = tuple(x for p in parts for x in (p._version, p.data_ptr()))
+        if self._fused is not None and self._fused[0] == key:
+            return self._fused[1]
+        d, e = self.q_proj.in_features, self.rank + self.rope_dims
+        with torch.no_grad():
+            latent_a = self.kv.latent(torch.eye(d, dtype=self.kv.b.dtype, device=self.kv.b.device)).T  # (r, d)
+            rows = [self.q_proj.weight, latent_a] + ([self.k_rope.weight] if self.k_rope is not None else [])
+            biases = [self.q_proj.bias, None] + ([self.k_rope.bias] if self.k_rope is not None else [])
+            bias = None if all(x is None for x in biases) else torch.cat(
+                [x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(biases, rows, strict=True)])
+            maps = [self.absorbed_query()] + ([self.q_rope] if self.q_rope is not None else [])
+            value = _Fused(torch.cat(rows).detach(), None if bias is None else bias.detach(),
+                           (torch.cat(maps, dim=1).transpose(1, 2) * self.scaling).contiguous().detach())
+        assert value.maps.shape[-1] == e
+        self._fused = (key, value)
+        return value
+
+    def _decode_inputs(self, x: torch.Tensor, fused: _Fused, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
+        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)]."""
+        b, t, _ = x.shape
+        hd, r = self.n_heads * self.head_dim, self.rank
+        y = F.linear(x, fused.w_in, fused.b_in)  # (b, t, h·d_h + r + d_rope)
+        q = self._heads(y[..., :hd], self.n_heads)  # (b, h, t, d_h)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q_cat = q @ fused.maps  # (b, h, t, r + d_rope)
+        new = y[:, None, :, hd:]  # (b, 1, t, r + d_rope)
+        if self.rope_dims:
+            q_cat = torch.cat([q_cat[..., :r], self._rope(q_cat[..., r:], past)], dim=-1)
+            new = torch.cat([new[..., :r], self._rope(new[..., r:], past)], dim=-1)
+        return new.contiguous(), q_cat
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
