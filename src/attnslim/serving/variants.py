@@ -1,0 +1,50 @@
+"""The SmolLM2 variants that the serving tests and benchmark serve (built in attnslim's own environment).
+
+`build(name, out)` writes one servable directory: "dense" as a plain transformers checkpoint, the others as attnslim
+outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the serving checks compare
+vLLM with HF on the *same* weights, and speed or KV capacity do not depend on how well the maps were fitted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from attnslim.errors import AttnslimError
+
+MODEL = "smollm2-135m"
+WINDOWS, SEQ_LEN = 16, 256
+VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
+    "dense": None,
+    "nbl-6": ("nbl", {"m": 6, "criterion": "similarity", "input": "normed", "sequential": False}),
+    "nbl-12": ("nbl", {"m": 12, "criterion": "similarity", "input": "normed", "sequential": False}),
+    "nbl-6-residual": ("nbl", {"m": 6, "criterion": "similarity", "input": "residual", "sequential": False}),
+    "drop-6": ("drop", {"count": 6, "select": "similarity"}),
+}
+
+
+def build(name: str, out: Path) -> Path:
+    """Compress SmolLM2-135M (float32) as variant `name` and save it to `out` (which must not exist)."""
+    from attnslim.api import compress
+    from attnslim.io import save
+    from attnslim.models import load_model
+    from attnslim.outdir import staged_output
+    from attnslim.recipe import recipe_from_dict
+
+    if name not in VARIANTS:
+        raise AttnslimError(f"unknown serving variant {name!r}; known: {', '.join(VARIANTS)}")
+    model, tokenizer = load_model(MODEL)
+    step = VARIANTS[name]
+    if step is None:
+        with staged_output(out, overwrite=False) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        return out
+    method, args = step
+    recipe = recipe_from_dict({
+        "name": f"serve-{name}",
+        "calibration": {"source": "wiki", "windows": WINDOWS, "seq_len": SEQ_LEN, "seed": 0},
+        "steps": [{"method": method, "layers": "all", "args": args}],
+    })
+    report = compress(model, tokenizer, recipe, progress=False)
+    return save(model, tokenizer, out, report.to_json())

@@ -1,0 +1,19 @@
+"""The transformers config vLLM reads an attnslim directory with (registered by the plugin for model_type
+"attnslim"): the base Llama config, with the architecture pointed at attnslim's vLLM model, so that
+`vllm serve DIR` needs no override and never runs the directory's remote code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import LlamaConfig
+
+from attnslim.serving.plan import ARCHITECTURE, MODEL_TYPE
+
+
+class AttnslimServeConfig(LlamaConfig):
+    model_type = MODEL_TYPE
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self.architectures = [ARCHITECTURE]
