@@ -5,13 +5,17 @@ from __future__ import annotations
 import copy
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
+from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.methods import METHODS, Method, lookup_method
@@ -69,17 +73,27 @@ def library_versions() -> dict[str, str]:
     return {"attnslim": attnslim.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) -> CompressionReport:
-    """Apply every step of `recipe` to `model` (in place) and report what changed."""
+def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
+             residency: Residency | None = None, device: torch.device | str | None = None) -> CompressionReport:
+    """Apply every step of `recipe` to `model` (in place) and report what changed.
+
+    `residency` says where the weights live (calib/residency.py): by default the whole model is in memory and
+    every layer's work runs on the model's device; `attnslim.offload.OffloadedLayers` keeps them on disk and
+    writes the compressed layers to output shards as it goes (the model then stays a skeleton). `device` (default:
+    the model's) is where each layer's calibration and conversion run when the model is in memory."""
     start = time.time()
     adapter = get_adapter(model)
+    residency = residency or InMemoryLayers(model, adapter.decoder_layers(),
+                                            device or next(model.parameters()).device)
     _refuse_compressed(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
-    before, kv_before = adapter.param_groups(), kv_bytes_per_token(model)
+    methods = check_recipe(recipe)
+    if residency.offloaded:
+        refuse_offloaded(recipe, methods)
+    before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
-    methods = check_recipe(recipe)
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
     trains = recipe.heal is not None or any(method.trains for method in methods)
@@ -87,8 +101,8 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     for (step, candidates), method in zip(steps, methods, strict=True):
         converted = {int(k) for d in done for k in d["plan"]["layers"]}
         layers = rest_layers(adapter.num_layers(), converted) if candidates is None else candidates
-        with torch.no_grad():
-            plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress)
+        with torch.no_grad(), _named_meta_errors(residency, step.method):
+            plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress, residency)
         if method.trains:
             plan["training"] = method.train_step(model, tokenizer, original, progress)
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
@@ -96,7 +110,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
     if recipe.heal is not None:  # `original` was kept above
         healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)
     del original
-    kv_after = kv_bytes_per_token(model)
+    kv_after = _kv_bytes(model, residency)
     return CompressionReport(
         recipe=recipe_to_dict(recipe), recipe_fingerprint=fingerprint(recipe), steps=done,
         calibration={"description": windows.description, "tokens": windows.n_tokens,
@@ -107,6 +121,118 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True) 
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
         no_decode_layers=kv_after["no_decode"],
     )
+
+
+def compress_offloaded(directory: Path, recipe: Recipe, out: Path, overwrite: bool = False,
+                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", progress: bool = True,
+                       extra: dict[str, Any] | None = None, tokenizer: Any = None) -> CompressionReport:
+    """Compress the safetensors checkpoint in `directory` into `out` with one decoder layer in memory at a time.
+
+    Weights are read through safetensors' memory map and written as one shard per decoder layer as each is
+    final (attnslim.offload); `out` appears only when everything is written (outdir.staged_output). Gives the
+    same weights, bit for bit, as `compress` on the model loaded in memory with the same dtype and device."""
+    from attnslim.io import save_sharded_metadata
+    from attnslim.models.load import load_skeleton
+    from attnslim.offload import OffloadedLayers, WeightSource, check_free_disk
+    from attnslim.outdir import staged_output
+
+    check_recipe(recipe)
+    model, own_tokenizer = load_skeleton(directory, dtype)
+    tokenizer = tokenizer if tokenizer is not None else own_tokenizer  # the directory's, unless one is given
+    source = WeightSource(directory)  # a missing or truncated shard is named here, before any work
+    check_free_disk(out, model_bytes(model))
+    with staged_output(out, overwrite) as tmp:
+        adapter = get_adapter(model)
+        residency = OffloadedLayers(model, adapter.decoder_layers(), source, tmp, device,
+                                    skip=(model.get_output_embeddings(),))
+        report = compress(model, tokenizer, recipe, progress, residency)
+        shards = residency.finish()
+        report.peak_rss_mb = peak_rss_mb()
+        save_sharded_metadata(model, tokenizer, tmp, {**report.to_json(), **(extra or {})}, shards)
+    return report
+
+
+def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = False, offload: bool = False,
+                device: str = "cpu", dtype: str = "float32", progress: bool = True) -> CompressionReport:
+    """Load `name_or_path`, compress it and save it to `out` (the `compress` command): in memory, or with the
+    weights on disk (`offload`, also chosen, with a message, when the model would not fit in memory). `device` and
+    `dtype` are where and in what each layer is computed; statistics are float64 either way."""
+    from attnslim.io import save
+    from attnslim.models.load import checkpoint_directory, load_model
+    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
+
+    compute_device, compute_dtype = resolve_device(device), parse_dtype(dtype)
+    check_dtype(compute_device, compute_dtype)
+    if not offload and (reason := offload_reason(name_or_path, recipe, compute_dtype)):
+        print(f"attnslim: {reason}", flush=True)
+        offload = True
+    extra = {"base_model": name_or_path, "compute": {"device": str(compute_device), "dtype": dtype,
+                                                     "offload": offload}}
+    if offload:
+        return compress_offloaded(checkpoint_directory(name_or_path), recipe, out, overwrite, compute_dtype,
+                                  compute_device, progress, extra)
+    model, tokenizer = load_model(name_or_path, compute_dtype)
+    report = compress(model, tokenizer, recipe, progress, device=compute_device)
+    save(model, tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
+    return report
+
+
+def offload_reason(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> str | None:
+    """Why `name_or_path` should be compressed with --offload (it would not fit in memory), or None. Counts the
+    parameters of a meta-device skeleton (no weights read); a recipe that trains also holds a teacher copy."""
+    from attnslim.models.load import checkpoint_directory, load_skeleton
+    from attnslim.offload import memory_available
+
+    try:
+        skeleton, _ = load_skeleton(checkpoint_directory(name_or_path), dtype)
+    except AttnslimError:
+        return None  # not a local checkpoint (a hub id, a GGUF name): only the in-memory path can load it
+    copies = 2 if recipe.heal is not None or any(m.trains for m in check_recipe(recipe)) else 1
+    need, free = int(model_bytes(skeleton) * copies * 1.2), memory_available()
+    if need <= free:
+        return None
+    return (f"the model needs about {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and "
+            f"{free / 2**30:.1f} GiB of memory is available: compressing with --offload (one decoder layer in "
+            "memory at a time, weights read from disk)")
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of the model's parameters (tied ones once) in their dtype; works on a meta-device skeleton."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _kv_bytes(model: Any, residency: Residency) -> dict[str, Any]:
+    """KV bytes measured on the decoder (the cache does not depend on the output head, which offloading never
+    loads), one layer at a time when the weights are offloaded."""
+    with residency.streamed():
+        return kv_bytes_per_token(model.get_decoder())
+
+
+@contextmanager
+def _named_meta_errors(residency: Residency, method: str) -> Iterator[None]:
+    """With offloaded weights every layer but the one being worked on is on the meta device: a method that reads
+    another layer's weights (or runs a whole-model forward) fails there. Say which method, instead of torch's
+    bare "meta tensor" error."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as err:
+        if not (residency.offloaded and "meta" in str(err)):
+            raise
+        raise AttnslimError(f"method {method!r} cannot run with --offload: it reads weights outside the decoder "
+                            f"layer being converted ({str(err).splitlines()[0][:160]}); compress in memory") from err
+
+
+def refuse_offloaded(recipe: Recipe, methods: list[Method]) -> None:
+    """What offloaded compression cannot do, refused before any work, naming the step and the method."""
+    if recipe.heal is not None:
+        raise AttnslimError(f"recipe {recipe.name!r}: heal trains the whole model against a copy of it, which "
+                            "--offload cannot hold; remove heal: or compress in memory")
+    for i, method in enumerate(methods):
+        problem = ("it trains the whole model after converting (a teacher copy and gradients through every layer)"
+                   if method.trains else method.offload_problem())
+        if problem:
+            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({method.name}) cannot run with --offload: "
+                                f"{problem}")
 
 
 def _refuse_compressed(model: Any) -> None:

@@ -68,6 +68,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--offload", action="store_true", help="keep the weights on disk and compress one decoder layer "
+                   "at a time, writing the output shard by shard (chosen automatically when the model does not fit)")
+    p.add_argument("--device", default="cpu", help="where each layer is calibrated and converted: cpu | cuda | "
+                   "cuda:N (statistics stay float64)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16 (also the saved "
+                   "weights' dtype)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")
@@ -199,10 +205,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_compress(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from attnslim.api import check_recipe, compress
+    from attnslim.api import check_recipe, compress_to
     from attnslim.bench.kv import no_decode_note
-    from attnslim.io import save
-    from attnslim.models import load_model, refuse_compressed_input
+    from attnslim.models import refuse_compressed_input
     from attnslim.outdir import check_output
     from attnslim.recipe import apply_overrides, load_recipe
 
@@ -210,9 +215,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_recipe(recipe)  # refuse before spending seconds loading and minutes compressing
     refuse_compressed_input(args.model)
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
-    model, tokenizer = load_model(args.model)
-    report = compress(model, tokenizer, recipe)
-    save(model, tokenizer, args.out, {**report.to_json(), "base_model": args.model}, overwrite=args.overwrite)
+    report = compress_to(args.model, recipe, Path(args.out), args.overwrite, args.offload, args.device, args.dtype)
     summary = report.summary()
     for group, ratio in summary["kept_ratio"].items():
         print(f"{group:>9}: {report.params_before[group]:>12,} -> {report.params_after[group]:>12,}  ({ratio:.3f})")

@@ -8,7 +8,8 @@ A saved directory holds model.safetensors, config.json, tokenizer files, compres
   the installed package's copy), which hands over to `attnslim.io.load`. `load` itself never imports anything from
   the directory and passes `trust_remote_code=False` everywhere: use it for directories you did not write.
 - compression.json records the sha256 of model.safetensors; `load` checks it, so damage anywhere in the weights is
-  found before a number is computed from them.
+  found before a number is computed from them. An offloaded compression (attnslim.offload) writes one shard per
+  decoder layer instead, with each shard's size and sha256 (a shard is fully re-hashed only when its file changed).
 - Outputs are written through `attnslim.outdir` (temp directory, no-replace install or rename swap).
 """
 
@@ -27,7 +28,8 @@ from attnslim.errors import AttnslimError
 from attnslim.outdir import MARKER, staged_output
 
 FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) still loads
-READABLE_VERSIONS = (1, 2)
+SHARDED_VERSION = 3  # 3: weight shards (offloaded compression) with per-shard sizes and sha256
+READABLE_VERSIONS = (1, 2, 3)
 COMPRESSION_JSON = MARKER
 WEIGHTS = "model.safetensors"
 HF_ENTRY = "attnslim_hf.py"
@@ -44,16 +46,29 @@ def save(model: Any, tokenizer: Any, directory: str | Path, report: dict[str, An
     target = Path(directory)
     with staged_output(target, overwrite) as tmp:
         save_file(_deduplicated_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config[BASE_TYPE_KEY], config["model_type"] = config["model_type"], MODEL_TYPE
-        config["auto_map"] = {"AutoConfig": "attnslim_hf.AttnslimConfig",
-                              "AutoModelForCausalLM": "attnslim_hf.AttnslimForCausalLM"}
-        (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        tokenizer.save_pretrained(tmp)
-        shutil.copy(_ENTRY_SOURCE, tmp / HF_ENTRY)
         info = {"format_version": FORMAT_VERSION, **report, "weights_sha256": sha256_file(tmp / WEIGHTS)}
-        (tmp / COMPRESSION_JSON).write_text(json.dumps(info, indent=1))
+        _write_metadata(model, tokenizer, tmp, info)
     return target
+
+
+def save_sharded_metadata(model: Any, tokenizer: Any, tmp: Path, report: dict[str, Any], shards: list[str]) -> None:
+    """Everything but the weights, for a directory whose weight shards an offloaded compression already wrote into
+    `tmp` (the staged output): compression.json records each shard's size and sha256 instead of one file's."""
+    from attnslim.offload import record_shards
+
+    info = {"format_version": SHARDED_VERSION, **report, "weights_shards": record_shards(tmp, shards)}
+    _write_metadata(model, tokenizer, tmp, info)
+
+
+def _write_metadata(model: Any, tokenizer: Any, tmp: Path, info: dict[str, Any]) -> None:
+    config = model.config.to_dict()
+    config[BASE_TYPE_KEY], config["model_type"] = config["model_type"], MODEL_TYPE
+    config["auto_map"] = {"AutoConfig": "attnslim_hf.AttnslimConfig",
+                          "AutoModelForCausalLM": "attnslim_hf.AttnslimForCausalLM"}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    tokenizer.save_pretrained(tmp)
+    shutil.copy(_ENTRY_SOURCE, tmp / HF_ENTRY)
+    (tmp / COMPRESSION_JSON).write_text(json.dumps(info, indent=1))
 
 
 def _deduplicated_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -131,10 +146,17 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[An
     from attnslim.registry import lookup
 
     weights = directory / WEIGHTS
-    expected = info.get("weights_sha256")
+    sharded = info["format_version"] >= SHARDED_VERSION
+    expected = info.get("weights_shards" if sharded else "weights_sha256")
     if expected is None and info["format_version"] >= 2:
-        raise AttnslimError(f"{COMPRESSION_JSON} records no weights_sha256")
-    if expected is not None and sha256_file(weights) != expected:
+        raise AttnslimError(f"{COMPRESSION_JSON} records no {'weights_shards' if sharded else 'weights_sha256'}")
+    if sharded:
+        from attnslim.offload import verify_shards
+
+        if not isinstance(expected, dict) or not expected:
+            raise AttnslimError(f"{COMPRESSION_JSON} has no valid weights_shards")
+        verify_shards(directory, expected)
+    elif expected is not None and sha256_file(weights) != expected:
         raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
                             "damaged or replaced); re-create the directory with attnslim compress")
     values = json.loads((directory / "config.json").read_text(encoding="utf-8"))
@@ -148,6 +170,26 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[An
         kind = type(module)
         if kind.__module__.startswith("attnslim.") and kind.__name__ not in MODULES:
             lookup(MODULES, "module", kind.__name__)  # raises naming the unknown module
-    load_model(model, str(weights), strict=True)
+    if sharded:
+        _load_shards(model, directory, sorted(info["weights_shards"]))
+    else:
+        load_model(model, str(weights), strict=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     return model.eval(), tokenizer
+
+
+def _load_shards(model: Any, directory: Path, shards: list[str]) -> None:
+    """Load the weight shards one at a time; every tensor of the model (tied ones once) must come from one."""
+    from safetensors.torch import load_file
+
+    needed = set(_deduplicated_state(model))
+    loaded: set[str] = set()
+    for shard in shards:
+        state = load_file(str(directory / shard))
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise AttnslimError(f"shard {shard} holds tensors the model does not have: {sorted(unexpected)[:5]}")
+        loaded.update(state)
+        del state
+    if missing := sorted(needed - loaded):
+        raise AttnslimError(f"no shard holds {missing[:5]} ({len(missing)} tensors missing)")

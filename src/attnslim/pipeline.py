@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.eval.perplexity import window_nll
 from attnslim.methods.base import Method
@@ -28,32 +29,44 @@ def _collect(runner: LayerRunner, method: Method, adapter: Any, layer: int, adva
 
 def run_step(
     model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int,
-    progress: bool = True,
+    progress: bool = True, residency: Residency | None = None,
 ) -> dict[str, Any]:
-    """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan."""
+    """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan.
+
+    Every piece of work on decoder layer i runs inside `residency.layer(i)` (calib/residency.py), so the same code
+    compresses a model held in memory and one whose weights stay on disk, on CPU or GPU."""
+    res = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
     method.begin_step(adapter, layers)
     needs_stats = bool(method.collector(adapter, layers[0]).sites)
     if not needs_stats:
         direct = method.plan(adapter, layers, {})
         for key, entry in direct["layers"].items():
-            method.convert(adapter, int(key), entry, None)
+            _convert(res, method, adapter, int(key), entry, None)
         return direct
     if method.selects_layers:
-        return _run_selecting(model, adapter, method, layers, windows, batch_size, progress)
+        return _run_selecting(model, adapter, method, layers, windows, batch_size, progress, res)
     plan: dict[str, Any] = {"layers": {}}
-    runner = LayerRunner(model, adapter, windows, batch_size)
+    runner = LayerRunner(model, adapter, windows, batch_size, res)
     chosen = set(layers)
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name}", disable=not progress, leave=False):
-        if i not in chosen:
-            runner.run_layer(i)
-            continue
-        stats = _collect(runner, method, adapter, i, advance=not method.sequential)
-        part = method.plan(adapter, [i], {i: stats})
-        _merge(plan, part, i)
-        method.convert(adapter, i, part["layers"][str(i)], stats)
-        if method.sequential:
-            runner.run_layer(i)  # propagate through the converted layer
+        with res.layer(i):
+            if i not in chosen:
+                runner.run_layer(i)
+                continue
+            stats = _collect(runner, method, adapter, i, advance=not method.sequential)
+            part = method.plan(adapter, [i], {i: stats})
+            _merge(plan, part, i)
+            method.convert(adapter, i, part["layers"][str(i)], stats)
+            res.converted(i)
+            if method.sequential:
+                runner.run_layer(i)  # propagate through the converted layer
     return plan
+
+
+def _convert(res: Residency, method: Method, adapter: Any, i: int, entry: dict[str, Any], stats: Any) -> None:
+    with res.layer(i):
+        method.convert(adapter, i, entry, stats)
+        res.converted(i)
 
 
 def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
@@ -74,30 +87,36 @@ def _probe(model: Any, adapter: Any, method: Method, layers: list[int], stats: d
 
 
 def _run_selecting(
-    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool
+    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool,
+    res: Residency,
 ) -> dict[str, Any]:
     """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""
-    runner = LayerRunner(model, adapter, windows, batch_size)
+    runner = LayerRunner(model, adapter, windows, batch_size, res)
     stats: dict[int, Any] = {}
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name} stats", disable=not progress, leave=False):
-        if i in layers:
-            stats[i] = _collect(runner, method, adapter, i, advance=True)
-        else:
-            runner.run_layer(i)
+        with res.layer(i):
+            if i in layers:
+                stats[i] = _collect(runner, method, adapter, i, advance=True)
+            else:
+                runner.run_layer(i)
     if method.probe_windows():
-        _probe(model, adapter, method, layers, stats, windows[: method.probe_windows()], batch_size, progress)
+        with res.streamed():
+            probe_ids = windows[: method.probe_windows()]
+            _probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress)
     plan = method.plan(adapter, layers, stats)
     chosen = sorted(int(k) for k in plan["layers"])
     if not chosen:
         return plan
     if not method.sequential:
         for i in chosen:
-            method.convert(adapter, i, plan["layers"][str(i)], stats[i])
+            _convert(res, method, adapter, i, plan["layers"][str(i)], stats[i])
         return plan
-    runner = LayerRunner(model, adapter, windows, batch_size)  # refit on the already-converted upstream
+    runner = LayerRunner(model, adapter, windows, batch_size, res)  # refit on the already-converted upstream
     for i in tqdm(range(max(chosen) + 1), desc=f"{method.name} fit", disable=not progress, leave=False):
-        if i in chosen:
-            fresh = _collect(runner, method, adapter, i, advance=False)
-            method.convert(adapter, i, plan["layers"][str(i)], fresh)
-        runner.run_layer(i)
+        with res.layer(i):
+            if i in chosen:
+                fresh = _collect(runner, method, adapter, i, advance=False)
+                method.convert(adapter, i, plan["layers"][str(i)], fresh)
+                res.converted(i)
+            runner.run_layer(i)
     return plan

@@ -1,7 +1,8 @@
 """Layer-by-layer calibration: capture decoder-layer-0 inputs once, then run one layer at a time.
 
 Peak memory is the model plus the hidden states of the calibration windows (n·t·d floats) plus one
-layer's working set; activations of the whole model are never held.
+layer's working set; activations of the whole model are never held. With offloaded weights
+(calib/residency.py) "the model" is one decoder layer and the embeddings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from attnslim.calib.hooks import capture_sites
+from attnslim.calib.residency import InMemoryLayers, Residency
 
 
 class _Captured(Exception):
@@ -23,8 +25,10 @@ class _Captured(Exception):
 class LayerRunner:
     """Holds the current inputs of one decoder layer for every calibration batch."""
 
-    def __init__(self, model: nn.Module, adapter: Any, windows: torch.Tensor, batch_size: int = 4) -> None:
+    def __init__(self, model: nn.Module, adapter: Any, windows: torch.Tensor, batch_size: int = 4,
+                 residency: Residency | None = None) -> None:
         self.model, self.adapter = model, adapter
+        self.residency = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
         self.hidden: list[torch.Tensor] = []  # per batch (b, t, d)
         # per batch and layer type: mask, positions, rotary (cos, sin) as the model passes them
         self.kwargs: list[dict[str, dict[str, Any]]] = []
@@ -36,7 +40,7 @@ class LayerRunner:
         """Record layer 0's input, and the call kwargs of the first layer of each layer type (Gemma3 passes
         different masks and rotary tables to sliding and full layers); stop the forward after the last one."""
         layers = self.adapter.decoder_layers()
-        device = next(self.model.parameters()).device
+        device = self.residency.device
         first = {t: self.layer_types.index(t) for t in dict.fromkeys(self.layer_types)}
         stop_at = max(first.values())
         batch_kwargs: dict[str, dict[str, Any]] = {}
@@ -58,13 +62,14 @@ class LayerRunner:
             layers[i].register_forward_pre_hook(make_hook(t, i), with_kwargs=True) for t, i in first.items()
         ]
         try:
-            for start in range(0, windows.shape[0], batch_size):
-                batch_kwargs = {}
-                try:
-                    self.model(input_ids=windows[start : start + batch_size].to(device), use_cache=False)
-                except _Captured:
-                    pass
-                self.kwargs.append(batch_kwargs)
+            with self.residency.streamed():  # after our hooks: the layer that stops the forward is never loaded
+                for start in range(0, windows.shape[0], batch_size):
+                    batch_kwargs = {}
+                    try:
+                        self.model(input_ids=windows[start : start + batch_size].to(device), use_cache=False)
+                    except _Captured:
+                        pass
+                    self.kwargs.append(batch_kwargs)
         finally:
             for h in handles:
                 h.remove()

@@ -93,6 +93,12 @@ class Method:
         """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
         raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
 
+    def offload_problem(self) -> str | None:
+        """Why this configuration cannot run with the weights offloaded (one decoder layer in memory at a time),
+        or None. The pipeline holds only the layer being converted; a method whose conversion reaches another
+        layer, or whose selection needs whole-model forwards with every candidate converted, says so here."""
+        return None
+
     @property
     def trains(self) -> bool:
         """True when `train_step` must run after conversion (it then needs a teacher copy of the model)."""

@@ -151,6 +151,10 @@ class LatentLLM(Method):
         """alloc=global plans every layer from statistics of all of them (then refits sequentially)."""
         return self.alloc == "global"
 
+    def offload_problem(self) -> str | None:
+        return ("alloc global reads the weights of every layer to plan the ranks; use alloc uniform or spectrum"
+                if self.alloc == "global" else None)
+
     @property
     def block_identity(self) -> bool:
         return self.junction == "block_identity"

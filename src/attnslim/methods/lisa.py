@@ -212,6 +212,9 @@ class _Sharing(Method):
     nf_min_len: int | None = None
     sequential = False
 
+    def offload_problem(self) -> str | None:
+        return "converting layer n also rewires its donor, layer n-1 (cross-layer score sharing)"
+
     def __post_init__(self) -> None:
         require(self.select in SELECT, self.name, "select", self.select, " | ".join(SELECT))
         require(self.percent in PRESETS_32, self.name, "percent", self.percent, f"{sorted(PRESETS_32)}")

@@ -275,6 +275,12 @@ class Nbl(Method):
     def probe_windows(self) -> int:
         return self.probe if self.criterion == MEASURED else 0
 
+    def offload_problem(self) -> str | None:
+        if self.criterion == MEASURED:
+            return (f"criterion {MEASURED} measures the loss of the whole model with each candidate converted; use "
+                    "criterion similarity, cca or resid (statistics only)")
+        return None
+
     @contextmanager
     def trial(self, adapter: Any, layer: int, stats: Any) -> Iterator[None]:
         """Layer `layer` linearized with its fit (and, for input="residual", its norm removed), then restored."""

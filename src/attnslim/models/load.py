@@ -61,6 +61,38 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     return model.eval(), tokenizer
 
 
+def checkpoint_directory(name_or_path: str) -> Path:
+    """The local safetensors directory of a packaged name or a Hugging Face directory (what --offload reads)."""
+    if name_or_path in ZOO:
+        return ensure_cached(ZOO[name_or_path])
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file() and not (path / "compression.json").exists():
+        _check_tokenizer_files(path)
+        return path
+    raise AttnslimError(f"--offload reads a packaged model ({', '.join(sorted(ZOO))}) or a local Hugging Face "
+                        f"directory of safetensors weights; {name_or_path!r} is neither (download a hub model "
+                        "first, e.g. `hf download ORG/NAME --local-dir DIR`)")
+
+
+def load_skeleton(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model with every parameter on the meta device, tokenizer) of a checkpoint directory: built from its
+    config.json under accelerate's `init_empty_weights`, so it costs no memory; attnslim.offload fills it one
+    decoder layer at a time. Buffers (rotary tables) are real, tied parameters are tied as from_pretrained ties."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
+    except (OSError, ValueError) as err:
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise AttnslimError(f"{directory} could not be read as a Hugging Face model ({detail})") from err
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
 def refuse_compressed_input(name_or_path: str) -> None:
     """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
     steps, so the result could not load (and --out on the input would destroy it)."""

@@ -1,0 +1,73 @@
+"""Where the weights of a decoder layer live while the pipeline works on it.
+
+The pipeline brackets every piece of work on decoder layer i with `residency.layer(i)`, calls
+`residency.converted(i)` after a method replaced something in it, and runs whole-model forwards (the runner's
+capture of layer 0's inputs, the KV-bytes measurement) inside `residency.streamed()`. Two implementations:
+
+- `InMemoryLayers` (here): the whole model is in memory; on CPU every verb is a no-op, on another device the layer
+  (or, for `streamed`, the modules outside the decoder layers) is moved there for the duration and back after.
+- `attnslim.offload.OffloadedLayers`: weights stay in safetensors files on disk (memory-mapped); `layer(i)` reads
+  layer i from the input checkpoint (or from its already-converted shard), and writes it back to its output shard
+  when it was converted, then frees it.
+Both run the same pipeline code on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class Residency(Protocol):
+    device: torch.device
+    offloaded: bool  # True when the weights are on disk (the model object is a skeleton)
+
+    def layer(self, i: int) -> AbstractContextManager[None]: ...
+
+    def converted(self, i: int) -> None: ...
+
+    def streamed(self) -> AbstractContextManager[None]: ...
+
+
+class InMemoryLayers:
+    """The whole model in CPU memory; each layer's work runs on `device` (moved there and back)."""
+
+    offloaded = False
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, device: torch.device | str = "cpu") -> None:
+        self.model, self.layers, self.device = model, layers, torch.device(device)
+
+    @property
+    def _moves(self) -> bool:
+        return self.device.type != "cpu"
+
+    @contextmanager
+    def layer(self, i: int) -> Iterator[None]:
+        if not self._moves:
+            yield
+            return
+        self.layers[i].to(self.device)
+        try:
+            yield
+        finally:
+            self.layers[i].to("cpu")
+
+    def converted(self, i: int) -> None:
+        """Nothing to do: the converted modules are already in the model."""
+
+    @contextmanager
+    def streamed(self) -> Iterator[None]:
+        """A whole-model forward on `device`: the model moves there for the duration (in place, ties kept). A model
+        that fits in CPU memory but not on the device needs --offload."""
+        if not self._moves:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
