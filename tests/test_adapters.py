@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnslim._compat import keep_mask, rotary_cos_sin
+from attnslim._compat import AttentionCall, attention_call, keep_mask, rotary_cos_sin
 from attnslim.adapters import Adapter, AttentionSpec, MLPSpec, get_adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import sliding_keep
 from attnslim.linalg.spec_attention import spec_attention
+from attnslim.modules import MODULES
+from attnslim.modules.base import ReplacementAttention
 from conftest import TINY_BUILDERS
 
 FAMILIES = sorted(TINY_BUILDERS)
@@ -88,18 +90,18 @@ def test_spec_attention_matches_hf(family: str, attn_implementation: str, padded
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replacement_module_contract_reproduces_logits(family: str) -> None:
-    """Modules built from the specs and following the _compat forward contract give the dense logits."""
+    """Modules built from the specs through ReplacementAttention (HF's call unpacked by _compat) give the dense
+    logits: the base class hands `attend` the hidden states, (cos, sin) and the mask HF passed."""
 
-    class SpecModule(nn.Module):
+    class SpecModule(ReplacementAttention):
         def __init__(self, spec: AttentionSpec) -> None:
             super().__init__()
             self.spec = spec
 
-        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                    **kw):
-            t = hidden_states.shape[1]
-            keep = keep_mask(attention_mask, t, t, hidden_states.device)
-            return spec_attention(self.spec, hidden_states, position_embeddings, keep), None
+        def attend(self, call: AttentionCall) -> torch.Tensor:
+            t = call.hidden_states.shape[1]
+            keep = keep_mask(call.attention_mask, t, t, call.hidden_states.device)
+            return spec_attention(self.spec, call.hidden_states, call.position_embeddings, keep)
 
     model = TINY_BUILDERS[family]()
     adapter = get_adapter(model)
@@ -112,6 +114,22 @@ def test_replacement_module_contract_reproduces_logits(family: str) -> None:
     assert all(isinstance(adapter.attention(i), SpecModule) for i in range(adapter.num_layers()))
     assert all(type(old).__name__.endswith("Attention") for old in olds)
     torch.testing.assert_close(replaced, dense, atol=1e-4, rtol=1e-4)
+
+
+def test_every_replacement_module_takes_hf_calls_through_the_one_base_forward() -> None:
+    """One forward signature in modules/: every registered module that stands in for attention inherits
+    ReplacementAttention.forward and implements only `attend`, so HF's call signature lives in _compat alone."""
+    attention_like = {n: c for n, c in MODULES.items() if n.endswith("Attention")}
+    assert len(attention_like) >= 7, sorted(attention_like)
+    for name, cls in attention_like.items():
+        assert issubclass(cls, ReplacementAttention), name
+        assert cls.forward is ReplacementAttention.forward, f"{name} overrides forward"
+        assert cls.attend is not ReplacementAttention.attend, f"{name} does not implement attend"
+    call = attention_call((torch.zeros(1, 2, 4),), {"attention_mask": None, "past_key_values": "cache",
+                                                     "cache_position": torch.arange(2)})
+    assert call.cache == "cache" and call.position_embeddings is None and call.hidden_states.shape == (1, 2, 4)
+    with pytest.raises(TypeError, match="hidden_states"):
+        attention_call((), {"attention_mask": None})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

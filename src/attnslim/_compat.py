@@ -1,15 +1,16 @@
 """The only module that knows transformers-version details: masks, caches, attention call signature.
 
-Replacement attention modules implement
-    forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw)
-        -> (output (b, t, hidden), None)
-which is what decoder layers of transformers 5.x call (Llama/Gemma3 pass `position_embeddings`
-as (cos, sin); OPT passes none).
+Decoder layers of transformers 5.x call their attention as
+    self_attn(hidden_states=..., position_embeddings=(cos, sin) | absent, attention_mask=..., past_key_values=...,
+              cache_position=..., **kw) -> (output (b, t, hidden), attention weights | None)
+(Llama/Gemma3 pass `position_embeddings`; OPT passes none). `attention_call` / `attention_output` translate that
+for modules/base.ReplacementAttention, so replacement modules never see HF's keyword names.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -20,6 +21,41 @@ from attnslim.errors import AttnslimError
 # model derives positions and masks from layer 0's length. Layers that store no KV cache therefore
 # write a one-byte-per-token marker so positions stay right; `kv_cache_bytes` counts it honestly.
 _MARKER_DTYPE = torch.int8
+
+# HF's keyword names of an attention call, in the positional order replacement modules also accept
+_CALL_KEYWORDS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+# the cache keywords of a module call (4.x spelled the cache `past_key_value`): dropped to replay a call elsewhere
+CACHE_KWARGS = ("past_key_values", "past_key_value", "use_cache", "cache_position")
+
+
+class AttentionCall(NamedTuple):
+    """One attention call by meaning. hidden_states (b, t, d); position_embeddings (cos, sin), each (b, t, d_rot),
+    or None without RoPE; attention_mask as HF passed it (None, boolean or additive, see `keep_mask`); cache: HF's
+    Cache or None."""
+
+    hidden_states: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    attention_mask: torch.Tensor | None
+    cache: Any
+
+
+def attention_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AttentionCall:
+    """HF's positional/keyword attention arguments -> AttentionCall (other keywords, e.g. cache_position, unused)."""
+    values = dict(zip(_CALL_KEYWORDS, args, strict=False)) | {k: kwargs[k] for k in _CALL_KEYWORDS if k in kwargs}
+    if "hidden_states" not in values:
+        raise TypeError("attention called without hidden_states")
+    return AttentionCall(values["hidden_states"], values.get("position_embeddings"), values.get("attention_mask"),
+                         values.get("past_key_values"))
+
+
+def attention_output(out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """What a decoder layer expects back from its attention: (output, attention weights = None)."""
+    return out, None
+
+
+def hidden_states_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The hidden states of a module call seen by a forward (pre-)hook: first positional or `hidden_states`."""
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def keep_mask(
@@ -181,6 +217,12 @@ def config_from_dict(model_type: str, values: dict[str, Any]) -> Any:
 
 # forward() keyword that computes the vocabulary projection at the last position only (prefill timing, decode)
 LAST_LOGITS_ONLY: dict[str, int] = {"logits_to_keep": 1}
+
+
+def last_logits(model: Any, n: int) -> dict[str, int]:
+    """forward() keywords computing the logits of the last n positions only; {} (every position) for a model
+    whose forward does not take them."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def check_positions(config: Any, tokens: int, what: str) -> None:

@@ -5,19 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.bench.kv import no_decode_note
 
 
-def describe_attention(module: Any) -> dict[str, Any]:
-    """Kind, heads and ranks of one attention module (replacement modules provide `describe()`)."""
+def describe_attention(adapter: Adapter, i: int) -> dict[str, Any]:
+    """Kind, heads and ranks of layer i's attention module (replacement modules provide `describe()`)."""
+    module: Any = adapter.attention(i)
     if hasattr(module, "describe"):
         return dict(module.describe())
-    cfg = getattr(module, "config", None)
-    info: dict[str, Any] = {"kind": type(module).__name__}
-    if cfg is not None:
-        info["heads"] = cfg.num_attention_heads
-        info["kv_heads"] = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    spec = adapter.attention_spec(i)
+    info: dict[str, Any] = {"kind": type(module).__name__, "heads": spec.n_heads, "kv_heads": spec.n_kv_heads}
     ranks = {
         name: sub.rank
         for name, sub in module.named_children()
@@ -37,7 +36,7 @@ def inspect_model(model: Any) -> dict[str, Any]:
         "kv_bytes_per_token": kv["total"],
         "no_decode_layers": kv["no_decode"],
         "layers": [
-            {"layer": i, **describe_attention(adapter.attention(i)), "kv_bytes_per_token": kv["per_layer"][i]}
+            {"layer": i, **describe_attention(adapter, i), "kv_bytes_per_token": kv["per_layer"][i]}
             for i in range(adapter.num_layers())
         ],
     }

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.data import eval_windows
 from attnslim.eval.perplexity import window_nll
@@ -53,7 +54,7 @@ def attention_inputs(model: Any) -> Iterator[dict[int, tuple[torch.Tensor, Any]]
 
     def hook(i: int) -> Any:
         def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = args[0] if args else kwargs["hidden_states"]
+            x = _compat.hidden_states_arg(args, kwargs)
             store[i] = (x.detach(), kwargs.get("position_embeddings"))
 
         return capture

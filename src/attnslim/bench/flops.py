@@ -34,8 +34,6 @@ def _linear_weights(module: nn.Module) -> int:
 
 def flops_per_token(model: Any, context: int) -> dict[str, float]:
     adapter = get_adapter(model)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     core = 0.0
     for i in range(adapter.num_layers()):
         attn: Any = adapter.attention(i)
@@ -44,7 +42,8 @@ def flops_per_token(model: Any, context: int) -> dict[str, float]:
         elif not list(attn.parameters()):  # dropped: no attention core
             continue
         else:
-            core += 4.0 * context * cfg.num_attention_heads * head_dim
+            spec = adapter.attention_spec(i)
+            core += 4.0 * context * spec.n_heads * spec.head_dim
     layers = sum(2.0 * _linear_weights(layer) for layer in adapter.decoder_layers())
     head = 2.0 * sum(p.numel() for p in model.get_output_embeddings().parameters())
     return {"linear": layers, "attention_core": core, "lm_head": head, "total": layers + core + head}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnslim import _compat
 from attnslim.errors import AttnslimError
 
 # Sites a method may request statistics at, for decoder layer i:
@@ -22,7 +23,7 @@ Callback = Callable[[str, torch.Tensor], None]
 
 def _pre_hook(site: str, cb: Callback) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        x = args[0] if args else kwargs["hidden_states"]
+        x = _compat.hidden_states_arg(args, kwargs)
         cb(site, x.detach())
 
     return hook

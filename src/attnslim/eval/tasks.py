@@ -14,12 +14,11 @@ give the same acc / acc_norm. What is mirrored from lm-eval 0.4 (HFLM, TemplateL
   * batching: requests of all tasks pooled, grouped by context + continuation[:-1] (one forward for single-token
     choices of one context), sorted by length descending, right-padded with token 0, no attention mask; so with
     the same batch size the batches are the same as lm-eval's, even for modules that are not strictly causal.
-Only the logits of the scored positions are computed (`logits_to_keep`); the values are the same positions'.
+Only the logits of the scored positions are computed (`_compat.last_logits`); the values are the same positions'.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.errors import AttnslimError
 from attnslim.eval.causal import require_causal
 
@@ -114,7 +114,6 @@ def loglikelihoods(
     reps.sort(key=lambda i: (-len(requests[i].key) - 1, requests[i].context + requests[i].continuation))
     device = next(model.parameters()).device
     max_len = _max_length(model)
-    keep_ok = "logits_to_keep" in inspect.signature(model.forward).parameters
     out = [0.0] * len(requests)
     for start in tqdm(range(0, len(reps), batch_size), desc="tasks", disable=not progress, leave=False):
         batch = reps[start : start + batch_size]
@@ -125,8 +124,7 @@ def loglikelihoods(
             ids[row, : len(x)] = torch.tensor(x)
         # first scored position over the batch; positions [first, width) are the only logits needed
         first = min(len(x) - len(requests[i].continuation) for x, i in zip(inps, batch, strict=True))
-        kwargs = {"logits_to_keep": width - first} if keep_ok else {}
-        logits = model(ids.to(device), **kwargs).logits  # (b, t_kept, vocab)
+        logits = model(ids.to(device), **_compat.last_logits(model, width - first)).logits  # (b, t_kept, vocab)
         offset = width - logits.shape[1]  # position of logits[:, 0]
         logp = torch.log_softmax(logits, dim=-1)  # in the logits' dtype, as lm-eval's default softmax_dtype
         for row, (x, i) in enumerate(zip(inps, batch, strict=True)):

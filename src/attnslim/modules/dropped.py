@@ -5,24 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
+from attnslim.modules.base import ReplacementAttention
 from attnslim.registry import register_module
 
 
 @register_module
-class DroppedAttention(nn.Module):
+class DroppedAttention(ReplacementAttention):
     def __init__(self, layer_idx: int, hidden_size: int) -> None:
         super().__init__()
         self.layer_idx, self.hidden_size = layer_idx, hidden_size
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
-        return torch.zeros_like(hidden_states), None
+        return torch.zeros_like(hidden_states)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "DroppedAttention"}

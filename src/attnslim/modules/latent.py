@@ -32,9 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import grouped_attention, repeat_kv, sliding_keep, softmax_attention
 from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.scores import heads
+from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
@@ -47,7 +50,7 @@ def _rank(module: nn.Module) -> int | None:
 
 
 @register_module
-class LatentAttention(nn.Module):
+class LatentAttention(ReplacementAttention):
     def __init__(
         self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *,
         q_proj: nn.Module, k_proj: LowRankLinear, v_proj: nn.Module, o_proj: nn.Module,
@@ -88,13 +91,9 @@ class LatentAttention(nn.Module):
         return table
 
     # --- projections ------------------------------------------------------------------------------
-    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        """(b, t, n·d_h) -> (b, n, t, d_h)."""
-        return y.view(*y.shape[:2], n, self.head_dim).transpose(1, 2)
-
     def _keys(self, c_k: torch.Tensor, start: int) -> torch.Tensor:
         """Key latents (b, T, r_k) -> rotated keys (b, n_kv, T, d_h) at positions start.. ."""
-        k = self._heads(F.linear(c_k, self.k_proj.b, self.k_proj.bias), self.n_kv_heads)
+        k = heads(F.linear(c_k, self.k_proj.b, self.k_proj.bias), self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return self._rope(k, start)
@@ -134,26 +133,24 @@ class LatentAttention(nn.Module):
         return key, value
 
     # --- forward -----------------------------------------------------------------------------------
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, t, d)
         b, t, _ = x.shape
         h, n_kv = self.n_heads, self.n_kv_heads
         past = _compat.cache_seq_length(past_key_values, self.layer_idx)
-        q = self._heads(self.q_proj(x), h)  # (b, h, t, d_h)
+        q = heads(self.q_proj(x), self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = self._rope(q, past)
         c_k = self.k_proj.latent(x)  # (b, t, r_k)
         if self.cache in ("dense", "values"):
             lv = self._latent_v()
-            v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
+            v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
             k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, self._keys(c_k, past), v_new)
         else:
             lv = self._latent_v()
-            v_new = self._heads(self.v_proj(x), n_kv) if lv is None else lv.latent(x)[:, None]
+            v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
             k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, c_k[:, None], v_new)
         kv = k_store.shape[-2]
         keep = self._keep(attention_mask, t, kv, x.device)
@@ -168,7 +165,7 @@ class LatentAttention(nn.Module):
             k = k_store
         out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
         out = out.transpose(1, 2).reshape(b, t, h * self.head_dim)  # (b, t, h·d_h)
-        return self.o_proj(out), None
+        return self.o_proj(out)
 
     def _keep(self, attention_mask: Any, t: int, kv: int, device: torch.device) -> torch.Tensor | None:
         return attention_keep(attention_mask, t, kv, device, self.sliding_window, self.softcap)
@@ -181,14 +178,14 @@ class LatentAttention(nn.Module):
         n_kv, g = self.n_kv_heads, self.n_heads // self.n_kv_heads
         lv = self._latent_v()
         if lv is not None and path == "decompress":
-            v_store = self._heads(F.linear(v_store[:, 0], lv.b, lv.bias), n_kv)  # (b, n_kv, kv, d_h)
+            v_store = heads(F.linear(v_store[:, 0], lv.b, lv.bias), self.head_dim)  # (b, n_kv, kv, d_h)
         out = self._core(q, k, v_store, keep)  # (b, h, t, d_h | r_v)
         if lv is None or path != "absorb":
             return out
         bv = lv.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_v)
         out = (out.view(b, n_kv, g, t, -1) @ bv[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
         if lv.bias is not None:  # softmax rows sum to one: the value bias passes through unchanged
-            out = out + self._heads(lv.bias.expand(1, 1, -1), n_kv).repeat_interleave(g, 1)
+            out = out + heads(lv.bias.expand(1, 1, -1), self.head_dim).repeat_interleave(g, 1)
         return out
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

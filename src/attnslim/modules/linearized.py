@@ -20,14 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
+from attnslim.modules.base import ReplacementAttention
 from attnslim.registry import register_module
 
 INPUTS = ("normed", "residual")
 
 
 @register_module
-class LinearizedAttention(nn.Module):
+class LinearizedAttention(ReplacementAttention):
     def __init__(
         self, layer_idx: int, hidden_size: int, input: str = "normed",
         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
@@ -51,12 +53,10 @@ class LinearizedAttention(nn.Module):
         self.weight.copy_(weight.to(self.weight))
         self.bias.copy_(bias.to(self.bias))
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
-        return F.linear(hidden_states, self.weight, self.bias), None  # (b, t, d)
+        return F.linear(hidden_states, self.weight, self.bias)  # (b, t, d)
 
     def kv_cache_bytes_per_token(self) -> int:
         return 1  # the position marker only

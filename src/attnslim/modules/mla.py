@@ -29,8 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.scores import heads
+from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
@@ -45,7 +48,7 @@ class _Fused(NamedTuple):
 
 
 @register_module
-class MLAAttention(nn.Module):
+class MLAAttention(ReplacementAttention):
     rope_freq: torch.Tensor | None  # (d_rope/2,) long: model frequency index of each rotary pair
 
     def __init__(
@@ -113,15 +116,9 @@ class MLAAttention(nn.Module):
             return q.new_zeros(*q.shape[:3], 0)
         return torch.einsum("bhtd,hed->bhte", q, maps)
 
-    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        """(b, t, n·d_h) -> (b, n, t, d_h)."""
-        return y.view(*y.shape[:2], n, self.head_dim).transpose(1, 2)
-
     # --- forward ----------------------------------------------------------------------------------------
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, t, d)
         b, t, _ = x.shape
         path = self.path if self.path != "auto" else ("absorb" if t <= FEW_QUERIES else "decompress")
@@ -135,7 +132,7 @@ class MLAAttention(nn.Module):
             keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             out = self._attend_latent(q_cat, store, keep, 1.0)  # `scaling` is in the fused query maps
         else:
-            q = self._heads(self.q_proj(x), self.n_heads)  # (b, h, t, d_h)
+            q = heads(self.q_proj(x), self.head_dim)  # (b, h, t, d_h)
             if self.q_norm is not None:
                 q = self.q_norm(q)
             q_r = self._project(q, self.q_rope)  # (b, h, t, d_rope)
@@ -150,7 +147,7 @@ class MLAAttention(nn.Module):
             else:
                 out = self._decompress(q, q_r, store, keep)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h·d_h)
-        return self.o_proj(out), None
+        return self.o_proj(out)
 
     def _absorb(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -206,7 +203,7 @@ class MLAAttention(nn.Module):
         b, t, _ = x.shape
         hd, r = self.n_heads * self.head_dim, self.rank
         y = F.linear(x, fused.w_in, fused.b_in)  # (b, t, h·d_h + r + d_rope)
-        q = self._heads(y[..., :hd], self.n_heads)  # (b, h, t, d_h)
+        q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q_cat = q @ fused.maps  # (b, h, t, r + d_rope)
@@ -222,7 +219,7 @@ class MLAAttention(nn.Module):
         b, kv, n_kv = store.shape[0], store.shape[2], self.n_kv_heads
         full = F.linear(store[:, 0, :, : self.rank], self.kv.b)  # (b, kv, D_n + n_kv·d_h)
         k = torch.cat([full[..., None, : self.nope_dims].transpose(1, 2), store[..., self.rank :]], dim=-1)
-        v = self._heads(full[..., self.nope_dims :], n_kv)  # (b, n_kv, kv, d_h)
+        v = heads(full[..., self.nope_dims :], self.head_dim)  # (b, n_kv, kv, d_h)
         q_n = self._project(q, self.q_nope)  # (b, h, t, D_n)
         k = k.expand(b, n_kv, kv, k.shape[-1])  # (b, n_kv, kv, D_n + d_rope): one key serves every head (view)
         pad = k.shape[-1] - self.head_dim if q.shape[2] > FEW_QUERIES else 0

@@ -30,11 +30,14 @@ import torch
 from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
 from attnslim.adapters.base import AttentionSpec
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import repeat_kv, softmax_attention
 from attnslim.linalg.pca import component_mask, principal_components, resolve_rank
 from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.scores import heads
+from attnslim.modules.base import ReplacementAttention
 from attnslim.registry import register_module
 
 SvdMethod = Literal["exact", "approx"]
@@ -82,7 +85,7 @@ def weight_only(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y - bias if bias is not None else y
 
 
-class SpecAttention(nn.Module):
+class SpecAttention(ReplacementAttention):
     """q/k/v/o linears (+ QK-norm) built from an AttentionSpec; parameter names match HF (`q_proj`, ...)."""
 
     q_proj: nn.Module  # nn.Linear, or a peft LoRA wrapper around it after `train/lora.py`
@@ -112,7 +115,7 @@ class SpecAttention(nn.Module):
 
     def heads(self, y: torch.Tensor) -> torch.Tensor:
         """(b, t, h*hd) -> (b, h, t, hd)."""
-        return y.view(*y.shape[:2], -1, self.head_dim).transpose(1, 2)
+        return heads(y, self.head_dim)
 
     def qk_post(self, q: torch.Tensor | None, k: torch.Tensor | None, cos_sin: Any) -> list[torch.Tensor | None]:
         """QK-norm then RoPE on (b, h, t, hd) queries/keys (either may be None)."""
@@ -199,10 +202,8 @@ class PrincipalKeyAttention(SpecAttention):
         out = softmax_attention(q, kp, vp, keep, self.scaling)  # (b, H, L, hd)
         return self.merge(out)
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         b, length = hidden_states.shape[:2]
         if _compat.cache_seq_length(past_key_values, self.layer_idx) > 0:
             raise AttnslimError(
@@ -213,7 +214,7 @@ class PrincipalKeyAttention(SpecAttention):
         _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
         real = real_tokens(attention_mask, length, b, hidden_states.device)
         u, xp, valid = self.decompose(hidden_states, real)
-        return self.principal_attention(hidden_states, u, xp, valid, position_embeddings, real.sum(-1)), None
+        return self.principal_attention(hidden_states, u, xp, valid, position_embeddings, real.sum(-1))
 
     def kv_cache_bytes_per_token(self) -> int:
         return 1  # the position marker only: this layer cannot decode

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
-from attnslim._compat import PrincipalCacheLayer
+from attnslim._compat import AttentionCall, PrincipalCacheLayer
 from attnslim.adapters.base import AttentionSpec
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import repeat_kv, softmax_attention
@@ -251,23 +251,21 @@ class PrincipalCacheAttention(SpecAttention):
         return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=bias,
                                               scale=self.scaling)
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, t, hidden)
         q, k = self.qk_post(self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), position_embeddings)
         assert q is not None and k is not None
         v = self.heads(self.v_proj(x))  # q (b, H, t, hd); k, v (b, n_kv, t, hd)
         layer = _compat.cache_layer(past_key_values, self.layer_idx)
         if isinstance(layer, PrincipalCacheLayer):
-            return self.merge(self._decode(q, k, v, layer, attention_mask)), None
+            return self.merge(self._decode(q, k, v, layer, attention_mask))
         if _compat.cache_seq_length(past_key_values, self.layer_idx) > 0:
             raise AttnslimError(
                 f"layer {self.layer_idx}: the KV cache already holds uncompressed entries; PrincipalCacheAttention "
                 "must see the whole prompt in its first cached forward (use a fresh cache)"
             )
-        return self.merge(self._prefill(x, q, k, v, attention_mask, past_key_values)), None
+        return self.merge(self._prefill(x, q, k, v, attention_mask, past_key_values))
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PrincipalCacheLayer, attention_mask: Any

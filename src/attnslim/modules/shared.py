@@ -34,11 +34,13 @@ import torch
 from torch import nn
 
 from attnslim import _compat
+from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import sliding_keep
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import attend, heads, qk_scores
 from attnslim.modules.aligner import Aligner
+from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.score_link import ScoreLink
 from attnslim.registry import register_module
 
@@ -114,7 +116,7 @@ def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, device: to
 
 
 @register_module
-class DonorAttention(nn.Module):
+class DonorAttention(ReplacementAttention):
     """Standard attention rebuilt from a layer's spec (same weights and output) that exports its scores.
 
     Parameter names follow HF (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm), so adapters still read its
@@ -131,10 +133,8 @@ class DonorAttention(nn.Module):
         self.o_proj = _linear_from(spec.o, spec.o_bias)
         self.export: ScoreLink | None = None
 
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, l, hidden)
         q, k = _qk(self, x, position_embeddings)
         v = heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
@@ -143,7 +143,7 @@ class DonorAttention(nn.Module):
         if self.export is not None:
             self.export.put(scores)
         keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], x.device)
-        return self.o_proj(attend(scores, v, keep)), None
+        return self.o_proj(attend(scores, v, keep))
 
     def kv_cache_bytes_per_token(self) -> int:
         return 2 * self.shape.n_kv_heads * self.shape.head_dim * next(self.v_proj.parameters()).element_size()
@@ -194,7 +194,7 @@ def _lr_cos_sin(cos_sin: tuple[torch.Tensor, torch.Tensor], r: int) -> tuple[tor
 
 
 @register_module
-class SharedAttention(nn.Module):
+class SharedAttention(ReplacementAttention):
     """Attention whose scores come from the previous layer (aligned + compensated); own V and W_o."""
 
     def __init__(self, spec: AttentionSpec, cfg: SharingConfig) -> None:
@@ -243,10 +243,8 @@ class SharedAttention(nn.Module):
             self.q_lr.weight.zero_()  # A_delta = 0 at the start; k_lr keeps its init so q_lr gets gradient
 
     # --- forward ---------------------------------------------------------------------------------
-    def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-        past_key_values: Any = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        hidden_states, position_embeddings, attention_mask, past_key_values = call
         x, s, cfg = hidden_states, self.shape, self.cfg  # x (b, l, hidden)
         b, l, _ = x.shape
         past = _compat.cache_seq_length(past_key_values, self.layer_idx)
@@ -271,7 +269,7 @@ class SharedAttention(nn.Module):
         if self.score_sink is not None:
             self.score_sink(self.layer_idx, scores)
         keep = _keep(s, attention_mask, l, t, x.device)
-        return self.o_proj(attend(scores, v, keep)), None
+        return self.o_proj(attend(scores, v, keep))
 
     def _k_lr(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
         assert self.k_lr is not None

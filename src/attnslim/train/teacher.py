@@ -9,9 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
-
-_CACHE_ARGS = ("past_key_values", "past_key_value", "use_cache", "cache_position")
 
 
 class _TeacherDone(Exception):
@@ -31,9 +30,8 @@ def teacher_attention(
 
     def hook(i: int) -> Any:
         def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            call = {k: v for k, v in kwargs.items() if k not in _CACHE_ARGS}
-            if args:
-                call["hidden_states"] = args[0]
+            call = {k: v for k, v in kwargs.items() if k not in _compat.CACHE_KWARGS}
+            call["hidden_states"] = _compat.hidden_states_arg(args, kwargs)
             collect(i, call, (out[0] if isinstance(out, tuple) else out).detach())
             if i == max(layers):
                 raise _TeacherDone
