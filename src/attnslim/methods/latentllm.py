@@ -28,14 +28,14 @@ group budget of the uniform rule but moves rank between the matrices greedily, b
 per weight (each matrix's energy normalised to 1). alloc=global runs that greedy across layers too: each group's
 budget summed over the layers (so the kept fractions of attention and MLP hold model-wide, not per layer); it
 needs statistics of every layer first (a dense pass), then refits each layer on the compressed upstream.
-Measured at 80% of all parameters with joint UD (benchmarks/latentllm.py, small run): global 2.49/4.88/5.45x
-wiki/ptb/c4 against 2.23/4.03/5.68x for spectrum: it does not beat the per-layer rule, so it is not the default.
+Measured against each other (BENCHMARKS.md, section LatentLLM): global does not beat the per-layer rule, so it is
+not the default.
 kv_ratio bounds r_k + r_v by a kept fraction of the dense
 KV cache, split between k and v by spectrum energy per cached value (q/o then share the rest of the budget).
 Deviations from the paper, and why:
-- alloc=spectrum by default: on SmolLM2-135M at 80% kept attention the uniform rule costs 1.35x dense wiki
-  ppl, mostly from V, whose whitened spectrum is nearly flat;
-  spectrum allocation keeps V near full rank and gives 1.01x at the same parameter count.
+- alloc=spectrum by default: the uniform rule loses most of its perplexity in V, whose whitened spectrum is
+  nearly flat; the spectrum allocation keeps V near full rank at the same parameter count (BENCHMARKS.md,
+  section LatentLLM).
 - A matrix allocated its full rank (r = min(d_out, d_in); alloc=spectrum often keeps V there) is installed as
   one dense nn.Linear holding B A: the same weight count as the block-identity factors, the same map, and no
   second matmul or index gather at decode. With a dense v_proj the module caches full values for that layer.
@@ -46,11 +46,10 @@ Deviations from the paper, and why:
   Joint QK refuses r_q or r_k below head_dim (the issue's rule), which rules out compressing MQA keys.
 - joint QK with a pre-conditioner other than rootcov (Table 1 ablation) runs the same HOSVD with P in place
   of C^{1/2}; rootcov uses the bias-aware form (§3.7) when q and k have biases.
-- Table 1/2 on SmolLM2 (benchmarks/latentllm.py, results/latentllm-table.json, wiki ppl x dense, 80% kept
-  attention, uniform ranks): identity 1193, hessian 7.1, l1 2.5, l2 1.11, cov 1.15, rootcov 1.25. Root-cov
-  minimises each matrix's activation loss (tested) but not perplexity here; with the spectrum allocation l2
-  gives 1.000x against 1.010x at 80% but 1.200x against 1.083x at 50%, so rootcov stays the default. Joint V/O:
-  1.18x against 1.25x (uniform), 1.016x against 1.010x (spectrum): Remark 11 holds with the spectrum allocation.
+- Table 1/2 (pre-conditioners; benchmarks/latentllm.py, results/latentllm-table.json): root-cov minimises each
+  matrix's activation loss (tested) but is not the best perplexity at mild compression; it is at strong
+  compression with the spectrum allocation, so rootcov stays the default. Joint V/O against local V/O: Remark 11
+  holds with the spectrum allocation (BENCHMARKS.md, section LatentLLM).
 - joint_ud keeps the iterate with the lowest output error on its calibration sample (ud_keep_best, default
   true) instead of the last one: the alternating scheme does not guarantee improvement (notes §13.6), and
   this way it is never worse than local compression on that sample. Its work dtype is float32.

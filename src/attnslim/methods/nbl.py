@@ -27,13 +27,12 @@ Deviations from the paper / reference implementation, and why:
   1.06/1.32/1.21, resid 1.08/1.76/1.29, probe 1.06/1.51/1.24, cca (the paper) 1.59/1.84/1.74; at m = 12
   similarity 1.22/1.88/1.76, resid 1.23/2.15/1.70, probe 1.65/3.45/1.85 (single-layer costs do not add up).
   `resid` (the fit error relative to the stream) ranks single layers well but picks the last six layers in
-  a row, where errors compound. The ridge does not matter at 32 calibration windows (nbl.py --groups ridge,
-  8192 tokens, m = 6): 1e-4 and 1e-2 give 1.065/1.30/1.17 wiki/ptb/c4, as the default 1e-6 does. Exploratory
+  a row, where errors compound. The ridge does not matter at 32 calibration windows (nbl.py --groups ridge:
+  1e-4 and 1e-2 give the default 1e-6's perplexity; BENCHMARKS.md, section NBL). Exploratory
   runs not kept in benchmarks/ (so quoted without numbers): weighting the fit by 1/‖h + Y‖² (the `resid`
   objective) did not change perplexity measurably, and a greedy measured selection on 2x256 probe tokens
   overfit the probe.
-  8192-token protocol (results/nbl.json, nbl-calib.json): similarity m = 6 1.065x wiki, m = 12 1.211x with 32
-  calibration windows; 1.050x and 1.163x with 256 (the d x d maps need the data; recipes/nbl.yaml uses 256).
+  More calibration windows help the d x d maps (results/nbl-calib.json), so recipes/nbl.yaml uses 256.
 - architectures with a norm on the attention output (Gemma-3's post_attention_layernorm): the fit target stays
   the attention output (the replacement sits before that norm), but `similarity` and `resid` score what the
   stream receives, norm(Y), with the norm's per-token gain ‖norm(y)‖/‖y‖ on the fit error (its per-channel

@@ -23,9 +23,9 @@ is unremarkable, while its key is not):
   "hybrid"        (default) half of the budget after the sinks to the most recent prefix tokens (exact), the other half
                   to "principal" picks among the older tokens: recency carries the local context a continuation
                   leans on (the sink + recent baseline is hard to beat on C4), the pivots the rest of the
-                  prompt's principal subspace; dropped tokens' mass is merged as for "principal". Measured
-                  (benchmarks/atp.py, r = P/4): 1.09x / 1.03x full-cache continuation ppl on wiki / C4, against
-                  1.12x / 1.12x for "principal" alone and 1.17x / 1.00x for sink + recent.
+                  prompt's principal subspace; dropped tokens' mass is merged as for "principal". It is the
+                  default because it beats "principal" alone on both sets and sink + recent on wiki
+                  (benchmarks/atp.py; BENCHMARKS.md, section ATP).
   "principal-mix" the paper's literal principal keys K′ = Uᵀ·RoPE(K), V′ = UᵀV (orthonormal basis; keys
                   rotated at their own positions before projection, notes §3.5 "full path"); an ablation.
   "recent"        baseline at equal KV budget: the last r prefix tokens (cache = the most recent r + window).

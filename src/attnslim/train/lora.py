@@ -8,39 +8,30 @@ text source, and `loss` picks the objective:
                 one target per sequence (the paper's task loss, adapted to a prompt-only window)
   "last_kd"     distillation at the last position: KL(teacher ‖ model) of the next-token distributions of the
                 original model (`teacher`) and the model at the prompt's last position — leak-free like
-                "last_token", but a full distribution per sequence instead of one token (not in the paper;
-                from the V′/√L layer on all 30 layers at 0.53: 0.41 after 40 steps at lr 1e-3, 0.45 at 2e-4,
-                0.47 after 120 steps at 2e-4)
+                "last_token", but a full distribution per sequence instead of one token (not in the paper)
   "kd"          distillation at every position: KL(teacher ‖ model) averaged over all prompt positions. The
                 teacher's distribution at t depends on tokens ≤ t only, so its minimiser is the teacher itself
                 whatever the non-causal layer sees after t — leak-free with b·t targets per batch (not in the
-                paper). From the V′/√L layer on all 30 layers at 0.53, at lr 1e-3: 40 steps 0.56 (final KL 3.7
-                nats), 150 steps 0.67 (KL 2.4; the best all-layer recovery measured), 300 steps 0.61 (KL 2.4,
-                39 min on 2 threads): the accuracy plateaus at this batch (4 × 256 tokens); at lr 2e-4, 40 steps 0.49;
-                with LoRA on every linear (targets q/k/v/o/gate/up/down), 40 steps 0.58 (KL 3.68): more adapter
-                capacity does not move the plateau either; batch 16 for 60 steps (1.6× the tokens of 150 × 4)
-                gives 0.57 (KL 3.34, 30 min): on a CPU budget optimizer steps matter more than batch size
+                paper). The best all-layer recovery measured; its accuracy plateaus with steps at this batch,
+                and neither LoRA on every linear nor larger batches move the plateau: on a CPU budget optimizer
+                steps matter more than batch size
   "hidden"      hidden-state distillation: every decoder layer's output, on the model's own converted upstream,
                 pulled towards the original model's at every position (relative squared error per position) —
                 unlike "layer", it trains against the errors that compound through the converted layers; leak-
-                free like "kd" (not in the paper). From the V′/√L layer on all 30 layers at 0.53: 0.51 after 40
-                steps at lr 1e-3
+                free like "kd" (not in the paper)
   "layer"       layer-local distillation against the original model (train/layer_match.py): every replaced
                 attention layer matches the dense layer's output at every position, on the dense input — not
-                in the paper; b·t·d targets per layer per batch instead of b. Measured (benchmarks/atp.py, paper
-                layer at 1/2 keys with V′/√L on all 30 layers, 40 steps at lr 1e-3, acc 0.53 before): "layer"
-                0.59 in 270 s, "last_token" 0.44 in 317 s; on the last 3 layers without V′/√L (0.68 before)
-                both reach 0.78, "layer" in 90 s, "last_token" in 790 s (partly contended).
+                in the paper; b·t·d targets per layer per batch instead of b. Faster to recover than
+                "last_token" at equal steps
   "choice"      the paper's task fine-tuning (§5.2: "we first finetune the model on the datasets", then
                 validate): multiple-choice next-word items (eval/choice.py) built from the *calibration* split,
                 one item per sequence, each used once; cross-entropy over the candidates' logits at the last
                 position (the paper's "probability on the four tokens A, B, C, D"). The evaluation items come
                 from the evaluation split, so no item or text is shared. It teaches the task, not the language
                 model: use it after a distillation recovery, and compare with the dense model given the same
-                fine-tuning. Measured (benchmarks/atp.py --task-steps 100 --task-lr 1e-3): after "kd" 150 steps
-                on all 30 layers (0.67), 100 steps (400 items) give 0.65 — no gain; its 20-step means stay at 1.0-1.3
-                nats (chance: 1.39; single steps of 4 items range 0.06-2.5): one labelled position per
-                256-token sequence is too little signal here.
+                fine-tuning. After a "kd" recovery it gave no gain: one labelled position per 256-token
+                sequence is too little signal here.
+Every loss above is measured against the others in BENCHMARKS.md, section ATP (benchmarks/atp.py).
 Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
 for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
