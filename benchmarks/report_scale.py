@@ -1,0 +1,55 @@
+"""BENCHMARKS.md sections for the offloading results (scale.json, offload_time.json); used by make_report.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _env(env: dict[str, Any]) -> str:
+    return (f"Device {env['device']} ({env['threads']} threads); torch {env['torch']}, transformers "
+            f"{env['transformers']}, attnslim {env['attnslim']}.")
+
+
+def scale_section(data: dict[str, Any]) -> list[str]:
+    s, cal = data["shapes"], data["calibration"]
+    out = ["## Offloaded compression at Llama-3-8B shapes (random weights)", "",
+           f"Command: `OMP_NUM_THREADS={data['environment']['threads']} .venv/bin/python "
+           f"{data['environment']['command']}` → `benchmarks/results/scale.json`.  ",
+           f"**{data['note']}** Shapes: hidden {s['hidden_size']}, {s['num_attention_heads']} heads, "
+           f"{s['num_key_value_heads']} KV heads, FFN {s['intermediate_size']}, vocab {s['vocab_size']}; bf16 on "
+           f"disk, compute dtype {data['dtype']}, `compress --offload` in a fresh process per run. Calibration: "
+           f"{cal['windows']} × {cal['seq_len']} tokens of {cal['source']}. Layer subsets of the "
+           f"{data['full_model_layers']}-layer model (see the depth column).  ", _env(data["environment"]), "",
+           "| method | layers | converted | peak RSS (MB) | calibration s/layer | conversion s/converted layer | "
+           "total s | checkpoint GB | output GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["runs"]:
+        out.append(f"| {r['method']} | {r['layers']} | {len(r['converted_layers'])} | {r['peak_rss_mb']:,.0f} | "
+                   f"{r['calibration_s_per_layer']} | {r['conversion_s_per_converted_layer']} | {r['seconds']} | "
+                   f"{r['checkpoint_bytes'] / 1e9:.2f} | {r['output_bytes'] / 1e9:.2f} |")
+    out += ["", "Extrapolation to 70B shapes (hidden 8192, FFN 28672, 80 layers) from the deepest run, under the "
+            "stated assumptions (not measured):", ""]
+    for method, e in data["extrapolation_70b"].items():
+        out.append(f"- {method}: ~{e['hours_if_every_layer_converted']} h if every layer is converted, peak RSS "
+                   f"~{e['peak_rss_mb_estimate']:,.0f} MB ({e['assumptions']}).")
+    return out + [""]
+
+
+def offload_time_section(data: dict[str, Any]) -> list[str]:
+    cal, med = data["calibration"], data["median_seconds"]
+    return ["## Offloaded against in-memory compression (SmolLM2-135M)", "",
+            f"Command: `OMP_NUM_THREADS={data['environment']['threads']} .venv/bin/python "
+            f"{data['environment']['command']}` → `benchmarks/results/offload_time.json`.  ",
+            f"Method {data['method']} {data['args']}, calibration {cal['windows']} × {cal['seq_len']} tokens of "
+            f"{cal['source']}; the two paths run in turn in one process, medians of "
+            f"{len(data['seconds']['in_memory'])} runs each.  ", _env(data["environment"]), "",
+            "| path | median s | runs (s) |", "|---|---|---|",
+            f"| in memory | {med['in_memory']} | {data['seconds']['in_memory']} |",
+            f"| offloaded | {med['offloaded']} | {data['seconds']['offloaded']} |", "",
+            f"Offloaded / in memory: **{data['ratio_offloaded_to_in_memory']}×**; weights bit-identical in every "
+            f"run: **{data['bit_identical']}**.", ""]
+
+
+SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "scale": scale_section, "offload_time": offload_time_section,
+}

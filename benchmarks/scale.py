@@ -1,0 +1,181 @@
+"""Offloaded compression at Llama-3-8B shapes: peak RSS, seconds per layer, output size (issue 22, item 4).
+
+Writes random-weight bf16 checkpoints with Llama-3-8B shapes (hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab
+128256) and `--depths` decoder layers (the full model has 32), then compresses each with `compress --offload
+--dtype bfloat16` in a fresh process per run, so each run's peak RSS is its own. RANDOM WEIGHTS SAY NOTHING ABOUT
+QUALITY: this measures memory and time only; quality is measured on the real models (BENCHMARKS.md).
+
+    .venv/bin/python benchmarks/scale.py --depths 2,4 --work /tmp/attnslim-scale
+writes benchmarks/results/scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, environment  # noqa: E402
+
+SHAPES = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+          "vocab_size": 128256, "head_dim": 128}
+SHAPES_70B = {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+              "vocab_size": 128256, "head_dim": 128, "layers": 80}
+RECIPES = {  # method -> (args, steps' layers); nbl picks m of the candidates
+    "latentllm": {"ratio": 0.8, "qk": "joint", "vo": "separate", "mlp": "none", "cache": "latent"},
+    "nbl": {"m": 1, "criterion": "similarity", "input": "normed"},
+}
+
+
+def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> None:
+    """A Llama checkpoint of random bf16 weights, one shard per decoder layer, and the packaged tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from attnslim.models.load import checkpoint_directory
+
+    directory.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES, num_hidden_layers=layers, rope_theta=500000.0, max_position_embeddings=8192,
+                         tie_word_embeddings=False, dtype="bfloat16")
+    config.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # ids < 49152 < vocab: any tokenizer of that size does
+        shutil.copy(checkpoint_directory("smollm2-135m") / name, directory / name)
+    gen = torch.Generator().manual_seed(seed)
+    d, kv, ffn = SHAPES["hidden_size"], SHAPES["num_key_value_heads"] * SHAPES["head_dim"], SHAPES["intermediate_size"]
+    weight_map = {}
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    n = layers + 1
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        state = {p + "self_attn.q_proj.weight": rand(d, d), p + "self_attn.k_proj.weight": rand(kv, d),
+                 p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, d),
+                 p + "mlp.gate_proj.weight": rand(ffn, d), p + "mlp.up_proj.weight": rand(ffn, d),
+                 p + "mlp.down_proj.weight": rand(d, ffn), p + "input_layernorm.weight": torch.ones(d).bfloat16(),
+                 p + "post_attention_layernorm.weight": torch.ones(d).bfloat16()}
+        save_file(state, str(directory / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, shard))
+        del state
+    shard = f"model-{n:05d}-of-{n:05d}.safetensors"
+    vocab = SHAPES["vocab_size"]
+    state = {"model.embed_tokens.weight": rand(vocab, d), "lm_head.weight": rand(vocab, d),
+             "model.norm.weight": torch.ones(d).bfloat16()}
+    save_file(state, str(directory / shard), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(state, shard))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def child(src: Path, out: Path, method: str, windows: int, seq_len: int, m: int) -> dict[str, Any]:
+    """One offloaded compression in this process, with calibration (layer forwards) and conversion timed apart."""
+    from attnslim.api import compress_offloaded
+    from attnslim.calib.runner import LayerRunner
+    from attnslim.methods import lookup_method
+    from attnslim.recipe import recipe_from_dict
+
+    spent = {"calibration": 0.0, "conversion": 0.0}
+
+    def timed(fn: Any, key: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return wrapper
+
+    cls = lookup_method(method)
+    LayerRunner.run_layer = timed(LayerRunner.run_layer, "calibration")  # type: ignore[method-assign]
+    cls.convert = timed(cls.convert, "conversion")  # type: ignore[method-assign]
+    args = dict(RECIPES[method], **({"m": m} if method == "nbl" else {}))
+    recipe = recipe_from_dict({"name": f"scale-{method}",
+                               "calibration": {"source": "wiki", "windows": windows, "seq_len": seq_len, "seed": 0,
+                                               "batch_size": 2},
+                               "steps": [{"method": method, "layers": "all", "args": args}]})
+    start = time.perf_counter()
+    report = compress_offloaded(src, recipe, out, dtype=torch.bfloat16, progress=False)
+    seconds = time.perf_counter() - start
+    chosen = sorted(int(k) for k in report.steps[0]["plan"]["layers"])
+    return {"seconds": round(seconds, 1), "calibration_s": round(spent["calibration"], 1),
+            "conversion_s": round(spent["conversion"], 1), "converted_layers": chosen,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "output_bytes": sum(f.stat().st_size for f in out.iterdir()),
+            "params_before": report.params_before, "params_after": report.params_after}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depths", default="2,4", help="decoder layers of the checkpoints (the full 8B has 32)")
+    ap.add_argument("--methods", default="latentllm,nbl")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/attnslim-scale"))
+    ap.add_argument("--child", nargs=5, metavar=("SRC", "OUT", "METHOD", "M", "-"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        src, out, method, m, _ = a.child
+        print(json.dumps(child(Path(src), Path(out), method, a.windows, a.seq_len, int(m))))
+        return
+    free = shutil.disk_usage(a.work.parent if not a.work.exists() else a.work).free
+    runs = []
+    for depth in (int(x) for x in a.depths.split(",")):
+        src = a.work / f"llama3-8b-shapes-{depth}L"
+        if not src.exists():
+            start = time.perf_counter()
+            write_checkpoint(src, depth)
+            print(f"wrote {src} in {time.perf_counter() - start:.0f} s", flush=True)
+        size = sum(f.stat().st_size for f in src.iterdir())
+        for method in a.methods.split(","):
+            out = a.work / f"out-{method}-{depth}L"
+            shutil.rmtree(out, ignore_errors=True)
+            m = max(1, depth // 4)  # nbl: a quarter of the layers (8 of 32 on the full model)
+            cmd = [sys.executable, __file__, "--windows", str(a.windows), "--seq-len", str(a.seq_len),
+                   "--child", str(src), str(out), method, str(m), "-"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"{method} at {depth} layers failed:\n{proc.stderr[-3000:]}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            per_layer = {"calibration_s_per_layer": round(result["calibration_s"] / depth, 2),
+                         "conversion_s_per_converted_layer":
+                             round(result["conversion_s"] / max(1, len(result["converted_layers"])), 2)}
+            runs.append({"method": method, "layers": depth, "checkpoint_bytes": size, **result, **per_layer})
+            print(json.dumps(runs[-1]), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+            (RESULTS / "scale.json").write_text(json.dumps({  # after every run: a cut-short sweep keeps its runs
+                "note": "RANDOM WEIGHTS: these runs measure memory and time only and say nothing about quality.",
+                "environment": environment(), "shapes": SHAPES, "full_model_layers": 32, "dtype": "bfloat16",
+                "calibration": {"source": "wiki", "windows": a.windows, "seq_len": a.seq_len},
+                "disk_free_bytes_before": free, "runs": runs, "extrapolation_70b": extrapolate(runs),
+            }, indent=1))
+
+
+def extrapolate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """70B shapes from the deepest run per method: per-layer time scales with the layer's weights (×4 for
+    hidden 8192 / FFN 28672 against 4096 / 14336), memory with one layer plus the embeddings (×2 per dimension)."""
+    out = {}
+    for method in sorted({r["method"] for r in runs}):
+        r = max((r for r in runs if r["method"] == method), key=lambda r: r["layers"])
+        scale = 4.0
+        seconds = SHAPES_70B["layers"] * (r["calibration_s_per_layer"] * scale) + \
+            SHAPES_70B["layers"] * (r["conversion_s_per_converted_layer"] * scale * 8)
+        out[method] = {"basis_layers": r["layers"], "hours_if_every_layer_converted": round(seconds / 3600, 1),
+                       "peak_rss_mb_estimate": round(r["peak_rss_mb"] * 2, 0),
+                       "assumptions": "per-layer calibration time x4 (weights x4); conversion x8 (SVDs and solves "
+                                      "cost grows ~cubically with hidden 4096 -> 8192); RSS x2 (embeddings and "
+                                      "one layer's working set)"}
+    return out
+
+
+if __name__ == "__main__":
+    main()
