@@ -12,7 +12,7 @@ from html import escape
 
 W, H, PAD = 560, 260, 48
 BLUE, RED, GREEN, GREY = "#4a7ab5", "#c0392b", "#2e8b57", "#777"
-COLORS = [BLUE, "#c33", "#3a3", "#a6c", "#e90"]
+COLORS = [BLUE, "#c33", "#3a3", "#a6c", "#e90", "#222", "#0aa", "#963"]
 CHAR = 0.62  # upper estimate of a sans-serif glyph's width, as a fraction of the font size
 
 
@@ -177,8 +177,9 @@ def ratio_chart(title: str, rows: list[tuple[str, float, str | None]], subtitle:
 
 
 def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str, y_label: str,
-               x_from_zero: bool = False) -> str:
-    """Lines with points; the y axis spans the data (rounded), the x axis too (from 0 with `x_from_zero`)."""
+               x_from_zero: bool = False, connect: bool = True, subtitle: str = "") -> str:
+    """Lines with points (points alone with connect=False: a scatter plot); the y axis spans the data (rounded),
+    the x axis too (from 0 with `x_from_zero`)."""
     series = {k: [(x, y) for x, y in v if math.isfinite(x) and math.isfinite(y)] for k, v in series.items()}
     points = [p for s in series.values() for p in s] or [(0.0, 0.0)]
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -195,7 +196,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
     def at(x: float, y: float) -> tuple[float, float]:
         return left + (x - x_ticks[0]) / x_span * (right - left), bottom - (y - y_ticks[0]) / y_span * (bottom - top)
 
-    parts = [svg_open(W, H), *_title(W, title), *_y_axis(left, right, top, bottom, y_ticks, y_label),
+    parts = [svg_open(W, H), *_title(W, title, subtitle), *_y_axis(left, right, top, bottom, y_ticks, y_label),
              f'<line x1="{left:.1f}" y1="{bottom:.1f}" x2="{right:.1f}" y2="{bottom:.1f}" stroke="#333"/>',
              f'<text x="{(left + right) / 2:.1f}" y="{H - 4}" text-anchor="middle">{escape(x_label)}</text>']
     gap = (right - left) / max(len(x_ticks) - 1, 1)
@@ -209,7 +210,8 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         color = COLORS[k % len(COLORS)]
         coords = [(at(x, y), (x, y)) for x, y in sorted(pts)]
         path = " ".join(f"{cx:.1f},{cy:.1f}" for (cx, cy), _ in coords)
-        parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        if connect:
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
         for (cx, cy), (x, y) in coords:
             parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3.5" fill="{color}"><title>{escape(name)}: '
                          f'{x:.4g}, {y:.4g}</title></circle>')
