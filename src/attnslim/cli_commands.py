@@ -121,6 +121,16 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("serve", help="serve a model (dense, or an nbl / drop output) with vLLM's OpenAI-compatible "
+                       "server (needs `make serve-setup`)")
+    p.add_argument("model", help="a compressed directory, a checkpoint directory or a zoo name")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="clients must send this key (handed to vLLM)")
+    p.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -359,3 +369,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     html, md = write_report(args.directory)
     print(f"wrote {html} and {md}")
     return 0
+
+
+@command("serve")
+def cmd_serve(args: argparse.Namespace) -> int:
+    from attnslim.serving.launch import ServeArgs, serve
+
+    serve(ServeArgs(args.model, args.host, args.port, args.api_key, args.dtype, args.max_model_len, args.kv_cache_gib))
+    return 0  # not reached: serve() execs vLLM

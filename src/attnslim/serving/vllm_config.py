@@ -1,6 +1,6 @@
 """The transformers config vLLM reads an attnslim directory with (registered by the plugin for model_type
 "attnslim"): the base Llama config, with the architecture pointed at attnslim's vLLM model, so that
-`vllm serve DIR` needs no override and never runs the directory's remote code."""
+vLLM serves the directory with no --hf-overrides and never runs the directory's remote code."""
 
 from __future__ import annotations
 
