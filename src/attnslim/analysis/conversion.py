@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
 from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method
@@ -52,7 +53,7 @@ def last_log_probs(model: Any, prompts: torch.Tensor, batch_size: int = 8) -> to
     return torch.cat(parts).log_softmax(-1).cpu()
 
 
-def _checked_entries(adapter: Any, method: Method, layers: list[int]) -> dict[str, Any]:
+def _checked_entries(adapter: Adapter, method: Method, layers: list[int]) -> dict[str, Any]:
     """The method's plan entries for `layers` (its own checks apply, e.g. atp refuses sliding layers)."""
     if method.collector(adapter, layers[0]).sites:
         raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "

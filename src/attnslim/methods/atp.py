@@ -54,6 +54,7 @@ from typing import Any
 
 from torch import nn
 
+from attnslim.adapters.base import Adapter
 from attnslim.methods.base import Method, require
 from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
 from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
@@ -100,7 +101,7 @@ class Atp(Method):
                     "null with form serving (its prefill is exact attention; recovery trains the paper form)")
             self.lora_recipe()  # unknown keys and bad values fail before any layer is converted
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         entries = {}
         for i in layers:
             spec = adapter.attention_spec(i)
@@ -109,7 +110,7 @@ class Atp(Method):
             entries[str(i)] = {"module": self._module_name(), "rank": self.rank}
         return {"layers": entries}
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self.skeleton(adapter, layer, entry)  # the module copies the original weights from the spec
 
     def lora_recipe(self) -> Any:
@@ -137,7 +138,7 @@ class Atp(Method):
                                        teacher=teacher, converted=converted)
         return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         adapter.replace_attention(layer, self.build(adapter.attention_spec(layer)))
 
     def build(self, spec: Any) -> nn.Module:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
+from attnslim.adapters.base import Adapter
 from attnslim.calib.stats import GramStats
 from attnslim.errors import AttnslimError
 
@@ -67,20 +69,20 @@ class Method:
     sequential: ClassVar[bool] = True
     selects_layers: ClassVar[bool] = False
 
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         return NoStats()
 
-    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
         """Called once before a step converts `layers`, on the model as it enters the step (latentllm solves
         its total_ratio here). Default: nothing."""
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         raise NotImplementedError
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def probe_windows(self) -> int:
@@ -89,7 +91,7 @@ class Method:
         increase as its "probe" score, and only then calls `plan`."""
         return 0
 
-    def trial(self, adapter: Any, layer: int, stats: Any) -> AbstractContextManager[None]:
+    def trial(self, adapter: Adapter, layer: int, stats: Any) -> AbstractContextManager[None]:
         """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
         raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
 
@@ -128,3 +130,13 @@ def require(cond: bool, method: str, key: str, value: Any, valid: str) -> None:
     """Validation helper for __post_init__: ValueError naming the key, the value and the valid range."""
     if not cond:
         raise AttnslimError(f"method {method!r}: {key}={value!r} is invalid; valid: {valid}")
+
+
+def dense_linear(adapter: Adapter, layer: int, name: str, method: str) -> nn.Linear:
+    """Layer `layer`'s linear `name` as the plain nn.Linear a factorising method starts from, or a refusal naming
+    what an earlier step made of it."""
+    lin = adapter.linear(layer, name)
+    if not isinstance(lin, nn.Linear):
+        raise AttnslimError(f"{method}: layer {layer} {name} is a {type(lin).__name__}, not a dense Linear (an earlier "
+                            "step replaced it); leave this linear out of one of the two steps")
+    return lin

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attnslim.adapters.base import Adapter
 from attnslim.methods.base import Collector, Method, NoStats, require
 from attnslim.modules.dropped import DroppedAttention
 from attnslim.registry import register_method
@@ -62,12 +63,12 @@ class Drop(Method):
             require(self.count is not None and self.count >= 0, self.name, "count", self.count,
                     "an integer >= 0 (how many candidate layers to drop)")
 
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         if self.select == "given":
             return NoStats()
         return SimilarityCollector(adapter.attention_output_norm(layer))
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         if self.select == "given":
             return {"layers": {str(i): {} for i in layers}}
         assert self.count is not None
@@ -79,8 +80,8 @@ class Drop(Method):
             "importance": {str(i): round(v, 6) for i, v in importance.items()},
         }
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self.skeleton(adapter, layer, entry)
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         adapter.replace_attention(layer, DroppedAttention(layer, adapter.config.hidden_size))

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.joint_ud import joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
@@ -159,14 +160,14 @@ class LatentLLM(Method):
         return self.junction == "block_identity"
 
     # --- statistics and plan ----------------------------------------------------------------------
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         o_in = self.vo == "separate" or (self.vo == "joint" and self.alloc == "spectrum")
         sites = {"attn_in"} | ({"o_in"} if o_in else set())
         if self.mlp == "local" or (self.mlp != "none" and self.alloc in ("spectrum", "global")):
             sites |= {"mlp_in", "down_in"}
         return LatentCollector(sites, self.ud_tokens if self.mlp == "joint_ud" else 0, self.seed + layer)
 
-    def _shapes(self, adapter: Any, layer: int) -> dict[str, tuple[int, int]]:
+    def _shapes(self, adapter: Adapter, layer: int) -> dict[str, tuple[int, int]]:
         spec = adapter.attention_spec(layer)
         names = ("q", "k") if self.vo == "none" else rk.ATTENTION
         shapes = {n: tuple(spec.weight(n).shape) for n in names}
@@ -187,14 +188,14 @@ class LatentLLM(Method):
                 f"activation {mspec.activation!r} (valid: {valid}); it has no closed-form update. Use mlp: local"
             )
 
-    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
         """total_ratio: solve one κ for the linears of the step's `layers`, on the model as it enters the step."""
         self._kappa.clear()
         if self.total_ratio is not None:
             self._kappa["step"] = rk.kappa_for_total([self._shapes(adapter, i) for i in layers],
                                                      adapter.param_groups()["total"], self.total_ratio, self.junction)
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         shapes = {i: self._shapes(adapter, i) for i in layers}
         ranks = {i: self._ranks(adapter, i, shapes[i]) for i in layers}
         if self.alloc == "global":
@@ -210,7 +211,7 @@ class LatentLLM(Method):
             out[str(i)] = {"ranks": ranks[i], "weights": weights}  # weights: [dense, kept] per group
         return {"layers": out}
 
-    def _allocate_global(self, adapter: Any, shapes: dict[int, dict[str, tuple[int, int]]],
+    def _allocate_global(self, adapter: Adapter, shapes: dict[int, dict[str, tuple[int, int]]],
                          ranks: dict[int, dict[str, int]], stats: dict[int, Any]) -> dict[int, dict[str, int]]:
         """alloc=global: each group's (attention, MLP) budget of the uniform rule, summed over the layers, is
         re-spread over the matrices of every layer by whitened spectrum energy lost per weight — the greedy of
@@ -236,7 +237,7 @@ class LatentLLM(Method):
                     out[int(layer)][name] = r
         return out
 
-    def _ranks(self, adapter: Any, layer: int, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    def _ranks(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
         if self.ranks is not None:
             return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer)
         if self.total_ratio is not None:
@@ -250,7 +251,7 @@ class LatentLLM(Method):
             kappa = {n: mlp if n in rk.MLP else self.ratio for n in shapes}
         return rk.uniform_ranks(shapes, kappa, self.junction)
 
-    def _allocate(self, adapter: Any, layer: int, shapes: dict[str, tuple[int, int]], ranks: dict[str, int],
+    def _allocate(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]], ranks: dict[str, int],
                   stats: Any) -> dict[str, int]:
         spec = adapter.attention_spec(layer)
         floors = {n: spec.head_dim for n in ("q", "k") if self.qk == "joint"}
@@ -259,7 +260,7 @@ class LatentLLM(Method):
             kv_ratio=self.kv_ratio, kv_full=spec.n_kv_heads * spec.head_dim, junction=self.junction, floors=floors,
             dense_keys=self.cache == "values")
 
-    def _spectra(self, adapter: Any, layer: int, names: list[str], stats: Any) -> dict[str, torch.Tensor]:
+    def _spectra(self, adapter: Adapter, layer: int, names: list[str], stats: Any) -> dict[str, torch.Tensor]:
         """Singular values of W P (the local activation-aware spectrum) of each named linear."""
         attn = adapter.attention_spec(layer)
         mlp = adapter.mlp_spec(layer) if any(n in rk.MLP for n in names) else None
@@ -274,7 +275,7 @@ class LatentLLM(Method):
         return out
 
     # --- conversion -----------------------------------------------------------------------------------
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         """Fit and install; records fit diagnostics in entry["fit"]."""
         spec = adapter.attention_spec(layer)
         ranks, fit = entry["ranks"], {}
@@ -311,7 +312,7 @@ class LatentLLM(Method):
         fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
         return fq, fk, {"hosvd_loss": [f.loss_history[0], f.loss_history[-1]]}
 
-    def _vo(self, adapter: Any, spec: Any, stats: Any, ranks: dict[str, int], layer: int
+    def _vo(self, adapter: Adapter, spec: Any, stats: Any, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
         if self.vo == "none":
             return adapter.linear(layer, "v"), adapter.linear(layer, "o"), {}
@@ -343,7 +344,7 @@ class LatentLLM(Method):
         b2, a2, perm = block_identity(b, a)
         return LowRankFactors(b2, a2, bias, perm)
 
-    def _mlp(self, adapter: Any, layer: int, stats: Any, ranks: dict[str, int]) -> dict[str, Any]:
+    def _mlp(self, adapter: Adapter, layer: int, stats: Any, ranks: dict[str, int]) -> dict[str, Any]:
         spec = adapter.mlp_spec(layer)
         names = [n for n in rk.MLP if getattr(spec, n) is not None]
         info: dict[str, Any] = {}
@@ -366,7 +367,7 @@ class LatentLLM(Method):
         return info
 
     # --- modules ----------------------------------------------------------------------------------------
-    def _install(self, adapter: Any, layer: int, spec: Any, q: nn.Module, k: LowRankLinear, v: nn.Module,
+    def _install(self, adapter: Adapter, layer: int, spec: Any, q: nn.Module, k: LowRankLinear, v: nn.Module,
                  o: nn.Module) -> LatentAttention:
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = LatentAttention(
@@ -378,7 +379,7 @@ class LatentLLM(Method):
         adapter.replace_attention(layer, module)
         return module
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         spec = adapter.attention_spec(layer)
         ranks, dtype, device = entry["ranks"], spec.q.dtype, spec.q.device
 

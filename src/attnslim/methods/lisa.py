@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method, require
 from attnslim.modules.score_link import ScoreLink
@@ -124,7 +125,7 @@ def _is_foreign(module: nn.Module) -> bool:
     return not type(module).__module__.startswith("attnslim.")
 
 
-def check_pair(adapter: Any, layer: int) -> None:
+def check_pair(adapter: Adapter, layer: int) -> None:
     """Raise unless layer `layer` can read scores from layer - 1 (exists, is attention, same heads/type)."""
     if layer < 1:
         raise AttnslimError(f"layer {layer} has no donor (layer {layer - 1}); share only layers >= 1")
@@ -155,19 +156,19 @@ def check_pair(adapter: Any, layer: int) -> None:
         )
 
 
-def _spec(adapter: Any, layer: int) -> Any:
+def _spec(adapter: Adapter, layer: int) -> Any:
     try:
         return adapter.attention_spec(layer)
     except (AttributeError, AttnslimError) as err:
         raise AttnslimError(f"layer {layer}: cannot read its attention weights ({err})") from err
 
 
-def install_receiver(adapter: Any, layer: int, module: SharedAttention) -> None:
+def install_receiver(adapter: Adapter, layer: int, module: SharedAttention) -> None:
     """Install `module` at `layer`, wiring a new ScoreLink from layer - 1 (made a DonorAttention if needed).
 
     Keeps the outgoing link if `layer` already exported scores to layer + 1 (any conversion order works).
     """
-    donor = adapter.attention(layer - 1)
+    donor: Any = adapter.attention(layer - 1)  # a DonorAttention or SharedAttention below
     if not _is_ours(donor):
         donor = DonorAttention(_spec(adapter, layer - 1))
         adapter.replace_attention(layer - 1, donor)
@@ -179,7 +180,7 @@ def install_receiver(adapter: Any, layer: int, module: SharedAttention) -> None:
 
 
 @contextmanager
-def temporary_sharing(adapter: Any, receivers: dict[int, SharingConfig]) -> Iterator[None]:
+def temporary_sharing(adapter: Adapter, receivers: dict[int, SharingConfig]) -> Iterator[None]:
     """Install receivers (analysis sweeps: DS / AVG) and restore the original modules and links on exit."""
     touched = sorted({j for i in receivers for j in (i - 1, i) if j >= 0})
     originals = {j: adapter.attention(j) for j in touched}
@@ -194,12 +195,12 @@ def temporary_sharing(adapter: Any, receivers: dict[int, SharingConfig]) -> Iter
             install_receiver(adapter, i, module)
         yield
     finally:
-        for j, module in originals.items():
-            adapter.replace_attention(j, module)
-            if isinstance(module, SharedAttention):
-                module.link = links[j][0]
-            if _is_ours(module):
-                module.export = links[j][1]
+        for j, original in originals.items():
+            adapter.replace_attention(j, original)
+            if isinstance(original, SharedAttention):
+                original.link = links[j][0]
+            if isinstance(original, SharedAttention | DonorAttention):
+                original.export = links[j][1]
 
 
 # --- the methods ---------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ class _Sharing(Method):
     def sharing(self, head_dim: int, n_heads: int) -> SharingConfig:
         raise NotImplementedError
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         chosen = layers
         if self.select == "preset":
             chosen = [i for i in preset_layers(adapter.num_layers(), self.percent) if i in set(layers)]
@@ -239,16 +240,16 @@ class _Sharing(Method):
             entries[str(i)] = {"donor": i - 1, **cfg.to_json()}
         return {"layers": entries, "chains": _chains(chosen)}
 
-    def _build(self, adapter: Any, layer: int, entry: dict[str, Any]) -> SharedAttention:
+    def _build(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> SharedAttention:
         cfg = SharingConfig(**{k: v for k, v in entry.items() if k != "donor"})
         module = SharedAttention(_spec(adapter, layer), cfg)
         install_receiver(adapter, layer, module)
         return module
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self._build(adapter, layer, entry).init_weights("ds")
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         self._build(adapter, layer, entry)
 
 
@@ -310,7 +311,7 @@ class Lisa(_Sharing):
         return SharingConfig(rank=rank, align_hidden=hidden, integrate=self.integrate, rope_lr=self.rope_lr,
                              nf_min_len=self.nf_min_len)
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         self._build(adapter, layer, entry).init_weights(self.init, self.seed)
 
     @property

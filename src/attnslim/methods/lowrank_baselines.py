@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from attnslim.adapters.base import Adapter
 from attnslim.calib.stats import GramStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import factorize
 from attnslim.linalg.precond import InputStats
-from attnslim.methods.base import Collector, GramCollector, Method, NoStats, require
+from attnslim.methods.base import Collector, GramCollector, Method, NoStats, dense_linear, require
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_method
 
@@ -68,13 +69,13 @@ class LowRankBaseline(Method):
                 f"a non-empty subset of {list(SITE_OF)}")
         require(math.isfinite(self.damp) and self.damp >= 0, self.name, "damp", self.damp, "a finite number >= 0")
 
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         if self.precond == "identity":
             return NoStats()
         return GramCollector({SITE_OF[n] for n in self.linears})
 
-    def _rank(self, adapter: Any, layer: int, name: str) -> int:
-        w = adapter.linear(layer, name).weight
+    def _rank(self, adapter: Adapter, layer: int, name: str) -> int:
+        w = dense_linear(adapter, layer, name, self.name).weight
         d_out, d_in = w.shape
         if self.rank is not None:
             if self.rank > min(d_out, d_in):
@@ -86,12 +87,12 @@ class LowRankBaseline(Method):
         assert self.ratio is not None
         return rank_for_ratio(d_out, d_in, self.ratio)
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         return {"layers": {str(i): {n: self._rank(adapter, i, n) for n in self.linears} for i in layers}}
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         for name, rank in entry.items():
-            lin = adapter.linear(layer, name)
+            lin = dense_linear(adapter, layer, name, self.name)
             if self.precond == "identity":
                 d = lin.weight.shape[1]
                 g = InputStats(torch.eye(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64),
@@ -110,9 +111,9 @@ class LowRankBaseline(Method):
     def _extra(self) -> dict[str, Any]:
         return {}
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         for name, rank in entry.items():
-            lin = adapter.linear(layer, name)
+            lin = dense_linear(adapter, layer, name, self.name)
             d_out, d_in = lin.weight.shape
             adapter.replace_linear(
                 layer, name, LowRankLinear(d_in, d_out, rank, lin.bias is not None, False, lin.weight.dtype)

@@ -96,15 +96,15 @@ class _MLABase(Method):
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
 
     # --- decisions --------------------------------------------------------------------------------------
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         return GramCollector({"attn_in"})
 
-    def begin_step(self, adapter: Any, layers: list[int]) -> None:
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
         """Refuse every layer's bad input before any statistics are collected or any layer converted."""
         for i in layers:
             self._sizes(adapter, i)
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         out = {}
         for i in layers:
             spec = adapter.attention_spec(i)
@@ -151,7 +151,7 @@ class _MLABase(Method):
         return n_kv_heads * rotary_dims
 
     # --- conversion ---------------------------------------------------------------------------------------
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = _input_stats(stats, layer, where)
@@ -181,7 +181,7 @@ class _MLABase(Method):
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         self._install(adapter, layer, adapter.attention_spec(layer), entry)
 
 
@@ -297,7 +297,7 @@ class MLA(_MLABase):
         """alloc=global plans every layer's rank from statistics of all of them (then refits sequentially)."""
         return self.alloc == "global"
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         out = super().plan(adapter, layers, stats)
         if self.alloc != "global":
             return out

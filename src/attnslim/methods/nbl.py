@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, LmmseInfo, cca_bound, lmmse_map
 from attnslim.methods.base import Collector, Method, require
@@ -266,7 +267,7 @@ class Nbl(Method):
         assert self.fraction is not None
         return round(self.fraction * candidates)
 
-    def collector(self, adapter: Any, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector:
         if self.m is not None and self.m > adapter.num_layers():  # fail before any statistics are collected
             self.count(adapter.num_layers())
         return LinearityCollector(layer, self.input, self.ridge, adapter.attention_output_norm(layer))
@@ -281,7 +282,7 @@ class Nbl(Method):
         return None
 
     @contextmanager
-    def trial(self, adapter: Any, layer: int, stats: Any) -> Iterator[None]:
+    def trial(self, adapter: Adapter, layer: int, stats: Any) -> Iterator[None]:
         """Layer `layer` linearized with its fit (and, for input="residual", its norm removed), then restored."""
         attention, norm = adapter.attention(layer), adapter.attention_norm(layer)
         self.convert(adapter, layer, {"input": self.input}, stats)
@@ -307,7 +308,7 @@ class Nbl(Method):
         sign = -1.0 if self.criterion == "highest" else 1.0
         return sorted(sorted(layers, key=lambda i: sign * scores[i][key])[:count])
 
-    def plan(self, adapter: Any, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
         count = self.count(len(layers))
         scores = {i: stats[i].scores for i in layers}
         measured = (MEASURED,) if self.probe_windows() else ()
@@ -320,19 +321,19 @@ class Nbl(Method):
             "fit_dense": {str(i): stats[i].summary() for i in layers},
         }
 
-    def convert(self, adapter: Any, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
         """Install the fitted map; records the installed fit's diagnostics in `entry["fit"]`."""
         fit: LayerFit = stats
         self._install(adapter, layer, entry).set_map(fit.weight, fit.bias)
         entry["fit"] = fit.summary()
 
-    def skeleton(self, adapter: Any, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
         self._install(adapter, layer, entry)
 
-    def _install(self, adapter: Any, layer: int, entry: dict[str, Any]) -> LinearizedAttention:
+    def _install(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> LinearizedAttention:
         ref = next(iter(adapter.attention(layer).parameters()), None)
         if ref is None:
-            ref = adapter.embed_tokens().weight
+            ref = adapter.embed_tokens().get_parameter("weight")
         module = LinearizedAttention(layer, adapter.config.hidden_size, entry["input"], ref.dtype, ref.device)
         adapter.replace_attention(layer, module)
         if entry["input"] == "residual":  # the map reads the raw residual stream h, as NBL's reference
