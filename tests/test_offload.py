@@ -28,6 +28,8 @@ CASES = [  # (family, method, args): every method that can run offloaded, on the
     ("llama", "drop", {"count": 1}),
     ("opt", "atp", {}),
     ("opt", "mla", {}),
+    ("llama", "mla", {"kv_ratio": 0.5}),
+    ("llama", "transmla", {"kv_ratio": 0.5}),
 ]
 
 
@@ -127,7 +129,6 @@ def test_a_shard_is_hashed_once_and_damage_is_named(tmp_path, monkeypatch):
     ("nbl", {"m": 1, "criterion": "probe"}, "criterion probe"),
     ("latentllm", {"ratio": 0.6, "alloc": "global"}, "alloc global"),
     ("atp", {"recover": {"steps": 1}}, "atp.*trains"),
-    ("mla", {}, "'mla' cannot run with --offload: it reads weights outside"),
 ])
 def test_what_cannot_run_offloaded_is_refused_without_output(method, args, match, tmp_path):
     src = _checkpoint("llama", tmp_path / "src")

@@ -233,8 +233,10 @@ def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[tor
     rotary = adapter.rotary_embedding(spec.rope.layer_type)
     if rotary is None:
         raise AttnslimError(f"{where}: the adapter gives no rotary module for a RoPE layer")
-    x = torch.zeros(1, dtype=torch.float32, device=spec.q.device)
-    pos = torch.arange(2, device=spec.q.device)[None]
+    # on the rotary module's own device: with offloaded weights the layer's tensors may not be materialised
+    device = next(iter(rotary.buffers()), torch.zeros(0)).device
+    x = torch.zeros(1, dtype=torch.float32, device=device)
+    pos = torch.arange(2, device=device)[None]
     cos, sin = _compat.rotary_cos_sin(rotary, x, pos, spec.rope.layer_type)  # (1, 2, d_rot)
     if cos.shape[-1] != spec.rope.rotary_dims:
         raise AttnslimError(f"{where}: the model rotates {cos.shape[-1]} dims per head but the adapter says "
