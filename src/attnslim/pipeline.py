@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.eval.perplexity import window_nll
@@ -21,14 +22,14 @@ def _merge(plan: dict[str, Any], part: dict[str, Any], layer: int) -> None:
             plan.setdefault(key, {})[str(layer)] = value
 
 
-def _collect(runner: LayerRunner, method: Method, adapter: Any, layer: int, advance: bool) -> Any:
+def _collect(runner: LayerRunner, method: Method, adapter: Adapter, layer: int, advance: bool) -> Any:
     collector = method.collector(adapter, layer)
     runner.run_layer(layer, collector.sites, collector, advance=advance)
     return collector.result()
 
 
 def run_step(
-    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int,
+    model: Any, adapter: Adapter, method: Method, layers: list[int], windows: Any, batch_size: int,
     progress: bool = True, residency: Residency | None = None,
 ) -> dict[str, Any]:
     """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan.
@@ -63,7 +64,7 @@ def run_step(
     return plan
 
 
-def _convert(res: Residency, method: Method, adapter: Any, i: int, entry: dict[str, Any], stats: Any) -> None:
+def _convert(res: Residency, method: Method, adapter: Adapter, i: int, entry: dict[str, Any], stats: Any) -> None:
     with res.layer(i):
         method.convert(adapter, i, entry, stats)
         res.converted(i)
@@ -76,7 +77,7 @@ def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
     return sum(nll for nll, _ in parts) / sum(n for _, n in parts)
 
 
-def _probe(model: Any, adapter: Any, method: Method, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
+def _probe(model: Any, adapter: Adapter, method: Method, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
            batch_size: int, progress: bool) -> None:
     """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
     mean NLL over the probe windows recorded as stats[i].scores["probe"]."""
@@ -87,7 +88,7 @@ def _probe(model: Any, adapter: Any, method: Method, layers: list[int], stats: d
 
 
 def _run_selecting(
-    model: Any, adapter: Any, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool,
+    model: Any, adapter: Adapter, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool,
     res: Residency,
 ) -> dict[str, Any]:
     """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from attnslim import _compat
+from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 
 # Sites a method may request statistics at, for decoder layer i:
@@ -37,7 +38,7 @@ def _post_hook(site: str, cb: Callback) -> Callable[..., None]:
     return hook
 
 
-def site_module(adapter: Any, layer: int, site: str) -> tuple[nn.Module, bool]:
+def site_module(adapter: Adapter, layer: int, site: str) -> tuple[nn.Module, bool]:
     """(module, is_pre_hook) for a site; the adapter knows where each module lives."""
     if site == "attn_in":
         return adapter.attention(layer), True
@@ -55,7 +56,7 @@ def site_module(adapter: Any, layer: int, site: str) -> tuple[nn.Module, bool]:
 
 
 @contextmanager
-def capture_sites(adapter: Any, layer: int, sites: set[str], callback: Callback) -> Iterator[None]:
+def capture_sites(adapter: Adapter, layer: int, sites: set[str], callback: Callback) -> Iterator[None]:
     """Call `callback(site, tensor)` with each requested site's activation while the block runs."""
     handles = []
     try:

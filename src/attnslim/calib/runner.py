@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from attnslim.adapters.base import Adapter
 from attnslim.calib.hooks import capture_sites
 from attnslim.calib.residency import InMemoryLayers, Residency
 
@@ -25,7 +26,7 @@ class _Captured(Exception):
 class LayerRunner:
     """Holds the current inputs of one decoder layer for every calibration batch."""
 
-    def __init__(self, model: nn.Module, adapter: Any, windows: torch.Tensor, batch_size: int = 4,
+    def __init__(self, model: nn.Module, adapter: Adapter, windows: torch.Tensor, batch_size: int = 4,
                  residency: Residency | None = None) -> None:
         self.model, self.adapter = model, adapter
         self.residency = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
