@@ -29,7 +29,7 @@ def test_bench_reports_sizes_kv_flops_and_ratios_against_the_reference():
     dropped = copy.deepcopy(dense)
     _compress(dropped, "drop", {"count": 2})
     result = bench_models({"dense": (dense, _Tok()), "dropped": (dropped, _Tok())}, [16, 32], new_tokens=2,
-                          repeats=1, device="cpu")
+                          repeats=1)
     assert result["device"] == "cpu (cpu)" and result["speed"]["reference"] == "dense"
     sizes = result["sizes"]
     assert sizes["dropped"]["kv_bytes_per_token"] < sizes["dense"]["kv_bytes_per_token"]

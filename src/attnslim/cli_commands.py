@@ -43,6 +43,26 @@ def parse_ints(flag: str, text: str) -> list[int]:
         raise AttnslimError(f"{flag} {text!r}: expected comma-separated integers, e.g. 512,2048") from None
 
 
+def add_placement(p: Any, what: str) -> None:
+    """--offload / --device of the commands that run a model (eval, generate, bench)."""
+    p.add_argument("--offload", action="store_true", help=f"keep each decoder layer's weights on disk and read them "
+                   f"while the layer runs: {what} a model larger than memory (local safetensors directories)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
+
+
+def load_placed(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """A model on --device (whole, or one decoder layer at a time with --offload)."""
+    from attnslim.bench.report import default_device
+    from attnslim.models import load_model
+    from attnslim.offload import resolve_device
+
+    device = resolve_device(args.device or default_device())
+    if args.offload:
+        return load_model(name, offload=True, device=device)
+    model, tokenizer = load_model(name)
+    return model.to(device), tokenizer
+
+
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -58,6 +78,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--choice-context", type=int, default=256, help="prompt tokens of the --choice items")
     p.add_argument("--choice-source", default="wiki", help="text of the --choice items: wiki, ptb, c4, file:PATH")
     p.add_argument("--json", action="store_true")
+    add_placement(p, "evaluate")
 
     p = sub.add_parser("tasks", help="list the zero-shot tasks; --path prints the lm-eval --include_path")
     p.add_argument("--path", action="store_true")
@@ -80,6 +101,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=40)
+    add_placement(p, "generate with")
 
     p = sub.add_parser("demo", help="compress the default model with recipes/default.yaml and compare")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -112,7 +134,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
+    add_placement(p, "time")
 
     p = sub.add_parser("report", help="write report.html and report.md into a compressed directory")
     p.add_argument("directory")
@@ -143,7 +165,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
     from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
-    from attnslim.models import load_model
 
     tasks = resolve_tasks(args.tasks) if args.tasks is not None else []  # unknown names fail before loading
     only_scores = tasks or args.choice is not None  # perplexity by default only when no score is asked for
@@ -155,7 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or (args.choice is not None and (args.choice < 1 or args.choice_context < 1)):
         raise AttnslimError(f"eval: need --batch-size ≥ 1, --choice ≥ 1 and --choice-context ≥ 1; got "
                             f"{args.batch_size}, {args.choice}, {args.choice_context}")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_placed(args.model, args)
     choice = None
     if args.choice is not None:
         items = choice_items(args.choice_source, tokenizer, n=args.choice, context=args.choice_context)
@@ -242,11 +263,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from attnslim.errors import AttnslimError
     from attnslim.generate import generate_text
-    from attnslim.models import load_model
 
     if not args.prompt.strip():
         raise AttnslimError("--prompt is empty; give the text to continue, e.g. --prompt 'The history of'")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_placed(args.model, args)
     print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens))
     return 0
 
@@ -345,7 +365,6 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from attnslim.bench.report import bench_models, format_bench
     from attnslim.errors import AttnslimError
-    from attnslim.models import load_model
 
     contexts = parse_ints("--contexts", args.contexts)
     if args.repeats < 1 or args.new_tokens < 1 or not contexts or min(contexts) < 1:
@@ -353,9 +372,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             f"{args.repeats}, --new-tokens {args.new_tokens}, --contexts {args.contexts!r}")
     models = {}
     if args.vs:
-        models[args.vs] = load_model(args.vs)
-    models[args.model] = load_model(args.model)
-    result = bench_models(models, contexts, args.new_tokens, args.repeats, args.device)
+        models[args.vs] = load_placed(args.vs, args)
+    models[args.model] = load_placed(args.model, args)
+    result = bench_models(models, contexts, args.new_tokens, args.repeats)
     print(format_bench(result))
     if args.json:
         emit_json(result)

@@ -108,16 +108,19 @@ def read_compression_json(directory: Path) -> dict[str, Any]:
     return info
 
 
-def load(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load(directory: str | Path, dtype: torch.dtype = torch.float32, offload: bool = False,
+         device: torch.device | None = None) -> tuple[Any, Any]:
     """Rebuild the base architecture, re-create each step's modules (skeleton), load weights strictly.
 
-    Anything wrong with the directory (weights, config, plan, tokenizer) is an AttnslimError that says so."""
+    offload=True keeps every decoder layer's weights on disk, read while the layer runs on `device` (default cpu;
+    offload/dispatch.py): for outputs larger than memory. Anything wrong with the directory (weights, config, plan,
+    tokenizer) is an AttnslimError that says so."""
     from safetensors import SafetensorError
 
     directory = Path(directory)
     info = read_compression_json(directory)
     try:
-        return _load(directory, info, dtype)
+        return _load(directory, info, dtype, offload, device or torch.device("cpu"))
     except AttnslimError as err:
         raise AttnslimError(f"{directory}: {err}") from err
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
@@ -138,7 +141,8 @@ def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
             method.skeleton(adapter, int(key), entry)
 
 
-def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any]:
+def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device
+          ) -> tuple[Any, Any]:
     from safetensors.torch import load_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -164,13 +168,25 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype) -> tuple[An
     base_type = values.pop(BASE_TYPE_KEY, values.get("model_type"))
     values["model_type"] = base_type
     config = _compat.config_from_dict(str(base_type), values)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    apply_skeletons(model, info["steps"])
+    if offload:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            apply_skeletons(model, info["steps"])
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        apply_skeletons(model, info["steps"])
     for module in model.modules():
         kind = type(module)
         if kind.__module__.startswith("attnslim.") and kind.__name__ not in MODULES:
             lookup(MODULES, "module", kind.__name__)  # raises naming the unknown module
-    if sharded:
+    if offload:
+        from attnslim.adapters import get_adapter
+        from attnslim.offload.dispatch import dispatch_layers
+
+        dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device, dtype)
+    elif sharded:
         _load_shards(model, directory, sorted(info["weights_shards"]))
     else:
         load_model(model, str(weights), strict=True)

@@ -36,12 +36,15 @@ def device_name(device: str) -> str:
 
 
 def bench_models(models: dict[str, tuple[Any, Any]], contexts: list[int], new_tokens: int = 32,
-                 repeats: int = 5, device: str | None = None) -> dict[str, Any]:
-    """Every model moved to `device` (default: the GPU when present, else the CPU) and timed there."""
+                 repeats: int = 5) -> dict[str, Any]:
+    """Every model timed where it was placed (the CLI's --device / --offload), on the device of its embeddings."""
     check_same_tokenizer({n: tok for n, (_, tok) in models.items()})
-    device = device or default_device()
+    devices = {str(m.get_input_embeddings().weight.device) for m, _ in models.values()}
+    if len(devices) != 1:
+        raise AttnslimError(f"bench: the models sit on different devices ({sorted(devices)}); place them alike")
+    device = devices.pop()
     for model, _ in models.values():
-        model.to(device).eval()
+        model.eval()
     out: dict[str, Any] = {"device": f"{device} ({device_name(device)})",
                            "threads": torch.get_num_threads(), "sizes": {}}
     for name, (model, _) in models.items():

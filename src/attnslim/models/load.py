@@ -21,8 +21,12 @@ MANIFEST = "attnslim-cache.json"
 VERIFIED = "attnslim-verified.json"  # [inode, mtime_ns, size] of the weights when their full sha256 last matched
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Return (model in eval mode, tokenizer) for a zoo name, a local directory or a hub id."""
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: bool = False,
+               device: torch.device | None = None) -> tuple[Any, Any]:
+    """Return (model in eval mode, tokenizer) for a zoo name, a local directory or a hub id.
+
+    offload=True keeps each decoder layer's weights in the directory's safetensors files, read while the layer
+    runs on `device` (attnslim.offload.dispatch): a model larger than memory can be evaluated. Local models only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path).expanduser()
@@ -34,7 +38,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         if (path / "compression.json").exists():
             from attnslim.io import load
 
-            return load(path, dtype)
+            return load(path, dtype, offload, device)
         if not (path / "config.json").is_file():
             raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
@@ -43,6 +47,9 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     elif path.exists() or _looks_local(name_or_path):
         raise AttnslimError(f"{name_or_path} is not a model: {_local_problem(path)}")
     elif "/" in name_or_path:
+        if offload:
+            raise AttnslimError(f"--offload reads local safetensors files; download {name_or_path} first (e.g. "
+                                "huggingface-cli download) and pass its directory")
         return _load_hub(name_or_path, dtype)
     else:
         raise AttnslimError(
@@ -50,6 +57,13 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
             "not a local directory, and not a hub id of the form org/name"
         )
     _check_tokenizer_files(directory)
+    if offload:
+        from attnslim.adapters import get_adapter
+        from attnslim.offload.dispatch import dispatch_layers
+
+        model, tokenizer = load_skeleton(directory, dtype)
+        dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device or torch.device("cpu"), dtype)
+        return model, tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa",
                                                      **_compat.SAFE_LOADING)

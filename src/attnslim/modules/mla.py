@@ -197,6 +197,11 @@ class MLAAttention(ReplacementAttention):
         self._fused = (key, value)
         return value
 
+    def release_derived(self) -> None:
+        """Forget the weights derived from the parameters (offloaded runs take the parameters away after each
+        forward: keeping their derivatives would hold every layer's copy in memory)."""
+        self._fused = self._absorbed = None
+
     def _decode_inputs(self, x: torch.Tensor, fused: _Fused, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
         q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)]."""
