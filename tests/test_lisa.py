@@ -407,6 +407,31 @@ def test_smollm2_lisa_short():
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
+@pytest.mark.real
+def test_real_smollm2_lisa_beats_direct_sharing_on_the_same_layers():
+    """The baseline in the same test: direct sharing (ds) of layers 18, 20, 22, 24 against LISA on the same layers.
+    LISA starts as ds (identity head alignment, zero compensator: equal perplexity, so a silent fallback is
+    visible) and must pull ahead with a short distillation, which ds has nothing to train for."""
+    from attnslim.data import eval_windows
+    from attnslim.eval import perplexity
+    from attnslim.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    teacher = copy.deepcopy(model)
+    windows = eval_windows("wiki", tokenizer, 1024, 256)
+    layers = [18, 20, 22, 24]
+    ds = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compress(ds, tokenizer, one_step("ds", {}, layers=layers), progress=False)
+        compress(model, tokenizer, one_step("lisa", {}, layers=layers), progress=False)
+    ds_ppl = perplexity(ds, windows).ppl
+    assert perplexity(model, windows).ppl == pytest.approx(ds_ppl, rel=1e-4)
+    distill(model, teacher, tokenizer, DistillConfig(steps=8, batch_size=2, seq_len=128, lr=1e-3), progress=False)
+    lisa_ppl = perplexity(model, windows).ppl
+    assert lisa_ppl < 0.92 * ds_ppl, (lisa_ppl, ds_ppl)
+
+
 @pytest.mark.parametrize("builder", [tiny_llama, tiny_mistral])
 def test_kd_reads_exactly_the_entries_the_model_attends(builder):
     """distill's KD mask equals where the model's own softmax is non-zero: causal, and inside the sliding
