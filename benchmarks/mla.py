@@ -6,7 +6,8 @@ Groups (--groups, comma-separated; default oneshot,speed):
            FreqFold 4 + BKV-PCA) at the same cached elements per token; at 0.5 also `mla` with kv_weight=rootcov,
            with alloc=global, with TransMLA's RoRoPE choice (rope_select=pca), a plain truncated SVD of
            [k_nope; v] (kv_weight=svd) and today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE)
-  heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's)
+  heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's);
+           at 0.5 also `mla` healed with larger learning rates and with every parameter trained (HEAL_ABLATIONS)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them
 
@@ -31,6 +32,7 @@ from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 
 HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
+HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3}, "all-lr3e-4": {"lr": 3.0e-4, "params": "all"}}
 
 
 def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,6 +110,10 @@ def main() -> None:
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "transmla-kv"))}
+    if "mla-kv50" in recipes:  # heal ablations at 0.5: a larger step size, every parameter trained
+        for tag, change in HEAL_ABLATIONS.items():
+            heals[f"mla-kv50-heal40-{tag}"] = {**recipes["mla-kv50"], "name": f"mla-kv50-heal40-{tag}",
+                                               "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
     only = {k for k in args.only.split(",") if k}
     h.dense()
