@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_scale import SPECIAL  # noqa: E402
+from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
+from report_serve import SERVE_SPECIAL  # noqa: E402
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
+SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),

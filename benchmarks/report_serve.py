@@ -1,0 +1,35 @@
+"""BENCHMARKS.md section for vLLM serving (serve.json, benchmarks/serve.py); used by make_report.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+LABELS = {"dense": "dense", "nbl-6": "NBL-6 (linearized)", "nbl-12": "NBL-12 (linearized)",
+          "drop-6": "drop-6 (attention removed)"}
+
+
+def serve_section(data: dict[str, Any]) -> list[str]:
+    env, serving, work = data["environment"], data["environment"]["serving"], data["workload"]
+    out = ["## Serving with vLLM (CPU build): throughput and KV capacity", "",
+           f"Command: `.venv/bin/python {env['command']}` → `benchmarks/results/serve.json`.  ",
+           f"vLLM {serving['vllm']} (CPU build, `make serve-setup`), torch {serving['torch']}, transformers "
+           f"{serving['transformers']}; {env['cpu_count']} CPU cores, dtype {data['dtype']}, eager mode. "
+           f"Offline throughput: {work['prompts']} random-token prompts of {work['input_len']} tokens, "
+           f"{work['output_len']} greedy new tokens each, after a warm-up request; {data['rounds']} rounds, each "
+           "serving every variant in turn (order alternating), median shown. KV capacity: vLLM's own count of "
+           f"tokens that fit in `VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']:g}` GiB. The machine is shared: "
+           "throughput is noisy, the per-round values are in the JSON.  ",
+           f"Variants of {data['model']}, calibrated on {data['calibration']['windows']} × "
+           f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']} (quality is not measured "
+           "here; the NBL section has it).", "",
+           "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense |",
+           "|---|---|---|---|---|"]
+    for name, v in data["variants"].items():
+        rounds = ", ".join(f"{x:.1f}" for x in v["output_tokens_per_s"])
+        out.append(f"| {LABELS.get(name, name)} | {v['median_output_tokens_per_s']:.1f} ({rounds}) | "
+                   f"{v['throughput_vs_dense']:.3f} | {v['kv_tokens']:,} | {v['kv_vs_dense']:.3f} |")
+    return out + [""]
+
+
+SERVE_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"serve": serve_section}

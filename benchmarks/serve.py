@@ -1,0 +1,102 @@
+"""vLLM serving of dense SmolLM2 and its NBL-6, NBL-12 and drop-6 outputs: offline throughput and KV capacity.
+
+    .venv/bin/python benchmarks/serve.py [--rounds 2] [--dtype bfloat16]     (needs `make serve-setup`)
+
+Each round serves every variant once, in turn, in one vLLM process (benchmarks' order alternates between rounds:
+interleaved, so drift of a shared machine's load hits every variant alike). Per variant and round: 32 random-token
+prompts of 512 tokens, 128 greedy new tokens each (ignore_eos), timed after a warm-up request. KV capacity is
+vLLM's own count (allocated blocks × block size) in a fixed VLLM_CPU_KVCACHE_SPACE. The variants' calibration is
+small (attnslim.serving.variants): speed and capacity do not depend on the fit. Writes
+benchmarks/results/serve.json; `benchmarks/make_report.py` renders it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS, environment
+
+from attnslim.serving.launch import serving_python
+from attnslim.serving.variants import MODEL, SEQ_LEN, WINDOWS, build
+
+VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6")
+KV_GIB = "2"
+SPEC = {"prompts": 32, "input_len": 512, "output_len": 128}
+
+
+def _serving_versions() -> dict[str, str]:
+    code = ("import json, platform, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__, "
+            "'torch': torch.__version__, 'transformers': transformers.__version__, "
+            "'python': platform.python_version()}))")
+    out = subprocess.run([str(serving_python()), "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _round(models: list[str], dtype: str, work: Path, index: int) -> dict[str, Any]:
+    request = {"models": models, "dtype": dtype, "max_model_len": 1024, "throughput": SPEC}
+    req, out = work / f"request{index}.json", work / f"out{index}.json"
+    req.write_text(json.dumps(request))
+    log = work / f"round{index}.log"
+    with log.open("w") as sink:
+        proc = subprocess.run([str(serving_python()), "-m", "attnslim.serving.offline", str(req), str(out)],
+                              cwd=work, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GIB), stdout=sink,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"round {index} failed; its log:\n{log.read_text()[-5000:]}")
+    return dict(json.loads(out.read_text()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
+        work = Path(tmp)
+        dirs = {name: str(build(name, work / name)) for name in VARIANTS}
+        for r in range(args.rounds):
+            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+            results = _round([dirs[name] for name in order], args.dtype, work, r)
+            for name in order:
+                runs[name].append(results[dirs[name]])
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {results[dirs[n]]['throughput']['output_tokens_per_s']:.1f} tok/s" for n in order), flush=True)
+    dense_tp = statistics.median(run["throughput"]["output_tokens_per_s"] for run in runs["dense"])
+    dense_kv = runs["dense"][0]["kv_tokens"]
+    variants = {}
+    for name in VARIANTS:
+        per_round = [run["throughput"]["output_tokens_per_s"] for run in runs[name]]
+        total = [run["throughput"]["total_tokens_per_s"] for run in runs[name]]
+        kv = {run["kv_tokens"] for run in runs[name]}
+        if len(kv) != 1:
+            sys.exit(f"{name}: vLLM reported different KV capacities across rounds ({sorted(kv)})")
+        variants[name] = {
+            "output_tokens_per_s": per_round, "total_tokens_per_s": total,
+            "median_output_tokens_per_s": statistics.median(per_round),
+            "throughput_vs_dense": statistics.median(per_round) / dense_tp,
+            "kv_tokens": kv.pop(), "kv_blocks": runs[name][0]["kv_blocks"], "block_size": runs[name][0]["block_size"],
+            "start_s": [run["start_s"] for run in runs[name]],
+        }
+        variants[name]["kv_vs_dense"] = variants[name]["kv_tokens"] / dense_kv
+    result = {
+        "environment": {**environment(), "serving": _serving_versions(), "cpu_count": os.cpu_count()},
+        "model": MODEL, "dtype": args.dtype, "rounds": args.rounds, "workload": SPEC,
+        "kv_cache_space_gib": float(KV_GIB), "calibration": {"source": "wiki", "windows": WINDOWS, "seq_len": SEQ_LEN},
+        "variants": variants,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serve.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {RESULTS / 'serve.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""vLLM serves dense SmolLM2 and its NBL-6 and drop-6 outputs as HF runs them (marker `serving`: `make test-serve`).
+
+One offline vLLM process serves the three variants in turn (each model starts once per session); the HF side runs
+here. float32 on both sides, 8 wiki prompts of 96 tokens, 64 greedy tokens each (no EOS stop on either side).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from attnslim.serving.launch import serving_python
+
+pytestmark = pytest.mark.serving
+
+VARIANTS = ("dense", "nbl-6", "drop-6")
+PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 96, 64
+KV_GIB = "1"
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> dict[str, Path]:
+    from attnslim.serving.variants import build
+
+    root = tmp_path_factory.mktemp("served")
+    return {name: build(name, root / name) for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    from attnslim.data import eval_windows
+    from attnslim.models import load_model
+
+    _, tokenizer = load_model("smollm2-135m")
+    windows = eval_windows("wiki", tokenizer, tokens=PROMPTS * PROMPT_LEN, seq_len=PROMPT_LEN)
+    return [[int(t) for t in row] for row in windows.ids]
+
+
+@pytest.fixture(scope="session")
+def vllm_runs(served, prompts, tmp_path_factory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("vllm")
+    request = {"models": [str(served[name]) for name in VARIANTS], "dtype": "float32", "max_model_len": 1024,
+               "correctness": {"prompts": prompts, "max_tokens": MAX_TOKENS}}
+    (work / "request.json").write_text(json.dumps(request))
+    proc = subprocess.run(
+        [str(serving_python()), "-m", "attnslim.serving.offline", str(work / "request.json"), str(work / "out.json")],
+        cwd=work, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GIB), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads((work / "out.json").read_text())
+    return {name: results[str(served[name])] for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def hf_runs(served, prompts) -> Callable[[str], dict]:
+    """The HF results of one variant, computed on first use (the loopback test needs only NBL-6's)."""
+    from attnslim.serving.reference import reference
+
+    return cache(lambda name: reference(str(served[name]), prompts, MAX_TOKENS))
+
+
+def _perplexity(logprobs: list[list[float]]) -> float:
+    flat = [x for row in logprobs for x in row]
+    return math.exp(-sum(flat) / len(flat))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tokens_equal_hf(variant, vllm_runs, hf_runs):
+    ours, theirs = vllm_runs[variant]["correctness"]["greedy"], hf_runs(variant)["greedy"]
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert len(a) == len(b) == MAX_TOKENS
+        first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        assert first is None, f"prompt {i}: vLLM and HF differ from new token {first} ({a[first]} vs {b[first]})"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompt_perplexity_within_one_percent_of_hf(variant, vllm_runs, hf_runs):
+    ours = _perplexity(vllm_runs[variant]["correctness"]["prompt_logprobs"])
+    theirs = _perplexity(hf_runs(variant)["prompt_logprobs"])
+    assert len(vllm_runs[variant]["correctness"]["prompt_logprobs"][0]) == PROMPT_LEN - 1
+    print(f"{variant}: perplexity vLLM {ours:.4f}, HF {theirs:.4f}, ratio {ours / theirs:.6f}")
+    assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+def test_layers_without_attention_hold_no_kv_cache(vllm_runs):
+    """Same VLLM_CPU_KVCACHE_SPACE: 24 of 30 layers with a cache fit 30/24 times the dense tokens (to a block)."""
+    dense = vllm_runs["dense"]
+    for variant in ("nbl-6", "drop-6"):
+        run = vllm_runs[variant]
+        assert run["block_size"] == dense["block_size"]
+        assert abs(run["kv_blocks"] - dense["kv_blocks"] * 30 / 24) <= 1, (variant, run["kv_blocks"], dense)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited ({proc.returncode}) before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"the server was not ready within {timeout:.0f} s")
+
+
+def test_openai_client_over_loopback_gets_hf_greedy_tokens(served, prompts, hf_runs, tmp_path):
+    """`attnslim serve` (127.0.0.1, API key) answers the `openai` client with HF's greedy tokens; a wrong key is
+    refused."""
+    import openai
+
+    port, key, log = _free_port(), "test-key-21", tmp_path / "server.log"
+    argv = [sys.executable, "-m", "attnslim", "serve", str(served["nbl-6"]), "--port", str(port), "--api-key", key,
+            "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", KV_GIB]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=300)
+        for ids, expected in zip(prompts[:2], hf_runs("nbl-6")["greedy"][:2], strict=True):
+            reply = client.completions.create(model=str(served["nbl-6"]), prompt=ids, max_tokens=16, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert reply.choices[0].token_ids == expected[:16]
+        wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=str(served["nbl-6"]), prompt="Hello", max_tokens=1)
+    except AssertionError:
+        raise AssertionError(log.read_text()[-4000:]) from None
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=120)
