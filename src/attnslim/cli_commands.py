@@ -108,8 +108,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--recipe", default="default")
     p.add_argument("--out", default="out/demo")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier attnslim output")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--task-limit", type=int, default=200, help="items per zero-shot task (0: every item)")
+    p.add_argument("--tokens", type=int, default=2048, help="perplexity tokens per text")
+    p.add_argument("--task-limit", type=int, default=None, help="items per zero-shot task (0: every item; default: "
+                   "demo.TASK_LIMIT)")
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -273,11 +274,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
-    from attnslim.demo import run_demo
+    from attnslim.demo import TASK_LIMIT, run_demo
 
-    if args.task_limit < 0:
-        raise AttnslimError(f"--task-limit {args.task_limit}: use 0 (every item) or a positive number of items")
-    return run_demo(args.model, args.recipe, args.out, args.tokens, args.task_limit or None, overwrite=args.overwrite)
+    limit = TASK_LIMIT if args.task_limit is None else args.task_limit
+    if limit < 0:
+        raise AttnslimError(f"--task-limit {limit}: use 0 (every item) or a positive number of items")
+    return run_demo(args.model, args.recipe, args.out, args.tokens, limit or None, overwrite=args.overwrite)
 
 
 ANALYSES = ("linearity", "lowrank", "similarity", "sensitivity", "conversion")
