@@ -77,3 +77,15 @@ def test_offload_of_a_hub_id_is_refused():
 
     with pytest.raises(AttnslimError, match="--offload reads local safetensors files"):
         load_model("someorg/somemodel", offload=True)
+
+
+@pytest.mark.real
+def test_real_smollm2_offloaded_run_equals_in_memory():
+    """The packaged model (tied embeddings, 30 layers) offloaded: same logits, same greedy continuation."""
+    memory, tokenizer = load_model("smollm2-135m")
+    offloaded, _ = load_model("smollm2-135m", offload=True)
+    ids = tokenizer("The history of the city begins", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(memory(input_ids=ids).logits, offloaded(input_ids=ids).logits)
+        ref = memory.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(offloaded.generate(ids, max_new_tokens=8, do_sample=False), ref)

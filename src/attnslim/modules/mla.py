@@ -178,8 +178,8 @@ class MLAAttention(ReplacementAttention):
                                         query], the softmax scale folded in (RoPE is linear: it commutes)."""
         if not isinstance(self.q_proj, nn.Linear):
             return None
-        parts = [self.q_proj.weight, self.kv.b, *self.kv.parameters(), *(self.k_rope.parameters() if self.k_rope
-                 else ()), *(p for p in (self.q_nope, self.q_rope, self.q_proj.bias) if p is not None)]
+        parts = [*self.q_proj.parameters(), *self.kv.parameters(), *(self.k_rope.parameters() if self.k_rope else ()),
+                 *(p for p in (self.q_nope, self.q_rope) if p is not None)]
         key = tuple(x for p in parts for x in (p._version, p.data_ptr()))
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]

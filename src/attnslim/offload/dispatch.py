@@ -12,7 +12,6 @@ Replacement modules that cache weights derived from their parameters drop them a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +19,7 @@ import torch
 from torch import nn
 
 from attnslim.errors import AttnslimError
-from attnslim.offload.shards import INDEX
-
-SINGLE = "model.safetensors"
-
-
-def weight_files(directory: Path) -> dict[str, Path]:
-    """{tensor name: safetensors file holding it} of a saved directory, sharded (index) or single-file."""
-    from safetensors import safe_open
-
-    index = directory / INDEX
-    if index.is_file():
-        return {k: directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    if not (directory / SINGLE).is_file():
-        raise AttnslimError(f"{directory} has neither {INDEX} nor {SINGLE}")
-    with safe_open(str(directory / SINGLE), framework="pt") as f:
-        return {k: directory / SINGLE for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+from attnslim.offload.source import WeightSource
 
 
 def dispatch_layers(model: nn.Module, layers: nn.ModuleList, directory: Path, device: torch.device,
@@ -45,25 +29,21 @@ def dispatch_layers(model: nn.Module, layers: nn.ModuleList, directory: Path, de
     while it runs."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, set_module_tensor_to_device
-    from safetensors import safe_open
 
     prefix = next(name for name, m in model.named_modules() if m is layers) + "."
-    files = weight_files(directory)
-    index = {name: {"safetensors_file": str(path), "weight_name": name, "dtype": str(dtype).removeprefix("torch.")}
-             for name, path in files.items()}
+    source = WeightSource(directory)  # names a missing or truncated shard before anything is read
+    index = {name: {"safetensors_file": str(directory / shard), "weight_name": name,
+                    "dtype": str(dtype).removeprefix("torch.")} for name, shard in source.where.items()}
     in_layers = tuple(f"{prefix}{i}." for i in range(len(layers)))
     buffers = {name for name, _ in model.named_buffers()}
     getattr(model, "tie_weights", lambda: None)()  # tied names then share one meta parameter (saved once)
     for group in _tied_names(model, buffers):
         if group[0].startswith(in_layers) and group[0] not in buffers:
             continue  # read by the layer's hook
-        stored = [n for n in group if n in files]
-        if not stored:
-            raise AttnslimError(f"{directory}: no weight file holds {group[0]}")
-        with safe_open(str(files[stored[0]]), framework="pt") as f:
-            value = f.get_tensor(stored[0])
-            value = value.to(dtype) if _is_float(f, stored[0]) else value
-        set_module_tensor_to_device(model, group[0], device, value=value)
+        stored = source.first_of(group)
+        value = source.read([stored], device, None)[stored]  # integer buffers keep their dtype
+        set_module_tensor_to_device(model, group[0], device, value=value.to(dtype) if value.is_floating_point()
+                                    else value)
         tensor = model.get_parameter(group[0]) if group[0] not in buffers else None
         for alias in group[1:]:  # tied names share the one tensor, as saved (stored once)
             owner, _, leaf = alias.rpartition(".")
@@ -73,8 +53,7 @@ def dispatch_layers(model: nn.Module, layers: nn.ModuleList, directory: Path, de
         for name, param in layer.named_parameters():
             if param.device.type != "meta":
                 raise AttnslimError(f"layer {i} parameter {name} was materialised before dispatch")
-            if f"{prefix}{i}.{name}" not in files:
-                raise AttnslimError(f"{directory}: no weight file holds {prefix}{i}.{name}")
+            source.first_of([f"{prefix}{i}.{name}"])  # an error naming the tensor when no file holds it
         hook = AlignDevicesHook(execution_device=device, offload=True, io_same_device=True,
                                 weights_map=PrefixedDataset(weights, f"{prefix}{i}."), offload_buffers=False,
                                 place_submodules=True)
@@ -90,9 +69,6 @@ def _tied_names(model: nn.Module, buffers: set[str]) -> list[list[str]]:
     state = set(model.state_dict(keep_vars=True))
     return [*groups.values(), *([b] for b in sorted(buffers) if b in state)]
 
-
-def _is_float(f: Any, name: str) -> bool:
-    return bool(f.get_slice(name).get_dtype() in ("F16", "BF16", "F32", "F64"))
 
 
 def _release_derived(module: nn.Module, args: Any, out: Any) -> None:

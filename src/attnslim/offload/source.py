@@ -58,8 +58,9 @@ class WeightSource:
             raise AttnslimError(f"{self.directory}: shard {shard} is truncated ({path.stat().st_size} bytes, its "
                                 f"header needs {8 + header_len + end}); copy the complete checkpoint")
 
-    def read(self, names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The tensors `names` (each one a checkpoint holds), copied to `device` in `dtype`, each file mapped once."""
+    def read(self, names: list[str], device: torch.device, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """The tensors `names` (each one a checkpoint holds), copied to `device` in `dtype` (None: as stored), each
+        file mapped once."""
         from safetensors import safe_open
 
         by_shard: dict[str, list[str]] = {}
