@@ -21,14 +21,16 @@ class ByteTokenizer:
 
 
 class SavingTokenizer(ByteTokenizer):
-    """A ByteTokenizer that writes real (word-level) tokenizer files, so saved directories load."""
+    """A ByteTokenizer that writes real (character-level) tokenizer files, so saved directories load."""
 
     def save_pretrained(self, directory):
-        from tokenizers import Tokenizer, models
+        from tokenizers import Regex, Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
         vocab = {chr(65 + i): i for i in range(26)} | {"<unk>": 26}
-        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+        word = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        word.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+        fast = PreTrainedTokenizerFast(tokenizer_object=word)
         fast.save_pretrained(directory)
 
 

@@ -144,6 +144,19 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("export", help="write an all-MLA output as a stock DeepSeek-V3 checkpoint (transformers and "
+                       "vLLM load it without attnslim)")
+    p.add_argument("directory", help="an attnslim output whose every layer is mla/transmla (layout: deepseek)")
+    p.add_argument("--to", required=True, choices=["deepseek-v3"], help="the target format")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="pad every latent to this rank (default: the "
+                   "largest; vLLM's CPU MLA kernel needs 512 with 64 rotary dims)")
+    p.add_argument("--dtype", default="float32", help="saved weights: float32 | bfloat16")
+    p.add_argument("--drop-biases", action="store_true", help="drop attention biases DeepSeek-V3 cannot hold (the "
+                   "cost is measured and written to attnslim-export.json)")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("serve", help="serve a model (dense, or an nbl / drop output) with vLLM's OpenAI-compatible "
                        "server (needs `make serve-setup`)")
     p.add_argument("model", help="a compressed directory, a checkpoint directory or a zoo name")
@@ -389,6 +402,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     html, md = write_report(args.directory)
     print(f"wrote {html} and {md}")
+    return 0
+
+
+@command("export")
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnslim.export import ExportOptions, export_deepseek
+    from attnslim.io import load
+    from attnslim.outdir import check_output
+
+    source, out = Path(args.directory), Path(args.out)
+    check_output(out, args.overwrite, inputs=[source])  # before loading: a bad --out is found in a second
+    options = ExportOptions(kv_lora_rank=args.kv_lora_rank, dtype=args.dtype, drop_biases=args.drop_biases)
+    model, tokenizer = load(source)
+    report = export_deepseek(model, tokenizer, out, options, args.overwrite, source)
+    print(f"wrote {out} (DeepseekV3ForCausalLM, kv_lora_rank {report['kv_lora_rank']} + qk_rope_head_dim "
+          f"{report['qk_rope_head_dim']}, {args.dtype}); verified by transformers on {report['verified_on']}: "
+          f"relative logit error {report['relative_logit_error']:.1e}, top-1 agreement "
+          f"{report['top1_agreement']:.3f}, NLL {report['nll_source']:.4f} -> {report['nll_export']:.4f}")
+    if args.json:
+        emit_json({"out": str(out), **report})
     return 0
 
 

@@ -27,6 +27,7 @@ from types import FrameType
 from attnslim.errors import AttnslimError
 
 MARKER = "compression.json"  # what makes a directory an attnslim output that --overwrite may replace
+EXPORT_MARKER = "attnslim-export.json"  # ... or an attnslim export (export/), which has no compression.json
 WRITER = ".attnslim-writer"  # in a temp directory while it is written: the writer's pid
 
 
@@ -56,7 +57,7 @@ def _check_replaceable(target: Path, overwrite: bool) -> None:
     if resolved == here or resolved in here.parents:
         raise AttnslimError(f"--overwrite: {target} is the working directory or one of its parents; "
                             "choose a new --out directory")
-    if any(target.iterdir()) and not (target / MARKER).is_file():
+    if any(target.iterdir()) and not any((target / m).is_file() for m in (MARKER, EXPORT_MARKER)):
         raise AttnslimError(f"--overwrite: {target} is not a model saved by attnslim (no {MARKER}) "
                             "and not empty, so it is not replaced; choose another --out or remove it yourself")
 

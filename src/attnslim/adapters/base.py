@@ -165,6 +165,14 @@ class Adapter:
         """The norm applied to the residual stream right before attention."""
         raise NotImplementedError
 
+    def mlp_norm(self, i: int) -> nn.Module:
+        """The norm applied to the residual stream right before the MLP (exporters read it)."""
+        raise AttnslimError(f"{type(self).__name__} does not name its pre-MLP norm (needed to export this family)")
+
+    def final_norm(self) -> nn.Module:
+        """The norm after the last decoder layer (exporters read it)."""
+        raise AttnslimError(f"{type(self).__name__} does not name its final norm (needed to export this family)")
+
     def attention_output_norm(self, i: int) -> nn.Module | None:
         """Norm applied to the attention output before the residual add (Gemma3), else None."""
         return None

@@ -36,6 +36,12 @@ class LlamaAdapter(Adapter):
     def attention_norm(self, i: int) -> nn.Module:
         return self._layer(i).input_layernorm
 
+    def mlp_norm(self, i: int) -> nn.Module:
+        return self._layer(i).post_attention_layernorm
+
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
     def _layer(self, i: int) -> Any:
         return self.decoder_layers()[self._check_layer(i)]
 

@@ -24,6 +24,8 @@ Choosing T and the kept components (`select`):
 fold > 1 (TransMLA's FreqFold) treats `fold` neighbouring frequencies as one: the PCA runs over all their
 components and its top components take the group's frequency slots in order, which is exact only where the
 neighbouring frequencies are equal (an approximation the baseline makes; `select=query` never folds).
+one_per_freq keeps at most one component per frequency (a frequency's best), so every kept pair has its own
+frequency: the layout of DeepSeek-V3's rotary key, one slot per frequency (export/deepseek.py).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class _Group:
 def split_rotary(
     key_moment: torch.Tensor, query_moment: torch.Tensor | None, *, n_heads: int, n_kv_heads: int, head_dim: int,
     rotary_dims: int, pairs: int, select: str, angles: torch.Tensor | None = None, span: int = 512,
-    scale: float = 1.0, fold: int = 1, damp: float = 1e-6, label: str = "layer",
+    scale: float = 1.0, fold: int = 1, damp: float = 1e-6, one_per_freq: bool = False, label: str = "layer",
 ) -> RotarySplit:
     """Choose `pairs` rotary components to keep (see the module docstring).
 
@@ -96,12 +98,15 @@ def split_rotary(
     if fold > 1 and pairs > half:
         raise AttnslimError(f"{label}: fold = {fold} gives each of the {half} frequencies one slot; {pairs} pairs "
                             f"requested")
+    if one_per_freq and pairs > half:
+        raise AttnslimError(f"{label}: one rotary pair per frequency allows at most {half} pairs ({rotary_dims} "
+                            f"rotary dims); {pairs} requested")
     if fold > 1 and select != "pca":
         raise AttnslimError(f"{label}: fold = {fold} needs select='pca' (FreqFold is a PCA over frequencies)")
     groups = [list(range(s, min(s + fold, half))) for s in range(0, half, fold)]
     built = [_group(key_moment, query_moment, f, n_heads, n_kv_heads, head_dim, half, select, angles, span, damp)
              for f in groups]
-    kept = _choose(built, pairs, fold, by_rank=select == "pca")
+    kept = _choose(built, pairs, fold, 1 if one_per_freq else None, by_rank=select == "pca")
     return _assemble(built, kept, n_heads, n_kv_heads, head_dim, rotary_dims, scale)
 
 
@@ -151,13 +156,15 @@ def phase_mean(angle: float, span: int) -> float:
     return float((weight * torch.cos(angle * delta)).sum() / weight.sum())
 
 
-def _choose(groups: list[_Group], pairs: int, fold: int, by_rank: bool) -> list[tuple[int, int]]:
-    """The `pairs` (group, component) with the largest scores; with fold > 1 only a group's first M components
-    (one per frequency slot) are candidates. by_rank (RoRoPE): every group's first component before any second
-    one, so the kept pairs cover every frequency before doubling any."""
+def _choose(groups: list[_Group], pairs: int, fold: int, per_freq: int | None, by_rank: bool
+            ) -> list[tuple[int, int]]:
+    """The `pairs` (group, component) with the largest scores. A group's components come sorted by score; with
+    fold > 1 only its first M (one per frequency slot) are candidates, with per_freq only its first per_freq.
+    by_rank (RoRoPE): every group's first component before any second one, so the kept pairs cover every
+    frequency before doubling any."""
     cands = []
     for gi, grp in enumerate(groups):
-        limit = len(grp.freqs) if fold > 1 else grp.score.numel()
+        limit = len(grp.freqs) if fold > 1 else min(grp.score.numel(), per_freq or grp.score.numel())
         cands += [(c // len(grp.freqs) if by_rank else 0, -float(grp.score[c]), gi, c) for c in range(limit)]
     cands.sort()
     return sorted((gi, c) for _, _, gi, c in cands[:pairs])

@@ -30,6 +30,10 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
   Deviation: α from second moments (streamed statistics), not from a mean of per-token norms.
 Statistics: Σxxᵀ, Σx, n at the attention input (q, k, v all read it); nothing else.
+layout=deepseek (both methods): the form of a DeepSeek-V3 checkpoint, which `attnslim export --to deepseek-v3` writes
+  exactly (export/deepseek.py) and stock vLLM serves: at most one rotary pair per frequency (DeepSeek's rotary
+  key has one slot per frequency; rope_dims at most one head's rotary dims), no attention biases (layers with any
+  are refused), and the latent fitted on the uncentred input moment (the mean correction needs an o_proj bias).
 KV budget: `kv_ratio` (kept fraction of the dense cache, r = ⌊kv_ratio·2·n_kv·d_h⌋ − d_rope) or an explicit `rank`.
 Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r²
 (block-identity A); query maps h·d_h·(d_rope + D_n), D_n = n_kv·d_h − d_rope.
@@ -70,6 +74,7 @@ from attnslim.modules.mla import MLAAttention
 from attnslim.registry import register_method
 
 KV_WEIGHTS = ("attention", "rootcov", "svd")
+LAYOUTS = ("free", "deepseek")
 ALLOCS = ("uniform", "global")
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
@@ -80,9 +85,11 @@ class _MLABase(Method):
     rank: int | None = None  # explicit latent rank r instead
     rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
     damp: float = 1e-2
+    layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
 
     def __post_init__(self) -> None:
         n = self.name
+        require(self.layout in LAYOUTS, n, "layout", self.layout, " | ".join(LAYOUTS))
         require((self.kv_ratio is None) != (self.rank is None), n, "kv_ratio/rank", (self.kv_ratio, self.rank),
                 "exactly one of kv_ratio (a kept fraction of the dense KV cache) or rank")
         require(self.kv_ratio is None or (isinstance(self.kv_ratio, int | float) and 0 < self.kv_ratio <= 1), n,
@@ -125,10 +132,15 @@ class _MLABase(Method):
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
         if spec.rope is not None:
             _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
+        if self.layout == "deepseek":
+            biased = [name for name in ("q", "k", "v", "o") if spec.bias(name) is not None]
+            if biased:
+                raise AttnslimError(f"{where} has {'/'.join(biased)} biases; layout: deepseek writes DeepSeek-V3's "
+                                    "form, which has no attention biases (vLLM loads none); use layout: free")
         dense = 2 * spec.n_kv_heads * spec.head_dim
         rope = self.rope_dims if self.rope_dims is not None else default_rope_dims(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
-        full_rot = self._rope_cap(spec.n_kv_heads, d_rot)
+        full_rot = d_rot if self.layout == "deepseek" else self._rope_cap(spec.n_kv_heads, d_rot)
         if rope > full_rot:
             fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
             raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
@@ -169,7 +181,7 @@ class _MLABase(Method):
 
     def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: dict[str, Any]) -> MLAAttention:
         dtype = spec.q.dtype
-        o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=True, dtype=dtype)
+        o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = MLAAttention(
             layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
@@ -219,8 +231,10 @@ def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
         else:  # full rank: A = J⁻¹ M as one dense matrix (the identity columns included)
             module.kv.a.copy_(f.kv.A)
         module.o_proj.weight.copy_(spec.o)
-        assert module.o_proj.bias is not None
-        module.o_proj.bias.copy_(f.o_bias)
+        if module.o_proj.bias is not None:
+            module.o_proj.bias.copy_(f.o_bias)
+        elif f.o_bias.abs().max() > 0:  # layout deepseek refuses biases and fits without the mean correction
+            raise AttnslimError(f"layer {module.layer_idx}: the fit gave an output bias but o_proj has none")
         if module.k_rope is not None:
             module.k_rope.weight.copy_(f.k_rope)
             if f.k_rope_bias is not None and module.k_rope.bias is not None:
@@ -247,7 +261,7 @@ def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[tor
 
 
 def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
-                  fold: int, where: str) -> RotarySplit:
+                  fold: int, one_per_freq: bool, where: str) -> RotarySplit:
     d_rot, angles, scale = 0, None, 1.0
     if spec.rope is not None:
         d_rot = spec.rope.rotary_dims
@@ -256,7 +270,8 @@ def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: i
     return split_rotary(
         second_moment(spec.k, spec.k_bias, st), q_mom,
         n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
-        pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, label=where)
+        pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, one_per_freq=one_per_freq,
+        label=where)
 
 
 def _stacked(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:
@@ -292,7 +307,8 @@ class MLA(_MLABase):
                 "an integer >= 1")
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1, where)
+        return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1,
+                             self.layout == "deepseek", where)
 
     @property
     def selects_layers(self) -> bool:  # type: ignore[override]
@@ -322,13 +338,14 @@ class MLA(_MLABase):
         w_kv = _stacked(spec, split)
         if self.kv_weight == "svd":
             return w_kv, torch.eye(spec.hidden_size, dtype=torch.float64), None, None
-        cov = st.centred_cov
+        # the mean correction lands in o_proj's bias, which layout deepseek does not have: the uncentred fit there
+        cov, mean = (st.centred_cov, st.mean) if self.layout == "free" else (st.corr, None)
         if self.kv_weight == "attention":
             w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
                                         n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
-            return w_kv, cov, _balance([w_k, w_v], w_kv, cov), st.mean
+            return w_kv, cov, _balance([w_k, w_v], w_kv, cov), mean
         rows = [torch.diag(split.nope_weight.clamp_min(ROW_FLOOR)), torch.eye(spec.v.shape[0], dtype=torch.float64)]
-        return w_kv, cov, _balance(rows, w_kv, cov), st.mean
+        return w_kv, cov, _balance(rows, w_kv, cov), mean
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         w_kv, cov, weights, mean = self._objective(spec, split, st)
@@ -351,7 +368,7 @@ class TransMLA(_MLABase):
         return rotary_dims if self.freq_fold > 1 else n_kv_heads * rotary_dims
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        return _split_common(adapter, spec, st, rope, "pca", 1, self.freq_fold, where)
+        return _split_common(adapter, spec, st, rope, "pca", 1, self.freq_fold, self.layout == "deepseek", where)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         w_kv = _stacked(spec, split)

@@ -82,6 +82,7 @@ def layer_kinds(directory: Path) -> list[LayerKind]:
 
 def _export_hint(refused: dict[str, list[int]]) -> str:
     if set(refused) <= {"mla", "transmla"}:
-        return ("; an all-MLA model is served as a DeepSeek-V3 checkpoint, but attnslim has no DeepSeek-V3 export "
-                "yet (issue 21, item 1)")
+        return ("; an all-MLA model is served as a DeepSeek-V3 checkpoint: `attnslim export DIR --to deepseek-v3 "
+                "--out OUT --kv-lora-rank 512 --dtype bfloat16` (compressed with layout: deepseek, e.g. recipe "
+                "mla-deepseek), then `attnslim serve OUT`")
     return ""

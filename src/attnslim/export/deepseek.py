@@ -1,0 +1,286 @@
+"""`attnslim export DIR --to deepseek-v3 --out OUT`: an attnslim output whose every layer is MLA, as a stock
+`DeepseekV3ForCausalLM` checkpoint. transformers loads it with plain `AutoModelForCausalLM.from_pretrained(OUT)`
+(no remote code, no attnslim) and vLLM serves it with its own MLA kernels; the layer map is in deepseek_layer.py.
+
+Exact by construction, up to float rounding:
+- the rotary key: DeepSeek's qk_rope_head_dim is the model's rotary width, so DeepSeek's frequency f is the
+  model's frequency f (its rope_parameters are copied: scaled RoPE stays the model's own); each kept pair goes to
+  its frequency's slot, permuted into DeepSeek's interleaved layout. Two kept pairs at one frequency cannot
+  share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency).
+- the softmax scale: DeepSeek's (d_qn + D)^-½ is folded into q_proj.
+- ranks: every layer's latent is zero-padded to one kv_lora_rank (the largest, or --kv-lora-rank).
+- no MoE: first_k_dense_replace = the layer count (transformers and vLLM then build the dense MLP everywhere).
+Approximate, with a bound:
+- kv_a_layernorm, an RMSNorm of the latent that DeepSeek always applies, is made linear: the latent map is
+  scaled by α so that mean (α c)² ≤ 1e-6 · eps for any input (‖x‖ ≤ √d · max|γ| after the pre-attention
+  RMSNorm), and the norm weight is √eps / α; relative error ≤ 5e-7.
+- eps: transformers builds kv_a_layernorm with eps 1e-6 whatever the config says, vLLM with rms_norm_eps; both
+  agree only when rms_norm_eps = 1e-6, which the other RMSNorms then use too (the source's own eps otherwise):
+  the one deviation that is not float rounding; attnslim-export.json reports the logit and NLL change it makes.
+Refused, naming the layers: non-MLA layers, sliding-window layers, a factorised q_proj or MLP, QK-norm, RoPE types
+other than the plain one (vLLM's DeepSeek model reads them as DeepSeek's YaRN variants), attention biases
+(DeepSeek-V3 and vLLM have none; with --drop-biases they are dropped and the verification measures what that
+costs), float16 (α A underflows it).
+Verified before the output appears: the written directory is loaded by transformers alone and its logits compared
+with the source model's on wiki text; the numbers go to attnslim-export.json, and a float32 export whose logits
+differ by more than TOLERANCE is refused (a bug, not the eps change or a rounding).
+vLLM's CPU MLA kernel runs only kv_lora_rank 512 + qk_rope_head_dim 64: pass --kv-lora-rank 512 to serve on CPU
+(the padded cache is then larger than the latent needs; GPU MLA kernels take other sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnslim import _compat
+from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
+from attnslim.data import eval_windows
+from attnslim.errors import AttnslimError
+from attnslim.export.deepseek_layer import attention_tensors, latent_scale
+from attnslim.modules.mla import MLAAttention
+from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
+
+EPS = 1e-6  # transformers' fixed kv_a_layernorm eps, written as rms_norm_eps so that vLLM uses it too
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# vLLM's DeepSeek model turns every other RoPE type into one of DeepSeek's YaRN variants (deepseek_v2.py)
+ROPE_TYPES = ("default",)
+# largest |Δ logit| / max |logit| of a float32 export with its biases kept: the eps change alone gives ~1e-3 on
+# SmolLM2 (1e-5 -> 1e-6; 2.5e-6 with the source's eps restored, tests/test_export.py), a wrong map gives O(1)
+TOLERANCE = 1e-2
+FAMILIES = ("llama", "mistral")
+VERIFY_SOURCE = "wiki"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    kv_lora_rank: int | None = None  # None: the largest latent rank of any layer
+    dtype: str = "float32"
+    drop_biases: bool = False
+    verify_tokens: int = 512
+
+
+def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOptions, overwrite: bool = False,
+                    source: Path | None = None) -> dict[str, Any]:
+    """Write `model` (every layer MLAAttention) to `out` as a DeepseekV3ForCausalLM checkpoint; returns the
+    verification report also written to out/attnslim-export.json."""
+    check_output(out, overwrite, [source] if source else [])
+    dtype = _dtype(options.dtype)
+    adapter = get_adapter(model)
+    layers = mla_layers(adapter)
+    rank = _kv_lora_rank(layers, options.kv_lora_rank)
+    dropped = _check_biases(layers, options.drop_biases)
+    config = deepseek_config(adapter, layers, rank, options.dtype)
+    state = deepseek_state(adapter, layers, rank)
+    with staged_output(out, overwrite) as tmp:
+        _compat.config_from_dict("deepseek_v3", config).save_pretrained(tmp)
+        _write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
+        del state
+        tokenizer.save_pretrained(tmp)
+        report = verify(model, tokenizer, tmp, options)
+        report.update(kv_lora_rank=rank, qk_rope_head_dim=config["qk_rope_head_dim"], dtype=options.dtype,
+                      dropped_biases=dropped, kv_elements_per_token_and_layer=rank + config["qk_rope_head_dim"],
+                      latent_ranks=[m.rank for m in layers], rope_dims=[m.rope_dims for m in layers])
+        (tmp / EXPORT_MARKER).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return report
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "float16":
+        raise AttnslimError("--dtype float16 cannot hold the export's scaled latent map (it underflows float16's "
+                            "range); use bfloat16 or float32")
+    if name not in DTYPES:
+        raise AttnslimError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def mla_layers(adapter: Adapter) -> list[MLAAttention]:
+    """Every decoder layer's MLAAttention, or a refusal naming the layers that are not."""
+    model_type = str(adapter.config.model_type)
+    if model_type not in FAMILIES:
+        raise AttnslimError(f"export to deepseek-v3 supports {', '.join(FAMILIES)} models; this one is {model_type!r}")
+    found = [adapter.attention(i) for i in range(adapter.num_layers())]
+    other = [i for i, m in enumerate(found) if not isinstance(m, MLAAttention)]
+    if other:
+        kinds = sorted({type(found[i]).__name__ for i in other})
+        raise AttnslimError(f"layers {_span(other)} are not MLA ({', '.join(kinds)}): a DeepSeek-V3 checkpoint is "
+                            "MLA in every layer; compress every layer with method mla or transmla")
+    layers = [m for m in found if isinstance(m, MLAAttention)]
+    for i, m in enumerate(layers):
+        where = f"layer {i}"
+        if m.sliding_window is not None:
+            raise AttnslimError(f"{where} attends over a sliding window, which DeepSeek-V3 has no field for")
+        if m.q_norm is not None or m.softcap is not None:
+            raise AttnslimError(f"{where} has a query norm or a logit softcap, which DeepSeek-V3 has no field for")
+        if type(m.q_proj) is not nn.Linear:
+            raise AttnslimError(f"{where}: q_proj is a {type(m.q_proj).__name__}; export needs a dense q_proj "
+                                "(compress without a step that factorises q)")
+        freq = [] if m.rope_freq is None else m.rope_freq.tolist()
+        doubled = sorted({f for f in freq if freq.count(f) > 1})
+        if doubled:
+            raise AttnslimError(f"{where} keeps more than one rotary pair at each of frequencies {doubled}; "
+                                "DeepSeek-V3's rotary key has one slot per frequency: compress with `layout: deepseek` "
+                                "(recipe mla-deepseek)")
+        for name in ("gate", "up", "down"):
+            lin = adapter.linear(i, name)
+            if type(lin) is not nn.Linear or lin.bias is not None:
+                raise AttnslimError(f"{where}: MLP {name} is a {type(lin).__name__}"
+                                    f"{' with a bias' if type(lin) is nn.Linear else ''}; DeepSeek-V3's dense MLP "
+                                    "is three Linears without biases")
+    return layers
+
+
+def _span(idx: list[int]) -> str:
+    return ", ".join(map(str, idx)) if len(idx) <= 8 else f"{', '.join(map(str, idx[:8]))}, ... ({len(idx)} layers)"
+
+
+def _kv_lora_rank(layers: list[MLAAttention], wanted: int | None) -> int:
+    largest = max(m.rank for m in layers)
+    if wanted is None:
+        return largest
+    if wanted < largest:
+        worst = [i for i, m in enumerate(layers) if m.rank > wanted]
+        raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {_span(worst)} (largest "
+                            f"{largest}); give at least {largest} (padding is exact, truncating is not)")
+    return wanted
+
+
+def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
+    """Names of the nonzero attention biases; refused unless `drop`."""
+    found = []
+    for i, m in enumerate(layers):
+        for name, mod in (("q_proj", m.q_proj), ("o_proj", m.o_proj), ("k_rope", m.k_rope)):
+            bias = getattr(mod, "bias", None)
+            if isinstance(bias, torch.Tensor) and bool(bias.detach().abs().max() > 0):
+                found.append(f"layer {i} {name}")
+    if found and not drop:
+        raise AttnslimError(f"{_span_names(found)} have nonzero biases, which DeepSeek-V3 (and vLLM) cannot load. "
+                            "Compress with `layout: deepseek` (no bias: the latent is fitted without the mean "
+                            "correction; recipes/mla-deepseek.yaml), or pass --drop-biases to drop them and read "
+                            "the cost in attnslim-export.json")
+    return found
+
+
+def _span_names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:6])}, ... ({len(names)} in all)"
+
+
+def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str) -> dict[str, Any]:
+    """config.json values of the DeepSeek-V3 model (dense MLP in every layer, q_lora_rank null)."""
+    cfg = adapter.config
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES or "mscale_all_dim" in rope:
+        raise AttnslimError(f"RoPE type {rope_type!r}: vLLM's DeepSeek model reads every RoPE type but "
+                            f"{', '.join(ROPE_TYPES)} as one of DeepSeek's YaRN variants, so the export would not be "
+                            "the model's own rotation there; supported: " + ", ".join(ROPE_TYPES))
+    first = layers[0]
+    rotary = _rotary_dims(first)
+    n = adapter.num_layers()
+    return {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": n, "num_attention_heads": first.n_heads, "num_key_value_heads": first.n_heads,
+        "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": EPS, "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
+        "kv_lora_rank": rank, "q_lora_rank": None, "qk_rope_head_dim": rotary, "qk_nope_head_dim": first.head_dim,
+        "v_head_dim": first.head_dim, "first_k_dense_replace": n,
+        "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "dtype": dtype,
+    }
+
+
+def _rotary_dims(module: MLAAttention) -> int:
+    """The model's rotary width (DeepSeek's qk_rope_head_dim): 2 × the rotary module's frequencies."""
+    if not module._rotary:
+        raise AttnslimError("the model has no rotary embedding; DeepSeek-V3's rotary key needs one")
+    inv_freq = getattr(module._rotary[0], "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise AttnslimError(f"the rotary module {type(module._rotary[0]).__name__} has no inv_freq table")
+    return 2 * inv_freq.numel()
+
+
+def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> dict[str, torch.Tensor]:
+    """The DeepSeek-V3 state dict (float64 attention tensors, the rest as stored), tensors independent of the
+    source's (no shared storage: lm_head is written out)."""
+    model = adapter.model
+    state: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": _weight(adapter.embed_tokens()),
+        "model.norm.weight": _weight(adapter.final_norm()),
+        "lm_head.weight": _weight(model.get_output_embeddings()),
+    }
+    d = adapter.config.hidden_size
+    for i, m in enumerate(layers):
+        p = f"model.layers.{i}."
+        norm = _weight(adapter.attention_norm(i))
+        eye = torch.eye(d, dtype=m.kv.b.dtype)
+        with torch.no_grad():
+            latent = m.kv.latent(eye).T  # (r, d): A with its block identity written out
+        alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
+        tensors = attention_tensors(
+            _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
+            m.rope_freq if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
+            m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
+            None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj),
+            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=_rotary_dims(m),
+            kv_lora_rank=rank, alpha=alpha, eps=EPS)
+        state.update({p + "self_attn." + k: v for k, v in tensors.items()})
+        state[p + "input_layernorm.weight"] = norm
+        state[p + "post_attention_layernorm.weight"] = _weight(adapter.mlp_norm(i))
+        for name in ("gate", "up", "down"):
+            state[p + f"mlp.{name}_proj.weight"] = _weight(adapter.linear(i, name))
+    return state
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """A detached copy of module.weight (no storage shared with the source or another entry)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise AttnslimError(f"{type(module).__name__} has no weight tensor to export")
+    return weight.detach().clone()
+
+
+def _opt(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.detach()
+
+
+def _write_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, directory, max_shard_size="5GB")
+
+
+def verify(model: Any, tokenizer: Any, directory: Path, options: ExportOptions) -> dict[str, Any]:
+    """Load `directory` with transformers alone and compare its logits with `model`'s on wiki text."""
+    from attnslim.models.load import load_model
+
+    exported, _ = load_model(str(directory))
+    seq = min(256, options.verify_tokens)
+    ids = eval_windows(VERIFY_SOURCE, tokenizer, tokens=max(seq, options.verify_tokens), seq_len=seq).ids
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+        got = exported(ids).logits.double()
+    err = float((ref - got).abs().max())
+    rel = err / float(ref.abs().max())
+    report = {"verified_on": f"{ids.numel()} tokens of {VERIFY_SOURCE} (evaluation split)",
+              "max_abs_logit_error": err, "relative_logit_error": rel,
+              "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
+              "nll_source": _nll(ref, ids), "nll_export": _nll(got, ids), "tolerance": TOLERANCE}
+    del exported
+    if rel > TOLERANCE and options.dtype == "float32" and not options.drop_biases:
+        raise AttnslimError(f"the exported model's logits differ from the source's by {rel:.2e} of their range "
+                            f"(tolerance {TOLERANCE:g}); this is a bug in the export, please report it")
+    return report
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
