@@ -5,7 +5,8 @@ Groups (--groups, comma-separated; default oneshot,speed):
            (query-weighted rotary choice, attention-weighted latent: the defaults) and `transmla` (RoRoPE +
            FreqFold 4 + BKV-PCA) at the same cached elements per token; at 0.5 also `mla` with kv_weight=rootcov,
            with alloc=global, with TransMLA's RoRoPE choice (rope_select=pca), a plain truncated SVD of
-           [k_nope; v] (kv_weight=svd) and today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE)
+           [k_nope; v] (kv_weight=svd), today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE) and
+           `mla` in DeepSeek-V3's layout (layout=deepseek, recipes/mla-deepseek.yaml: what `attnslim export` takes)
   heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's);
            at 0.5 also `mla` healed with larger learning rates and with every parameter trained (HEAL_ABLATIONS)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
@@ -49,6 +50,8 @@ def oneshot_variants(kv: float) -> dict[str, list[dict[str, Any]]]:
             f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
             f"mla-plainsvd-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "svd"}),
             f"latentllm-kvonly-kv{p}": step("latentllm", {"ratio": 1.0, "kv_ratio": kv}),
+            # DeepSeek-V3's layout (exportable): one rotary pair per frequency, no mean correction (no o bias)
+            f"mla-deepseek-kv{p}": step("mla", {"kv_ratio": kv, "rope_dims": 64, "layout": "deepseek"}),
         }
     return out
 
@@ -110,10 +113,11 @@ def main() -> None:
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "transmla-kv"))}
-    if "mla-kv50" in recipes:  # heal ablations at 0.5: a larger step size, every parameter trained
-        for tag, change in HEAL_ABLATIONS.items():
-            heals[f"mla-kv50-heal40-{tag}"] = {**recipes["mla-kv50"], "name": f"mla-kv50-heal40-{tag}",
-                                               "heal": {**HEAL, **change}}
+    for base in ("mla-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every parameter trained
+        if base in recipes:
+            for tag, change in HEAL_ABLATIONS.items():
+                heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",
+                                                 "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
     only = {k for k in args.only.split(",") if k}
     h.dense()

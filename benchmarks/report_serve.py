@@ -6,7 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 LABELS = {"dense": "dense", "nbl-6": "NBL-6 (linearized)", "nbl-12": "NBL-12 (linearized)",
-          "drop-6": "drop-6 (attention removed)"}
+          "drop-6": "drop-6 (attention removed)",
+          "mla-deepseek": "MLA KV 0.5, DeepSeek-V3 export (vLLM's MLA, kv_lora_rank padded to 512)"}
 
 
 def serve_section(data: dict[str, Any]) -> list[str]:
@@ -36,6 +37,14 @@ def serve_section(data: dict[str, Any]) -> list[str]:
                 f"({'met' if tp >= 1.15 else 'missed'}); KV capacity ≥ 1.6×, measured {kv:.3f}× "
                 f"({'met' if kv >= 1.6 else 'missed'}). A linearized layer drops SmolLM2's q/k/v/o projections and "
                 "the attention core but adds a 576×576 map; the MLPs, embeddings and LM head stay."]
+    mla = data["variants"].get("mla-deepseek")
+    if mla is not None:
+        out += ["", "The MLA row is `attnslim export --to deepseek-v3 --kv-lora-rank 512` of an all-MLA SmolLM2 "
+                "(recipes/mla-deepseek.yaml's step), served by vLLM's own DeepseekV3 model and MLA kernels. Its "
+                "latent rank is 128 + 64 rotary dims, but vLLM's CPU MLA kernels take only 512 + 64, so the padded "
+                f"cache holds 576 values per token and layer against dense SmolLM2's 384: {mla['kv_vs_dense']:.3f}× "
+                "the dense tokens here. The saving is real where the kernel takes the latent's own width (GPU MLA "
+                "kernels), or on models whose dense cache is wider than 576 (Llama-3-8B: 2048 per layer)."]
     return out + [""]
 
 

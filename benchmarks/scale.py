@@ -4,6 +4,8 @@ Writes random-weight bf16 checkpoints with Llama-3-8B shapes (hidden 4096, 32 he
 128256) and `--depths` decoder layers (the full model has 32), then compresses each with `compress --offload
 --dtype bfloat16` in a fresh process per run, so each run's peak RSS is its own. RANDOM WEIGHTS SAY NOTHING ABOUT
 QUALITY: this measures memory and time only; quality is measured on the real models (BENCHMARKS.md).
+peak_rss_mb is ru_maxrss (anonymous + file-backed pages); peak_anon_rss_mb and peak_file_rss_mb split it (sampled):
+the memory-mapped checkpoint pages count in the first and grow with the layers read, but the kernel reclaims them.
 
     .venv/bin/python benchmarks/scale.py --depths 2,4 --work /tmp/attnslim-scale
 writes benchmarks/results/scale.json.
@@ -17,6 +19,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,31 @@ def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+class RssSampler:
+    """Peak anonymous and file-backed resident memory, sampled from /proc/self/status every 50 ms. ru_maxrss counts
+    both: the checkpoint's memory-mapped pages, which the kernel can drop at any time, grow with every layer read
+    and are not memory the run needs; the anonymous peak is (tensors, statistics, activations)."""
+
+    def __init__(self) -> None:
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in self.peak:
+                    self.peak[key] = max(self.peak[key], int(value.split()[0]))  # kB
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_anon_rss_mb": round(self.peak["RssAnon"] / 1024, 1),
+                "peak_file_rss_mb": round(self.peak["RssFile"] / 1024, 1)}
+
+
 def child(src: Path, out: Path, method: str, windows: int, seq_len: int, m: int) -> dict[str, Any]:
     """One offloaded compression in this process, with calibration (layer forwards) and conversion timed apart."""
     from attnslim.api import compress_offloaded
@@ -105,13 +133,15 @@ def child(src: Path, out: Path, method: str, windows: int, seq_len: int, m: int)
                                "calibration": {"source": "wiki", "windows": windows, "seq_len": seq_len, "seed": 0,
                                                "batch_size": 2},
                                "steps": [{"method": method, "layers": "all", "args": args}]})
+    sampler = RssSampler()
     start = time.perf_counter()
     report = compress_offloaded(src, recipe, out, dtype=torch.bfloat16, progress=False)
     seconds = time.perf_counter() - start
+    rss = sampler.stop()
     chosen = sorted(int(k) for k in report.steps[0]["plan"]["layers"])
     return {"seconds": round(seconds, 1), "calibration_s": round(spent["calibration"], 1),
             "conversion_s": round(spent["conversion"], 1), "converted_layers": chosen,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), **rss,
             "output_bytes": sum(f.stat().st_size for f in out.iterdir()),
             "params_before": report.params_before, "params_after": report.params_after}
 

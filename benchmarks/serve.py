@@ -27,7 +27,7 @@ from common import RESULTS, environment
 from attnslim.serving.launch import serving_python
 from attnslim.serving.variants import MODEL, SEQ_LEN, WINDOWS, build
 
-VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6")
+VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek")
 KV_GIB = "2"
 SPEC = {"prompts": 32, "input_len": 512, "output_len": 128}
 

@@ -1,7 +1,10 @@
-"""vLLM serves dense SmolLM2 and its NBL-6 and drop-6 outputs as HF runs them (marker `serving`: `make test-serve`).
+"""vLLM serves dense SmolLM2, its NBL-6 and drop-6 outputs, and the DeepSeek-V3 export of its MLA conversion as HF
+runs them (marker `serving`: `make test-serve`).
 
-One offline vLLM process serves the three variants in turn (each model starts once per session); the HF side runs
-here. float32 on both sides, 8 wiki prompts of 96 tokens, 64 greedy tokens each (no EOS stop on either side).
+One offline vLLM process serves the Llama-family variants in turn (each model starts once per session), a second
+one the DeepSeek-V3 export (vLLM's reference CPU_MLA backend: its AMX one, chosen where the CPU has AMX, runs
+bfloat16 only); the HF side runs here, with transformers' own DeepseekV3ForCausalLM for the export. float32 on both
+sides, 8 wiki prompts of 96 tokens, 64 greedy tokens each (no EOS stop on either side).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from attnslim.serving.launch import serving_python
 
 pytestmark = pytest.mark.serving
 
-VARIANTS = ("dense", "nbl-6", "drop-6")
+LLAMA_VARIANTS = ("dense", "nbl-6", "drop-6")
+MLA_VARIANTS = ("mla-deepseek",)
+VARIANTS = LLAMA_VARIANTS + MLA_VARIANTS
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 96, 64
 KV_GIB = "1"
 
@@ -47,18 +52,23 @@ def prompts() -> list[list[int]]:
     return [[int(t) for t in row] for row in windows.ids]
 
 
-@pytest.fixture(scope="session")
-def vllm_runs(served, prompts, tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("vllm")
-    request = {"models": [str(served[name]) for name in VARIANTS], "dtype": "float32", "max_model_len": 1024,
-               "correctness": {"prompts": prompts, "max_tokens": MAX_TOKENS}}
+def _offline(work: Path, models: list[str], prompts: list[list[int]], **extra: str) -> dict[str, dict]:
+    request = {"models": models, "dtype": "float32", "max_model_len": 1024,
+               "correctness": {"prompts": prompts, "max_tokens": MAX_TOKENS}, **extra}
     (work / "request.json").write_text(json.dumps(request))
     proc = subprocess.run(
         [str(serving_python()), "-m", "attnslim.serving.offline", str(work / "request.json"), str(work / "out.json")],
         cwd=work, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GIB), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads((work / "out.json").read_text())
+    return dict(json.loads((work / "out.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def vllm_runs(served, prompts, tmp_path_factory) -> dict[str, dict]:
+    results = _offline(tmp_path_factory.mktemp("vllm"), [str(served[n]) for n in LLAMA_VARIANTS], prompts)
+    results |= _offline(tmp_path_factory.mktemp("vllm-mla"), [str(served[n]) for n in MLA_VARIANTS], prompts,
+                        attention_backend="CPU_MLA")
     return {name: results[str(served[name])] for name in VARIANTS}
 
 
@@ -96,10 +106,22 @@ def test_prompt_perplexity_within_one_percent_of_hf(variant, vllm_runs, hf_runs)
 def test_layers_without_attention_hold_no_kv_cache(vllm_runs):
     """Same VLLM_CPU_KVCACHE_SPACE: 24 of 30 layers with a cache fit 30/24 times the dense tokens (to a block)."""
     dense = vllm_runs["dense"]
-    for variant in ("nbl-6", "drop-6"):
+    for variant in LLAMA_VARIANTS[1:]:
         run = vllm_runs[variant]
         assert run["block_size"] == dense["block_size"]
         assert abs(run["kv_blocks"] - dense["kv_blocks"] * 30 / 24) <= 1, (variant, run["kv_blocks"], dense)
+
+
+def test_the_deepseek_export_caches_its_latent_and_rotary_key_only(served, vllm_runs):
+    """Same VLLM_CPU_KVCACHE_SPACE and dtype: vLLM's MLA cache holds kv_lora_rank + qk_rope_head_dim values per token
+    and layer (512 + 64 here, the CPU kernel's one size) where dense SmolLM2 holds 2 · 3 KV heads · 64 = 384, so it
+    fits 384 / 576 of the dense tokens (to a block). On this model the padded latent is larger than the dense cache;
+    on GPU kernels, which take other sizes, kv_lora_rank can stay the latent's own rank (BENCHMARKS.md, serving)."""
+    config = json.loads((served["mla-deepseek"] / "config.json").read_text())
+    per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    dense, mla = vllm_runs["dense"], vllm_runs["mla-deepseek"]
+    expected = dense["kv_tokens"] * 384 / per_token
+    assert abs(mla["kv_tokens"] - expected) <= max(mla["block_size"], dense["block_size"]), (mla, dense, per_token)
 
 
 def _free_port() -> int:

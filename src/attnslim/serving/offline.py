@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python -m attnslim.serving.offline REQUEST.json OUT.json
 
-REQUEST: {"models": [dir, ...], "dtype": "float32", "max_model_len": 1024,
+REQUEST: {"models": [dir, ...], "dtype": "float32", "max_model_len": 1024, "attention_backend": "CPU_MLA" (optional),
           "correctness": {"prompts": [[token ids], ...], "max_tokens": 64}         (optional)
           "throughput": {"prompts": 32, "input_len": 512, "output_len": 128}}       (optional)
 Every model is started once, in turn, in this process. OUT maps each model directory to
@@ -59,8 +59,9 @@ def run_model(directory: str, request: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
     start = time.perf_counter()
+    backend = {"attention_backend": request["attention_backend"]} if "attention_backend" in request else {}
     llm = LLM(directory, dtype=request.get("dtype", "float32"), enforce_eager=True,
-              max_model_len=request.get("max_model_len", 1024), enable_prefix_caching=False, seed=0)
+              max_model_len=request.get("max_model_len", 1024), enable_prefix_caching=False, seed=0, **backend)
     result: dict[str, Any] = {"start_s": time.perf_counter() - start}
     cache = llm.llm_engine.vllm_config.cache_config
     result.update(kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,

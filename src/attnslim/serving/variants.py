@@ -1,7 +1,8 @@
 """The SmolLM2 variants that the serving tests and benchmark serve (built in attnslim's own environment).
 
-`build(name, out)` writes one servable directory: "dense" as a plain transformers checkpoint, the others as attnslim
-outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the serving checks compare
+`build(name, out)` writes one servable directory: "dense" as a plain transformers checkpoint, "mla-deepseek" as the
+DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU MLA kernel runs), the
+others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the serving checks compare
 vLLM with HF on the *same* weights, and speed or KV capacity do not depend on how well the maps were fitted.
 """
 
@@ -20,7 +21,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "nbl-12": ("nbl", {"m": 12, "criterion": "similarity", "input": "normed", "sequential": False}),
     "nbl-6-residual": ("nbl", {"m": 6, "criterion": "similarity", "input": "residual", "sequential": False}),
     "drop-6": ("drop", {"count": 6, "select": "similarity"}),
+    "mla-deepseek": ("mla", {"kv_ratio": 0.5, "rope_dims": 64, "layout": "deepseek"}),
 }
+EXPORTED = {"mla-deepseek": 512}  # variant -> kv_lora_rank of its DeepSeek-V3 export
 
 
 def build(name: str, out: Path) -> Path:
@@ -47,4 +50,9 @@ def build(name: str, out: Path) -> Path:
         "steps": [{"method": method, "layers": "all", "args": args}],
     })
     report = compress(model, tokenizer, recipe, progress=False)
+    if name in EXPORTED:
+        from attnslim.export import ExportOptions, export_deepseek
+
+        export_deepseek(model, tokenizer, out, ExportOptions(kv_lora_rank=EXPORTED[name]))
+        return out
     return save(model, tokenizer, out, report.to_json())
