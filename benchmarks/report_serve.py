@@ -24,12 +24,20 @@ def serve_section(data: dict[str, Any]) -> list[str]:
            f"Variants of {data['model']}, calibrated on {data['calibration']['windows']} × "
            f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']} (quality is not measured "
            "here; the NBL section has it).", "",
-           "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense |",
-           "|---|---|---|---|---|"]
+           "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense | TTFT ms | ITL ms |",
+           "|---|---|---|---|---|---|---|"]
     for name, v in data["variants"].items():
         rounds = ", ".join(f"{x:.1f}" for x in v["output_tokens_per_s"])
+        lat = v.get("latency")
+        ttft, itl = (f"{lat['median_ttft_ms']:.0f}", f"{lat['median_itl_ms']:.1f}") if lat else ("–", "–")
         out.append(f"| {LABELS.get(name, name)} | {v['median_output_tokens_per_s']:.1f} ({rounds}) | "
-                   f"{v['throughput_vs_dense']:.3f} | {v['kv_tokens']:,} | {v['kv_vs_dense']:.3f} |")
+                   f"{v['throughput_vs_dense']:.3f} | {v['kv_tokens']:,} | {v['kv_vs_dense']:.3f} | {ttft} | {itl} |")
+    spec = data.get("latency_workload")
+    if spec:
+        out += ["", f"Latency: `attnslim serve` (vLLM's OpenAI-compatible server) per variant, one client, "
+                f"{spec['requests']} streamed completions in turn after a warm-up, {spec['prompt_len']}-token random "
+                f"prompts, {spec['new_tokens']} new tokens; TTFT = time to the first streamed token, ITL = the gap "
+                "between streamed tokens (medians)."]
     nbl12 = data["variants"].get("nbl-12")
     if nbl12 is not None:
         tp, kv = nbl12["throughput_vs_dense"], nbl12["kv_vs_dense"]

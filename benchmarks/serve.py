@@ -1,4 +1,5 @@
-"""vLLM serving of dense SmolLM2 and its NBL-6, NBL-12 and drop-6 outputs: offline throughput and KV capacity.
+"""vLLM serving of dense SmolLM2, its NBL-6, NBL-12 and drop-6 outputs and the DeepSeek-V3 export of its MLA
+conversion: offline throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
 
     .venv/bin/python benchmarks/serve.py [--rounds 2] [--dtype bfloat16]     (needs `make serve-setup`)
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from common import RESULTS, environment
+from serve_latency import SPEC as LATENCY_SPEC
+from serve_latency import latency
 
 from attnslim.serving.launch import serving_python
 from attnslim.serving.variants import MODEL, SEQ_LEN, WINDOWS, build
@@ -58,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--no-latency", action="store_true", help="skip the OpenAI-server latency phase")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
@@ -70,6 +74,8 @@ def main() -> None:
                 runs[name].append(results[dirs[name]])
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {results[dirs[n]]['throughput']['output_tokens_per_s']:.1f} tok/s" for n in order), flush=True)
+        lat = {} if args.no_latency else {
+            name: latency(dirs[name], args.dtype, KV_GIB, work / f"server-{name}.log", 49152) for name in VARIANTS}
     dense_tp = statistics.median(run["throughput"]["output_tokens_per_s"] for run in runs["dense"])
     dense_kv = runs["dense"][0]["kv_tokens"]
     variants = {}
@@ -87,9 +93,12 @@ def main() -> None:
             "start_s": [run["start_s"] for run in runs[name]],
         }
         variants[name]["kv_vs_dense"] = variants[name]["kv_tokens"] / dense_kv
+        if name in lat:
+            variants[name]["latency"] = lat[name]
     result = {
         "environment": {**environment(), "serving": _serving_versions(), "cpu_count": os.cpu_count()},
         "model": MODEL, "dtype": args.dtype, "rounds": args.rounds, "workload": SPEC,
+        "latency_workload": None if args.no_latency else LATENCY_SPEC,
         "kv_cache_space_gib": float(KV_GIB), "calibration": {"source": "wiki", "windows": WINDOWS, "seq_len": SEQ_LEN},
         "variants": variants,
     }

@@ -12,18 +12,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from attnslim.errors import AttnslimError
 from attnslim.serving.launch import serving_python
+from attnslim.serving.probe import free_port, wait_ready
 
 pytestmark = pytest.mark.serving
 
@@ -124,39 +123,18 @@ def test_the_deepseek_export_caches_its_latent_and_rotary_key_only(served, vllm_
     assert abs(mla["kv_tokens"] - expected) <= max(mla["block_size"], dense["block_size"]), (mla, dense, per_token)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited ({proc.returncode}) before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"the server was not ready within {timeout:.0f} s")
-
-
 def test_openai_client_over_loopback_gets_hf_greedy_tokens(served, prompts, hf_runs, tmp_path):
     """`attnslim serve` (127.0.0.1, API key) answers the `openai` client with HF's greedy tokens; a wrong key is
     refused."""
     import openai
 
-    port, key, log = _free_port(), "test-key-21", tmp_path / "server.log"
+    port, key, log = free_port(), "test-key-21", tmp_path / "server.log"
     argv = [sys.executable, "-m", "attnslim", "serve", str(served["nbl-6"]), "--port", str(port), "--api-key", key,
             "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", KV_GIB]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+        wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=300)
         for ids, expected in zip(prompts[:2], hf_runs("nbl-6")["greedy"][:2], strict=True):
             reply = client.completions.create(model=str(served["nbl-6"]), prompt=ids, max_tokens=16, temperature=0,
@@ -165,7 +143,7 @@ def test_openai_client_over_loopback_gets_hf_greedy_tokens(served, prompts, hf_r
         wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=str(served["nbl-6"]), prompt="Hello", max_tokens=1)
-    except AssertionError:
+    except (AssertionError, AttnslimError):
         raise AssertionError(log.read_text()[-4000:]) from None
     finally:
         os.killpg(proc.pid, 15)

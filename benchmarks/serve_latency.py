@@ -1,0 +1,63 @@
+"""Latency through vLLM's OpenAI-compatible server, started by `attnslim serve` (used by serve.py).
+
+Per variant: one server, one untimed warm-up request, then `requests` streamed completions one after another
+(a single client: latency, not load), each a random-token prompt of `prompt_len` tokens and `new_tokens` greedy
+tokens (ignore_eos). Time to first token is from sending the request to the first streamed token; inter-token
+latency is the gap between consecutive streamed tokens. Medians over all requests (TTFT) and all gaps (ITL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnslim.serving.probe import free_port, wait_ready
+
+SPEC = {"requests": 8, "prompt_len": 256, "new_tokens": 64}
+
+
+def _one(client: Any, model: str, ids: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """(time to first token, inter-token gaps) of one streamed completion, in ms."""
+    start = time.perf_counter()
+    stamps = []
+    stream = client.completions.create(model=model, prompt=ids, max_tokens=new_tokens, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            stamps.append(time.perf_counter())
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
+    return (stamps[0] - start) * 1e3, gaps
+
+
+def latency(directory: str, dtype: str, kv_gib: str, log: Path, vocab: int) -> dict[str, Any]:
+    import openai
+
+    port = free_port()
+    argv = [sys.executable, "-m", "attnslim", "serve", directory, "--port", str(port), "--dtype", dtype,
+            "--max-model-len", "1024", "--kv-cache-gib", kv_gib]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+        gen = torch.Generator().manual_seed(1)
+        prompts = torch.randint(0, vocab, (SPEC["requests"] + 1, SPEC["prompt_len"]), generator=gen).tolist()
+        _one(client, directory, prompts[0], 4)  # warm-up
+        ttft, gaps = [], []
+        for ids in prompts[1:]:
+            first, between = _one(client, directory, ids, SPEC["new_tokens"])
+            ttft.append(first)
+            gaps += between
+        return {"ttft_ms": ttft, "median_ttft_ms": statistics.median(ttft), "median_itl_ms": statistics.median(gaps),
+                "itl_samples": len(gaps)}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
