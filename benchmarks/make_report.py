@@ -45,6 +45,8 @@ SECTIONS = {
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
                   "tokens, 16 calibration windows)", "benchmarks/mla.py"),
+    "mla-deepseek-small": ("MLA: the DeepSeek-V3 layout (what `attnslim export` takes) against the free layout "
+                           "(small run: 2048 evaluation tokens, 16 calibration windows)", "benchmarks/mla.py"),
     "mla-speed": ("MLA: decode and prefill speed against dense, with FLOPs and KV bytes",
                   "benchmarks/mla.py"),
     "mla-speed-2t": ("MLA: decode and prefill speed against dense on 2 threads (quiet machine)",
@@ -54,10 +56,9 @@ SECTIONS = {
 
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
-         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-small", "mla-speed", "mla-speed-2t",
-         "nbl", "nbl-calib", "nbl-small", "nbl-gemma3", "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp",
-         "atp-recovery",
-         "lmeval_check")
+         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-small", "mla-deepseek-small",
+         "mla-speed", "mla-speed-2t", "nbl", "nbl-calib", "nbl-small", "nbl-gemma3", "nbl-gemma3-small", "lisa",
+         "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),

@@ -21,10 +21,16 @@ def scale_section(data: dict[str, Any]) -> list[str]:
            f"disk, compute dtype {data['dtype']}, `compress --offload` in a fresh process per run. Calibration: "
            f"{cal['windows']} × {cal['seq_len']} tokens of {cal['source']}. Layer subsets of the "
            f"{data['full_model_layers']}-layer model (see the depth column).  ", _env(data["environment"]), "",
-           "| method | layers | converted | peak RSS (MB) | calibration s/layer | conversion s/converted layer | "
-           "total s | checkpoint GB | output GB |", "|---|---|---|---|---|---|---|---|---|"]
+           "Peak RSS is the kernel's ru_maxrss, which counts the checkpoint's memory-mapped pages (reclaimable, and "
+           "growing with every layer read); the anonymous peak (tensors, statistics, activations), sampled every "
+           "50 ms, is the memory the run needs.", "",
+           "| method | layers | converted | peak RSS (MB) | peak anonymous RSS (MB) | calibration s/layer | "
+           "conversion s/converted layer | total s | checkpoint GB | output GB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
+        anon = f"{r['peak_anon_rss_mb']:,.0f}" if "peak_anon_rss_mb" in r else "–"
         out.append(f"| {r['method']} | {r['layers']} | {len(r['converted_layers'])} | {r['peak_rss_mb']:,.0f} | "
+                   f"{anon} | "
                    f"{r['calibration_s_per_layer']} | {r['conversion_s_per_converted_layer']} | {r['seconds']} | "
                    f"{r['checkpoint_bytes'] / 1e9:.2f} | {r['output_bytes'] / 1e9:.2f} |")
     out += ["", "Extrapolation to 70B shapes (hidden 8192, FFN 28672, 80 layers) from the deepest run, under the "

@@ -56,4 +56,25 @@ def serve_section(data: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-SERVE_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"serve": serve_section}
+def lmeval_serve_section(data: dict[str, Any]) -> list[str]:
+    env = data["environment"]
+    out = ["## Zero-shot tasks through the vLLM server: lm-eval's local-completions against attnslim's scorer", "",
+           f"Command: `.venv/bin/python {env['command']}` → `benchmarks/results/lmeval_serve.json` (needs `make "
+           "serve-setup lmeval-setup`). Per variant: `attnslim serve DIR --dtype float32`, lm-eval 0.4.13's "
+           "`local-completions` model on its /v1/completions (loglikelihoods from the prompt log-probs vLLM returns "
+           f"with echo), first {data['limit']} items of each packaged task; beside it attnslim's HF scorer on the "
+           "same directory and items. Standard error: binomial, √(p(1−p)/n) of the HF score.", "",
+           "| variant | task | n | HF acc / acc_norm | served acc / acc_norm | |Δ| acc / acc_norm | stderr | "
+           "within 1 stderr | max |Δ loglik| |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant, v in data["variants"].items():
+        for task, t in v["tasks"].items():
+            hf, sv, d, se = t["hf"], t["served"], t["abs_diff"], t["stderr_hf"]
+            out.append(f"| {variant} | {task.removeprefix('attnslim_')} | {t['n']} | {hf['acc']:.3f} / "
+                       f"{hf['acc_norm']:.3f} | {sv['acc']:.3f} / {sv['acc_norm']:.3f} | {d['acc']:.3f} / "
+                       f"{d['acc_norm']:.3f} | {se['acc']:.3f} / {se['acc_norm']:.3f} | "
+                       f"{'yes' if t['within_stderr'] else 'no'} | {t['max_abs_loglikelihood_diff']:.2e} |")
+    return out + [""]
+
+
+SERVE_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "serve": serve_section, "lmeval_serve": lmeval_serve_section}

@@ -57,12 +57,30 @@ def _round(models: list[str], dtype: str, work: Path, index: int) -> dict[str, A
     return dict(json.loads(out.read_text()))
 
 
+def latency_only(dtype: str) -> None:
+    path = RESULTS / "serve.json"
+    data = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
+        work = Path(tmp)
+        for name in data["variants"]:
+            directory = str(build(name, work / name))
+            data["variants"][name]["latency"] = latency(directory, dtype, KV_GIB, work / f"server-{name}.log", 49152)
+            print(name, {k: round(v, 1) for k, v in data["variants"][name]["latency"].items() if "median" in k},
+                  flush=True)
+    data["latency_workload"] = LATENCY_SPEC
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-latency", action="store_true", help="skip the OpenAI-server latency phase")
+    parser.add_argument("--latency-only", action="store_true", help="rerun only the latency phase into serve.json")
     args = parser.parse_args()
+    if args.latency_only:
+        return latency_only(args.dtype)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
         work = Path(tmp)

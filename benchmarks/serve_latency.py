@@ -2,8 +2,10 @@
 
 Per variant: one server, one untimed warm-up request, then `requests` streamed completions one after another
 (a single client: latency, not load), each a random-token prompt of `prompt_len` tokens and `new_tokens` greedy
-tokens (ignore_eos). Time to first token is from sending the request to the first streamed token; inter-token
-latency is the gap between consecutive streamed tokens. Medians over all requests (TTFT) and all gaps (ITL).
+tokens (ignore_eos). Time to first token (TTFT) is from sending the request to the first streamed token; the
+inter-token latency (ITL, vLLM's "TPOT") is (last token's arrival − first's) / (new_tokens − 1) per request: the
+server may flush several tokens in one chunk, so gaps between chunks are not per-token times. Medians over the
+requests.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from attnslim.serving.probe import free_port, wait_ready
 SPEC = {"requests": 8, "prompt_len": 256, "new_tokens": 64}
 
 
-def _one(client: Any, model: str, ids: list[int], new_tokens: int) -> tuple[float, list[float]]:
-    """(time to first token, inter-token gaps) of one streamed completion, in ms."""
+def _one(client: Any, model: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(time to first token, mean time per later token) of one streamed completion, in ms."""
     start = time.perf_counter()
     stamps = []
     stream = client.completions.create(model=model, prompt=ids, max_tokens=new_tokens, temperature=0, stream=True,
@@ -33,8 +35,7 @@ def _one(client: Any, model: str, ids: list[int], new_tokens: int) -> tuple[floa
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text is not None:
             stamps.append(time.perf_counter())
-    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
-    return (stamps[0] - start) * 1e3, gaps
+    return (stamps[0] - start) * 1e3, (stamps[-1] - stamps[0]) * 1e3 / max(new_tokens - 1, 1)
 
 
 def latency(directory: str, dtype: str, kv_gib: str, log: Path, vocab: int) -> dict[str, Any]:
@@ -51,13 +52,13 @@ def latency(directory: str, dtype: str, kv_gib: str, log: Path, vocab: int) -> d
         gen = torch.Generator().manual_seed(1)
         prompts = torch.randint(0, vocab, (SPEC["requests"] + 1, SPEC["prompt_len"]), generator=gen).tolist()
         _one(client, directory, prompts[0], 4)  # warm-up
-        ttft, gaps = [], []
+        ttft, itl = [], []
         for ids in prompts[1:]:
-            first, between = _one(client, directory, ids, SPEC["new_tokens"])
+            first, per_token = _one(client, directory, ids, SPEC["new_tokens"])
             ttft.append(first)
-            gaps += between
-        return {"ttft_ms": ttft, "median_ttft_ms": statistics.median(ttft), "median_itl_ms": statistics.median(gaps),
-                "itl_samples": len(gaps)}
+            itl.append(per_token)
+        return {"ttft_ms": ttft, "itl_ms": itl, "median_ttft_ms": statistics.median(ttft),
+                "median_itl_ms": statistics.median(itl)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
