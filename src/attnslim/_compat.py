@@ -231,3 +231,9 @@ def check_positions(config: Any, tokens: int, what: str) -> None:
     if isinstance(limit, int) and tokens > limit:
         raise AttnslimError(f"{what} = {tokens} tokens exceeds the model's {limit} positions "
                             "(max_position_embeddings); use fewer tokens")
+
+
+def input_device(model: Any) -> torch.device:
+    """Where a model's input ids go: its input embedding's device (an offloaded model's first parameter may be on
+    the meta device, or on another device than the embedding)."""
+    return model.get_input_embeddings().weight.device

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
@@ -84,7 +85,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     start = time.time()
     adapter = get_adapter(model)
     residency = residency or InMemoryLayers(model, adapter.decoder_layers(),
-                                            device or next(model.parameters()).device)
+                                            device or _compat.input_device(model))
     _refuse_compressed(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
     methods = check_recipe(recipe)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.data import token_ids
@@ -47,7 +48,7 @@ def calibration_prompts(tokenizer: Any, source: str, n: int, context: int, seed:
 @torch.no_grad()
 def last_log_probs(model: Any, prompts: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """(n, vocab) next-token log-probabilities at the last position of each prompt."""
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     parts = [model(input_ids=prompts[s : s + batch_size].to(device), use_cache=False).logits[:, -1].float()
              for s in range(0, prompts.shape[0], batch_size)]
     return torch.cat(parts).log_softmax(-1).cpu()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.calib.hooks import capture_sites
 from attnslim.data import eval_windows
@@ -71,7 +72,7 @@ def lowrank_report(
     fractions: Sequence[float] = FRACTIONS, progress: bool = True,
 ) -> dict[str, Any]:
     """Per length and site ("embed", "0", "1", ...): distributions of the rank ratio and energy kept (see module)."""
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     report: dict[str, Any] = {"source": source, "n": n, "fractions": list(fractions), "lengths": {}}
     for length in lengths:
         windows = eval_windows(source, tokenizer, tokens=n * length, seq_len=length)

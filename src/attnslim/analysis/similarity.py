@@ -107,7 +107,7 @@ def similarity_report(
     specs = [adapter.attention_spec(i) for i in range(n_layers)]
     h = specs[0].n_heads
     windows = eval_windows(source, tokenizer, n * seq_len, seq_len)
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     gen = torch.Generator().manual_seed(0)
     perms = [torch.randperm(h, generator=gen) for _ in range(RANDOM_PERMUTATIONS)]
     js_sum = torch.zeros(n_layers, n_layers, dtype=torch.float64)
@@ -171,7 +171,7 @@ def _similarity_summary(r: dict[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def _mean_nll(model: Any, ids: torch.Tensor) -> float:
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     total, count = 0.0, 0
     for w in range(ids.shape[0]):
         nll, k = window_nll(model, ids[w : w + 1].to(device))

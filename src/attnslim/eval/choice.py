@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.data import token_ids
 from attnslim.data.sources import describe_split
 from attnslim.errors import AttnslimError
@@ -96,7 +97,7 @@ def choice_items(
 @torch.no_grad()
 def choice_accuracy(model: Any, items: ChoiceItems, batch_size: int = 4, progress: bool = True) -> ChoiceResult:
     """acc / acc_norm of `model` on `items`, from the next-token log-probabilities at the last prompt position."""
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     correct = correct_norm = 0
     n = items.contexts.shape[0]
     for start in tqdm(range(0, n, batch_size), desc="choice", disable=not progress, leave=False):

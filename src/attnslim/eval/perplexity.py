@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.data import TokenWindows
 from attnslim.errors import AttnslimError
@@ -42,7 +43,7 @@ def perplexity(
     """Perplexity of `model` on `windows` (the same windows must be used for every compared model); refuses
     models with non-causal layers (eval/causal.py)."""
     require_causal(model, "perplexity")
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     total, count = 0.0, 0
     ids = windows.ids
     batches = range(0, ids.shape[0], batch_size)
@@ -77,7 +78,7 @@ def nonfinite_site(model: Any, ids: torch.Tensor) -> str:
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
-        model(input_ids=ids.to(next(model.parameters()).device))
+        model(input_ids=ids.to(_compat.input_device(model)))
     finally:
         for handle in handles:
             handle.remove()

@@ -112,7 +112,7 @@ def loglikelihoods(
     # one representative per group (first with the longest continuation), longest sequences first
     reps = [max(idx, key=lambda i: len(requests[i].continuation)) for idx in groups.values()]
     reps.sort(key=lambda i: (-len(requests[i].key) - 1, requests[i].context + requests[i].continuation))
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     max_len = _max_length(model)
     out = [0.0] * len(requests)
     for start in tqdm(range(0, len(reps), batch_size), desc="tasks", disable=not progress, leave=False):

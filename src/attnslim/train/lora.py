@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
@@ -111,7 +112,7 @@ def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int) -> tuple[torch.Te
 
 def choice_loss(model: Any, items: ChoiceItems, rows: slice) -> torch.Tensor:
     """Cross-entropy over the candidates' next-token logits at the last prompt position, for items[rows]."""
-    device = next(model.parameters()).device
+    device = _compat.input_device(model)
     logits = model(input_ids=items.contexts[rows].to(device), use_cache=False).logits[:, -1].float()  # (b, vocab)
     scores = logits.gather(-1, items.choices[rows].to(logits.device))  # (b, n_choices)
     return F.cross_entropy(scores, items.labels[rows].to(logits.device))
