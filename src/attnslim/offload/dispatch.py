@@ -13,13 +13,13 @@ Replacement modules that cache weights derived from their parameters drop them a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from attnslim.errors import AttnslimError
 from attnslim.offload.source import WeightSource
+from attnslim.offload.store import release_derived
 
 
 def dispatch_layers(model: nn.Module, layers: nn.ModuleList, directory: Path, device: torch.device,
@@ -58,7 +58,7 @@ def dispatch_layers(model: nn.Module, layers: nn.ModuleList, directory: Path, de
                                 weights_map=PrefixedDataset(weights, f"{prefix}{i}."), offload_buffers=False,
                                 place_submodules=True)
         add_hook_to_module(layer, hook)
-        layer.register_forward_hook(_release_derived)
+        layer.register_forward_hook(lambda module, args, out: release_derived(module))
 
 
 def _tied_names(model: nn.Module, buffers: set[str]) -> list[list[str]]:
@@ -69,11 +69,3 @@ def _tied_names(model: nn.Module, buffers: set[str]) -> list[list[str]]:
     state = set(model.state_dict(keep_vars=True))
     return [*groups.values(), *([b] for b in sorted(buffers) if b in state)]
 
-
-
-def _release_derived(module: nn.Module, args: Any, out: Any) -> None:
-    """Drop weights a replacement module derived from the parameters the hook is about to take away."""
-    for sub in module.modules():
-        release = getattr(sub, "release_derived", None)
-        if callable(release):
-            release()

@@ -27,6 +27,15 @@ from attnslim.offload.shards import shard_name, write_index, write_shard
 from attnslim.offload.source import WeightSource
 
 
+def release_derived(module: nn.Module) -> None:
+    """Drop the weights replacement modules derived from their parameters (MLA's fused decode weights), which
+    would otherwise stay in memory after the parameters go back to disk: one layer's worth per layer run."""
+    for sub in module.modules():
+        release = getattr(sub, "release_derived", None)
+        if callable(release):
+            release()
+
+
 class OffloadedLayers:
     """The `calib.residency.Residency` of a skeleton model whose weights are in `source` on disk."""
 
@@ -135,6 +144,7 @@ class OffloadedLayers:
         self.resident.discard(i)
 
     def _release(self, prefix: str, module: nn.Module) -> None:
+        release_derived(module)
         for group in _tied_groups(module, prefix):
             self._assign(group, _meta_like(self.model.get_parameter(group[0])))
 
