@@ -35,8 +35,9 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(SERVE_VENV)/bin/python -c "import vllm, attnslim.serving.plugin"
 	touch $(SERVE_STAMP)
 
-# lm-eval's own client (local-completions) against `attnslim serve` (benchmarks/lmeval_serve.py): its own venv, so
-# that .venv stays what pyproject.toml installs; torch pinned to the CPU wheel on disk (lm_eval would pull any torch)
+# lm-eval's own client (local-completions) against `attnslim serve` (benchmarks/lmeval_serve.py; transformers for its
+# tokenizer): its own venv, so that .venv stays what pyproject.toml installs; torch pinned to the CPU wheel on disk
+# (lm_eval would pull any torch)
 LMEVAL_VENV  := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
 
@@ -44,8 +45,8 @@ lmeval-setup: $(LMEVAL_STAMP)
 
 $(LMEVAL_STAMP): Makefile
 	test -x $(LMEVAL_VENV)/bin/python || $(PY) -m venv $(LMEVAL_VENV)
-	$(LMEVAL_VENV)/bin/pip install -q torch==2.13.0 "lm_eval[api]==0.4.13"
-	$(LMEVAL_VENV)/bin/python -c "import lm_eval.models.openai_completions"
+	$(LMEVAL_VENV)/bin/pip install -q torch==2.13.0 "transformers==5.23.*" "lm_eval[api]==0.4.13"
+	$(LMEVAL_VENV)/bin/python -c "import lm_eval.models.openai_completions, transformers"
 	touch $(LMEVAL_STAMP)
 
 # The serving tests (marker `serving`): vLLM runs the variants in .venv-vllm, the HF side runs in .venv.

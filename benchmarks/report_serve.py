@@ -36,8 +36,9 @@ def serve_section(data: dict[str, Any]) -> list[str]:
     if spec:
         out += ["", f"Latency: `attnslim serve` (vLLM's OpenAI-compatible server) per variant, one client, "
                 f"{spec['requests']} streamed completions in turn after a warm-up, {spec['prompt_len']}-token random "
-                f"prompts, {spec['new_tokens']} new tokens; TTFT = time to the first streamed token, ITL = the gap "
-                "between streamed tokens (medians)."]
+                f"prompts, {spec['new_tokens']} new tokens; TTFT = time to the first streamed token, ITL = (last "
+                "token − first) / (new tokens − 1) per request, as the server may flush several tokens per chunk "
+                "(medians over the requests). Rerun alone with `benchmarks/serve.py --latency-only`."]
     nbl12 = data["variants"].get("nbl-12")
     if nbl12 is not None:
         tp, kv = nbl12["throughput_vs_dense"], nbl12["kv_vs_dense"]
