@@ -23,7 +23,8 @@ def scale_section(data: dict[str, Any]) -> list[str]:
            f"{data['full_model_layers']}-layer model (see the depth column).  ", _env(data["environment"]), "",
            "Peak RSS is the kernel's ru_maxrss, which counts the checkpoint's memory-mapped pages (reclaimable, and "
            "growing with every layer read); the anonymous peak (tensors, statistics, activations), sampled every "
-           "50 ms, is the memory the run needs.", "",
+           "50 ms, is the memory the run needs. NBL fits each candidate's map inside its statistics pass, so its "
+           "fit time is under calibration.", "",
            "| method | layers | converted | peak RSS (MB) | peak anonymous RSS (MB) | calibration s/layer | "
            "conversion s/converted layer | total s | checkpoint GB | output GB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -36,8 +37,9 @@ def scale_section(data: dict[str, Any]) -> list[str]:
     out += ["", "Extrapolation to 70B shapes (hidden 8192, FFN 28672, 80 layers) from the deepest run, under the "
             "stated assumptions (not measured):", ""]
     for method, e in data["extrapolation_70b"].items():
+        anon = (f", anonymous ~{e['peak_anon_rss_mb_estimate']:,.0f} MB" if "peak_anon_rss_mb_estimate" in e else "")
         out.append(f"- {method}: ~{e['hours_if_every_layer_converted']} h if every layer is converted, peak RSS "
-                   f"~{e['peak_rss_mb_estimate']:,.0f} MB ({e['assumptions']}).")
+                   f"~{e['peak_rss_mb_estimate']:,.0f} MB{anon} ({e['assumptions']}).")
     return out + [""]
 
 

@@ -207,6 +207,8 @@ def extrapolate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             SHAPES_70B["layers"] * (r["conversion_s_per_converted_layer"] * scale * 8)
         out[method] = {"basis_layers": r["layers"], "hours_if_every_layer_converted": round(seconds / 3600, 1),
                        "peak_rss_mb_estimate": round(r["peak_rss_mb"] * 2, 0),
+                       **({"peak_anon_rss_mb_estimate": round(r["peak_anon_rss_mb"] * 2, 0)}
+                          if "peak_anon_rss_mb" in r else {}),
                        "assumptions": "per-layer calibration time x4 (weights x4); conversion x8 (SVDs and solves "
                                       "cost grows ~cubically with hidden 4096 -> 8192); RSS x2 (embeddings and "
                                       "one layer's working set)"}
