@@ -342,3 +342,21 @@ def test_hosvd_in_another_preconditioners_coordinates_handles_rank_deficient_inp
     with pytest.raises(ValueError, match="exclude each other"):
         joint_qk(wq, wk, st, 12, 12, n_heads=H, n_kv_heads=KV, b_q=torch.zeros(H * DH, dtype=F64),
                  b_k=torch.zeros(KV * DH, dtype=F64), whiten=(pc.matrix(), pc.inv_matrix()))
+
+
+def test_preconditioner_is_built_once_per_statistics_and_settings(monkeypatch):
+    """q, k and v read one site, and latentllm plans and converts from it: one eigh serves them all; other
+    settings, or the same values in a new statistics tensor, build their own."""
+    from attnslim.linalg import precond as pre
+
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda c: calls.append(1) or eigh(c))
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    st = pre.InputStats.from_tokens(x)
+    first = pre.preconditioner(st, "rootcov", label="q")
+    assert pre.preconditioner(pre.InputStats(st.sxx, st.sx, st.ax, st.n), "rootcov", label="k") is first
+    assert len(calls) == 1
+    assert pre.preconditioner(st, "rootcov", damp=0.1) is not first and len(calls) == 2
+    again = pre.preconditioner(pre.InputStats.from_tokens(x), "rootcov")
+    assert again is not first and torch.equal(again.p, first.p) and len(calls) == 3

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from attnslim.errors import AttnslimError
 
@@ -178,9 +179,25 @@ def preconditioner(
       rootcov:  P = (C + λI)^{1/2}                     (LatentLLM; optimal for the activation loss)
     Diagonal kinds return (d,) vectors; zero entries (dead input channels) are floored at
     damp · mean(p) with a warning, since any value gives the same loss on those channels.
+    Built once per statistics tensor and settings, and shared: the linears that read one site (q/k/v, gate/up)
+    and a method's planning and conversion get the same object (one eigh instead of one per matrix and pass);
+    a rank-deficiency warning therefore names the first linear that asked. Treat the result as read-only.
     """
     if kind not in PRECOND_KINDS:
         raise AttnslimError(f"{label}: precond = {kind!r} is not one of {PRECOND_KINDS}")
+    key = (kind, damp, alpha, center, stats.n)
+    built = _BUILT.setdefault(stats.sxx, {})
+    if key not in built:  # q/k/v (and gate/up) read one site: one eigh for all, plan and conversion alike
+        built[key] = _build(stats, kind, damp=damp, alpha=alpha, center=center, label=label)
+    return built[key]
+
+
+# preconditioners already built, per statistics tensor (weakly held: they go with the statistics); the key holds
+# the token count, so statistics still accumulating are never served a stale entry
+_BUILT = WeakTensorKeyDictionary()  # torch's weak dictionary for tensor keys (identity, not value, equality)
+
+
+def _build(stats: InputStats, kind: str, *, damp: float, alpha: float, center: bool, label: str) -> Precond:
     d = stats.dim
     c = stats.centred_cov if center else stats.corr  # (d, d)
     if kind == "identity":
