@@ -58,6 +58,22 @@ def offload_time_section(data: dict[str, Any]) -> list[str]:
             f"run: **{data['bit_identical']}**.", ""]
 
 
+def precond_once_section(data: dict[str, Any]) -> list[str]:
+    med = data["median_seconds"]
+    return ["## LatentLLM: each preconditioner built once (SmolLM2-135M)", "",
+            f"Command: `OMP_NUM_THREADS={data['environment']['threads']} .venv/bin/python "
+            f"{data['environment']['command']}` → `benchmarks/results/precond_once.json`.  ",
+            f"`attnslim compress --recipe {data['recipe']}` in one process, alternating the shared preconditioner "
+            "(one eigh per statistics site, reused by every linear that reads it and by planning and conversion) "
+            f"with rebuilding it per linear and pass, as before; medians of {len(data['seconds']['shared'])} runs "
+            "each.  ", _env(data["environment"]), "",
+            "| preconditioner | median s | runs (s) |", "|---|---|---|",
+            f"| shared | {med['shared']} | {data['seconds']['shared']} |",
+            f"| rebuilt per linear | {med['rebuilt']} | {data['seconds']['rebuilt']} |", "",
+            f"Shared / rebuilt: **{data['ratio_shared_to_rebuilt']}×**; converted weights identical: "
+            f"**{data['weights_identical']}**.", ""]
+
+
 SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "scale": scale_section, "offload_time": offload_time_section,
+    "scale": scale_section, "offload_time": offload_time_section, "precond_once": precond_once_section,
 }
