@@ -64,7 +64,7 @@ def latency_only(dtype: str) -> None:
         work = Path(tmp)
         for name in data["variants"]:
             directory = str(build(name, work / name))
-            data["variants"][name]["latency"] = latency(directory, dtype, KV_GIB, work / f"server-{name}.log", 49152)
+            data["variants"][name]["latency"] = latency(directory, dtype, KV_GIB, work / f"server-{name}.log")
             print(name, {k: round(v, 1) for k, v in data["variants"][name]["latency"].items() if "median" in k},
                   flush=True)
     data["latency_workload"] = LATENCY_SPEC
@@ -93,7 +93,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {results[dirs[n]]['throughput']['output_tokens_per_s']:.1f} tok/s" for n in order), flush=True)
         lat = {} if args.no_latency else {
-            name: latency(dirs[name], args.dtype, KV_GIB, work / f"server-{name}.log", 49152) for name in VARIANTS}
+            name: latency(dirs[name], args.dtype, KV_GIB, work / f"server-{name}.log") for name in VARIANTS}
     dense_tp = statistics.median(run["throughput"]["output_tokens_per_s"] for run in runs["dense"])
     dense_kv = runs["dense"][0]["kv_tokens"]
     variants = {}

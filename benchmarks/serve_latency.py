@@ -38,9 +38,12 @@ def _one(client: Any, model: str, ids: list[int], new_tokens: int) -> tuple[floa
     return (stamps[0] - start) * 1e3, (stamps[-1] - stamps[0]) * 1e3 / max(new_tokens - 1, 1)
 
 
-def latency(directory: str, dtype: str, kv_gib: str, log: Path, vocab: int) -> dict[str, Any]:
+def latency(directory: str, dtype: str, kv_gib: str, log: Path) -> dict[str, Any]:
+    import json
+
     import openai
 
+    vocab = int(json.loads((Path(directory) / "config.json").read_text())["vocab_size"])
     port = free_port()
     argv = [sys.executable, "-m", "attnslim", "serve", directory, "--port", str(port), "--dtype", dtype,
             "--max-model-len", "1024", "--kv-cache-gib", kv_gib]

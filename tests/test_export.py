@@ -43,7 +43,8 @@ def test_transformers_loads_the_export_and_computes_the_source_logits_and_greedy
     assert type(exported).__name__ == "DeepseekV3ForCausalLM"
     assert not any(type(m).__module__.startswith("attnslim") for m in exported.modules())
     config = json.loads((tmp_path / "ds" / "config.json").read_text())
-    assert config["kv_lora_rank"] == (rank or 16 * 2 * 2 // 2 - args.get("rope_dims", 16))
+    dense = 2 * 2 * 16  # 2 · n_kv · d_h of the tiny Llama; kv_ratio 0.5 keeps half, rope_dims of it rotary
+    assert config["kv_lora_rank"] == (rank or dense // 2 - args.get("rope_dims", 16))
     with torch.no_grad():
         ref, got = model(IDS).logits, exported(IDS).logits
         assert float((ref - got).abs().max() / ref.abs().max()) < 1e-5

@@ -113,13 +113,16 @@ def test_layers_without_attention_hold_no_kv_cache(vllm_runs):
 
 def test_the_deepseek_export_caches_its_latent_and_rotary_key_only(served, vllm_runs):
     """Same VLLM_CPU_KVCACHE_SPACE and dtype: vLLM's MLA cache holds kv_lora_rank + qk_rope_head_dim values per token
-    and layer (512 + 64 here, the CPU kernel's one size) where dense SmolLM2 holds 2 · 3 KV heads · 64 = 384, so it
+    and layer (512 + 64 here, the CPU kernel's one size) where dense SmolLM2 holds 2 · n_kv · d_h = 384, so it
     fits 384 / 576 of the dense tokens (to a block). On this model the padded latent is larger than the dense cache;
     on GPU kernels, which take other sizes, kv_lora_rank can stay the latent's own rank (BENCHMARKS.md, serving)."""
     config = json.loads((served["mla-deepseek"] / "config.json").read_text())
+    base = json.loads((served["dense"] / "config.json").read_text())
     per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    dense_per_token = 2 * base["num_key_value_heads"] * (base.get("head_dim")
+                                                         or base["hidden_size"] // base["num_attention_heads"])
     dense, mla = vllm_runs["dense"], vllm_runs["mla-deepseek"]
-    expected = dense["kv_tokens"] * 384 / per_token
+    expected = dense["kv_tokens"] * dense_per_token / per_token
     assert abs(mla["kv_tokens"] - expected) <= max(mla["block_size"], dense["block_size"]), (mla, dense, per_token)
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from attnslim import cli_commands
+from attnslim import cli_commands, cli_parsers
 from attnslim.errors import AttnslimError
 from attnslim.outdir import terminate_as_exit
 
@@ -21,7 +21,7 @@ def _quiet_transformers() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnslim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    cli_commands.add_parsers(sub)
+    cli_parsers.add_parsers(sub)
     return parser
 
 

@@ -138,8 +138,10 @@ def mla_layers(adapter: Adapter) -> list[MLAAttention]:
     return layers
 
 
-def _span(idx: list[int]) -> str:
-    return ", ".join(map(str, idx)) if len(idx) <= 8 else f"{', '.join(map(str, idx[:8]))}, ... ({len(idx)} layers)"
+def _span(items: list[int] | list[str], unit: str = "layers", limit: int = 8) -> str:
+    """The first `limit` items, comma-separated, and how many there are when that is not all."""
+    shown = ", ".join(map(str, items[:limit]))
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items)} {unit})"
 
 
 def _kv_lora_rank(layers: list[MLAAttention], wanted: int | None) -> int:
@@ -162,15 +164,11 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
             if isinstance(bias, torch.Tensor) and bool(bias.detach().abs().max() > 0):
                 found.append(f"layer {i} {name}")
     if found and not drop:
-        raise AttnslimError(f"{_span_names(found)} have nonzero biases, which DeepSeek-V3 (and vLLM) cannot load. "
-                            "Compress with `layout: deepseek` (no bias: the latent is fitted without the mean "
-                            "correction; recipes/mla-deepseek.yaml), or pass --drop-biases to drop them and read "
-                            "the cost in attnslim-export.json")
+        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which DeepSeek-V3 (and vLLM) "
+                            "cannot load. Compress with `layout: deepseek` (no bias: the latent is fitted without the "
+                            "mean correction; recipes/mla-deepseek.yaml), or pass --drop-biases to drop them and "
+                            "read the cost in attnslim-export.json")
     return found
-
-
-def _span_names(names: list[str]) -> str:
-    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:6])}, ... ({len(names)} in all)"
 
 
 def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str) -> dict[str, Any]:
@@ -222,9 +220,8 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> d
     for i, m in enumerate(layers):
         p = f"model.layers.{i}."
         norm = _weight(adapter.attention_norm(i))
-        eye = torch.eye(d, dtype=m.kv.b.dtype)
         with torch.no_grad():
-            latent = m.kv.latent(eye).T  # (r, d): A with its block identity written out
+            latent = m.kv.dense_latent()  # (r, d)
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
         tensors = attention_tensors(
             _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),

@@ -64,6 +64,10 @@ class LowRankLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.latent(x), self.b, self.bias)
 
+    def dense_latent(self) -> torch.Tensor:
+        """(r, d_in) A as one matrix, the block identity written out."""
+        return self.latent(torch.eye(self.in_features, dtype=self.b.dtype, device=self.b.device)).T
+
     def dense_weight(self) -> torch.Tensor:
         """(d_out, d_in) B A, for tests and analysis."""
         eye = torch.eye(self.in_features, dtype=self.b.dtype, device=self.b.device)

@@ -183,10 +183,10 @@ class MLAAttention(ReplacementAttention):
         key = tuple(x for p in parts for x in (p._version, p.data_ptr()))
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]
-        d, e = self.q_proj.in_features, self.rank + self.rope_dims
-        with torch.no_grad():
-            latent_a = self.kv.latent(torch.eye(d, dtype=self.kv.b.dtype, device=self.kv.b.device)).T  # (r, d)
-            rows = [self.q_proj.weight, latent_a] + ([self.k_rope.weight] if self.k_rope is not None else [])
+        e = self.rank + self.rope_dims
+        with torch.no_grad():  # A as (r, d): its block identity written out
+            k_rope = [self.k_rope.weight] if self.k_rope is not None else []
+            rows = [self.q_proj.weight, self.kv.dense_latent(), *k_rope]
             biases = [self.q_proj.bias, None] + ([self.k_rope.bias] if self.k_rope is not None else [])
             bias = None if all(x is None for x in biases) else torch.cat(
                 [x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(biases, rows, strict=True)])

