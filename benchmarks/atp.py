@@ -94,8 +94,9 @@ def install(model: Any, dense: dict[int, Any], args: dict[str, Any] | None, laye
         adapter.replace_attention(i, module)
     if args is not None:
         method = Atp(**args)
-        for i in sorted(dense) if layers is None else layers:
-            method.convert(adapter, i, {}, None)
+        chosen = sorted(dense) if layers is None else layers
+        for i, entry in method.plan(adapter, chosen, {}).layers.items():
+            method.convert(adapter, i, entry, None)
     return model
 
 

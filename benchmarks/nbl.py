@@ -44,7 +44,7 @@ from attnslim.calib.runner import LayerRunner
 from attnslim.data import calib_windows
 from attnslim.eval import perplexity
 from attnslim.linalg.cca import cca_bound, lmmse_map
-from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, Nbl
+from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, Nbl, NblEntry
 from attnslim.models import load_model
 from attnslim.recipe import fingerprint, recipe_from_dict
 
@@ -160,7 +160,7 @@ def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repea
         adapter = get_adapter(model)
         layers = chosen_layers(h, f"nbl-{DEFAULT_CRITERION}-m{m}") or list(range(n_layers - m, n_layers))
         for i in layers:
-            Nbl(m=m).skeleton(adapter, i, {"input": "normed"})
+            Nbl(m=m).skeleton(adapter, i, NblEntry("normed"))
         models[f"nbl-m{m}"] = model.eval()
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
     # the decode ratio a pure FLOP count predicts: linearizing removes q/k/v/o and the core, not the MLP or LM head

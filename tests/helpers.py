@@ -58,8 +58,8 @@ def convert_atp(model: Any, **args: Any) -> Any:
 
     method, adapter = Atp(**args), get_adapter(model)
     layers = [i for i, kind in enumerate(adapter.layer_types()) if kind == "full_attention"] or [0]
-    for key, entry in method.plan(adapter, layers, {})["layers"].items():
-        method.convert(adapter, int(key), entry, None)
+    for i, entry in method.plan(adapter, layers, {}).layers.items():
+        method.convert(adapter, i, entry, None)
     return model
 
 

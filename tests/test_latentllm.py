@@ -14,10 +14,9 @@ from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
 from attnslim.calib.hooks import capture_sites
-from attnslim.calib.stats import GramStats
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
-from attnslim.linalg.precond import InputStats
 from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
@@ -249,11 +248,10 @@ def test_hosvd_not_worse_than_split_at_equal_params_on_model_statistics():
     loss is below the split (local RootCov) factors at the same ranks (same parameter count)."""
     model = tiny_llama()
     adapter = get_adapter(model)
-    gram = GramStats.empty(64)
+    st = InputStats.empty(64)
     ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), capture_sites(adapter, 1, {"attn_in"}, lambda site, x: gram.update(x)):
+    with torch.no_grad(), capture_sites(adapter, 1, {"attn_in"}, lambda site, x: st.update(x)):
         model(input_ids=ids)
-    st = InputStats(gram.sxx, gram.sx, gram.ax, gram.n)
     spec = adapter.attention_spec(1)
     kw = {"n_heads": 4, "n_kv_heads": 2}
     for r_q, r_k in ((16, 16), (24, 20), (40, 24)):

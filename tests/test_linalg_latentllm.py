@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from attnslim.calib.stats import InputStats
 from attnslim.linalg.joint_ud import joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, factorize, param_count, rrr_tokens
-from attnslim.linalg.precond import PRECOND_KINDS, InputStats, preconditioner
+from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.tucker import (
     JointQKFactors,

@@ -15,7 +15,7 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
-from attnslim.methods.nbl import Nbl, RelativeMoments
+from attnslim.methods.nbl import Nbl, NblEntry, RelativeMoments
 from attnslim.modules.linearized import LinearizedAttention
 from conftest import tiny_llama
 from helpers import ByteTokenizer, one_step
@@ -60,7 +60,7 @@ def test_m0_leaves_logits_bit_identical(llama):
 def test_flops_count_the_map_and_no_attention_core(llama):
     dense = flops_per_token(llama, 64)
     spec = get_adapter(llama).attention_spec(2)
-    Nbl(m=1).skeleton(get_adapter(llama), 2, {"input": "normed"})
+    Nbl(m=1).skeleton(get_adapter(llama), 2, NblEntry("normed"))
     after = flops_per_token(llama, 64)
     cfg = llama.config
     assert dense["attention_core"] - after["attention_core"] == 4 * 64 * cfg.num_attention_heads * spec.head_dim

@@ -11,10 +11,10 @@ import torch
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
-from attnslim.calib import GramStats
+from attnslim.calib import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
-from attnslim.methods.lowrank_baselines import rank_for_ratio
+from attnslim.linalg.ranks import rank_for_ratio
 from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -112,11 +112,11 @@ def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args
 def test_chunked_statistics_equal_one_batch():
     x = torch.randn(6, 10, 8)
     mask = torch.rand(6, 10) > 0.3
-    whole = GramStats.empty(8)
+    whole = InputStats.empty(8)
     whole.update(x, mask)
-    parts = GramStats.empty(8)
+    parts = InputStats.empty(8)
     for i in range(0, 6, 2):
-        chunk = GramStats.empty(8)
+        chunk = InputStats.empty(8)
         chunk.update(x[i : i + 2], mask[i : i + 2])
         parts = parts.merge(chunk)
     assert parts.n == whole.n == int(mask.sum())
@@ -124,7 +124,7 @@ def test_chunked_statistics_equal_one_batch():
 
 
 def test_nan_statistics_name_the_site():
-    g = GramStats.empty(4)
+    g = InputStats.empty(4)
     g.update(torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
     with pytest.raises(AttnslimError, match="layer 3 q"):
         g.check("layer 3 q")
@@ -139,6 +139,19 @@ def test_nan_statistics_name_the_site():
 def test_bad_lowrank_arguments(llama, args, match):
     with pytest.raises(AttnslimError, match=match):
         _compress(llama, "svd", args)
+
+
+@pytest.mark.parametrize("method,args,field,value", [
+    ("svd", {}, "ratio", 0.8), ("svd", {"rank": 4}, "ratio", None),
+    ("latentllm", {}, "ratio", 0.8), ("latentllm", {"ranks": {"q": 8}}, "ratio", None),
+    ("latentllm", {"total_ratio": 0.9}, "ratio", None),
+    ("mla", {}, "kv_ratio", 0.5), ("mla", {"rank": 16}, "kv_ratio", None),
+])
+def test_one_size_argument_is_enough(method, args, field, value):
+    """The default size applies only when no size is given: `rank` alone needs no `ratio: null` beside it."""
+    from attnslim.methods import lookup_method
+
+    assert getattr(lookup_method(method).from_args(args), field) == value
 
 
 def test_math_errors_are_the_library_error_the_cli_reports():

@@ -41,8 +41,9 @@ def test_stages_convert_the_cheapest_layers_then_the_rest_and_train_after_each(t
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged after every stage
     plain = tiny_llama()
     plain.load_state_dict(teacher.state_dict())
-    for i in range(4):
-        Atp(rank=0.5).convert(get_adapter(plain), i, {}, None)
+    method, adapter = Atp(rank=0.5), get_adapter(plain)
+    for i, entry in method.plan(adapter, list(range(4)), {}).layers.items():
+        method.convert(adapter, i, entry, None)
     assert not torch.allclose(model(input_ids=IDS).logits, plain(input_ids=IDS).logits)  # the LoRA changed it
 
 
@@ -70,6 +71,7 @@ def test_bad_stage_counts_fail_before_anything_changes(tmp_path, counts):
 
 def test_a_model_with_converted_layers_is_refused(tmp_path):
     model, teacher = _pair()
-    Atp(rank=0.5).convert(get_adapter(model), 1, {}, None)
+    method, adapter = Atp(rank=0.5), get_adapter(model)
+    method.convert(adapter, 1, method.plan(adapter, [1], {}).layers[1], None)
     with pytest.raises(AttnslimError, match="already has converted layers; start from the original"):
         progressive_recovery(model, ByteTokenizer(), Atp(rank=0.5), [2], RECIPE, teacher, tmp_path, progress=False)

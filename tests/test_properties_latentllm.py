@@ -14,8 +14,9 @@ from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.data.windows import eval_windows
 from attnslim.linalg.joint_ud import joint_ud, mlp_forward
+from attnslim.linalg.ranks import factor_weights
 from attnslim.methods.latentllm import LatentLLM
-from attnslim.methods.latentllm_ranks import factor_weights, uniform_ranks
+from attnslim.methods.latentllm_ranks import uniform_ranks
 from attnslim.recipe import recipe_from_dict
 from conftest import TINY_BUILDERS
 from helpers import ByteTokenizer, one_step

@@ -18,9 +18,8 @@ IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 def _install(model, method, layers):
     """Plan + convert `method` on `layers` directly (ds/lisa need no calibration statistics)."""
     adapter = get_adapter(model)
-    plan = method.plan(adapter, layers, {})
-    for key, entry in plan["layers"].items():
-        method.convert(adapter, int(key), entry, None)
+    for i, entry in method.plan(adapter, layers, {}).layers.items():
+        method.convert(adapter, i, entry, None)
     return adapter
 
 
@@ -81,10 +80,10 @@ def test_lisa17_parameter_count_on_llama3_8b_shapes():
     before = sum(p.numel() for p in model.parameters())
     method, adapter = Lisa(select="preset", percent=53), get_adapter(model)
     plan = method.plan(adapter, list(range(32)), {})
-    assert sorted(map(int, plan["layers"])) == [4, 5, *range(16, 31)]  # Table 4, paper layers 5, 6, 17–31
+    assert sorted(plan.layers) == [4, 5, *range(16, 31)]  # Table 4, paper layers 5, 6, 17–31
     with torch.device("meta"):
-        for key, entry in plan["layers"].items():
-            method.skeleton(adapter, int(key), entry)
+        for i, entry in plan.layers.items():
+            method.skeleton(adapter, i, entry)
     assert all(p.is_meta for p in model.parameters())
     shared = [m for m in (adapter.attention(i) for i in range(32)) if isinstance(m, SharedAttention)]
     assert len(shared) == 17

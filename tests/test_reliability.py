@@ -468,7 +468,7 @@ def test_d11_empty_prompt(capsys, no_model_loading):
 @pytest.mark.parametrize("damage,message", [
     ("config_deleted", "is damaged (FileNotFoundError"),  # case 185
     ("json_minimal", "has no valid recipe, steps"),  # case 171
-    ("plan_rank_text", "is damaged (TypeError"),  # case 177
+    ("plan_rank_text", "step 1 (svd) layer 0: the plan entry"),  # case 177: names the step, layer and entry
     ("weights_deleted", "is damaged (FileNotFoundError"),  # case 160
     ("hidden_size_66", "is not a valid llama configuration"),  # case 191 (not a multiple of the 4 heads)
     ("no_auto_map", None),  # case 189: loads

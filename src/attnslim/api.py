@@ -105,8 +105,8 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         with torch.no_grad(), _named_meta_errors(residency, step.method):
             plan = run_step(model, adapter, method, layers, windows.ids, cal.batch_size, progress, residency)
         if method.trains:
-            plan["training"] = method.train_step(model, tokenizer, original, progress)
-        done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan})
+            plan.info["training"] = method.train_step(model, tokenizer, original, progress)
+        done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan.to_json()})
     healed = None
     if recipe.heal is not None:  # `original` was kept above
         healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)

@@ -135,10 +135,11 @@ def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
     from attnslim.methods import lookup_method
 
     adapter = get_adapter(model)
-    for step in steps:
+    for n, step in enumerate(steps):
         method = lookup_method(step["method"]).from_args(dict(step["args"]))
-        for key, entry in step["plan"]["layers"].items():
-            method.skeleton(adapter, int(key), entry)
+        plan = method.read_plan(step["plan"], f"{COMPRESSION_JSON} step {n + 1} ({step['method']})")
+        for layer, entry in plan.layers.items():
+            method.skeleton(adapter, layer, entry)
 
 
 def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device

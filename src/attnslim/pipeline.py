@@ -11,42 +11,37 @@ from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.eval.perplexity import window_nll
-from attnslim.methods.base import Method
+from attnslim.methods.base import Method, StepContext
+from attnslim.plan import LayerEntry, StepPlan
+
+AnyMethod = Method[Any, Any]  # the pipeline runs every method alike; each method types its own entries and stats
 
 
-def _merge(plan: dict[str, Any], part: dict[str, Any], layer: int) -> None:
-    for key, value in part.items():
-        if key == "layers":
-            plan["layers"].update(value)
-        else:
-            plan.setdefault(key, {})[str(layer)] = value
-
-
-def _collect(runner: LayerRunner, method: Method, adapter: Adapter, layer: int, advance: bool) -> Any:
+def _collect(runner: LayerRunner, method: AnyMethod, adapter: Adapter, layer: int, advance: bool) -> Any:
     collector = method.collector(adapter, layer)
     runner.run_layer(layer, collector.sites, collector, advance=advance)
     return collector.result()
 
 
 def run_step(
-    model: Any, adapter: Adapter, method: Method, layers: list[int], windows: Any, batch_size: int,
+    model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], windows: Any, batch_size: int,
     progress: bool = True, residency: Residency | None = None,
-) -> dict[str, Any]:
-    """Apply `method` to `layers` of `model` in place; returns the step's JSON-serialisable plan.
+) -> StepPlan[Any]:
+    """Apply `method` to `layers` of `model` in place; returns the step's plan, with each layer's fit diagnostics.
 
     Every piece of work on decoder layer i runs inside `residency.layer(i)` (calib/residency.py), so the same code
     compresses a model held in memory and one whose weights stay on disk, on CPU or GPU."""
     res = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
-    method.begin_step(adapter, layers)
+    context = method.begin_step(adapter, layers)
     needs_stats = bool(method.collector(adapter, layers[0]).sites)
     if not needs_stats:
-        direct = method.plan(adapter, layers, {})
-        for key, entry in direct["layers"].items():
-            _convert(res, method, adapter, int(key), entry, None)
+        direct = method.plan(adapter, layers, {}, context)
+        for i, entry in direct.layers.items():
+            _convert(res, method, adapter, i, entry, None, direct)
         return direct
     if method.selects_layers:
-        return _run_selecting(model, adapter, method, layers, windows, batch_size, progress, res)
-    plan: dict[str, Any] = {"layers": {}}
+        return _run_selecting(model, adapter, method, layers, windows, batch_size, progress, res, context)
+    plan: StepPlan[Any] = StepPlan()
     runner = LayerRunner(model, adapter, windows, batch_size, res)
     chosen = set(layers)
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name}", disable=not progress, leave=False):
@@ -55,18 +50,24 @@ def run_step(
                 runner.run_layer(i)
                 continue
             stats = _collect(runner, method, adapter, i, advance=not method.sequential)
-            part = method.plan(adapter, [i], {i: stats})
-            _merge(plan, part, i)
-            method.convert(adapter, i, part["layers"][str(i)], stats)
+            part = method.plan(adapter, [i], {i: stats}, context)
+            plan.merge(part, i)
+            _record(plan, i, method.convert(adapter, i, part.layers[i], stats))
             res.converted(i)
             if method.sequential:
                 runner.run_layer(i)  # propagate through the converted layer
     return plan
 
 
-def _convert(res: Residency, method: Method, adapter: Adapter, i: int, entry: dict[str, Any], stats: Any) -> None:
+def _record(plan: StepPlan[Any], layer: int, fit: dict[str, Any] | None) -> None:
+    if fit:
+        plan.fits[layer] = fit
+
+
+def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry, stats: Any,
+             plan: StepPlan[Any]) -> None:
     with res.layer(i):
-        method.convert(adapter, i, entry, stats)
+        _record(plan, i, method.convert(adapter, i, entry, stats))
         res.converted(i)
 
 
@@ -77,7 +78,7 @@ def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
     return sum(nll for nll, _ in parts) / sum(n for _, n in parts)
 
 
-def _probe(model: Any, adapter: Adapter, method: Method, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
+def _probe(model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
            batch_size: int, progress: bool) -> None:
     """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
     mean NLL over the probe windows recorded as stats[i].scores["probe"]."""
@@ -88,9 +89,9 @@ def _probe(model: Any, adapter: Adapter, method: Method, layers: list[int], stat
 
 
 def _run_selecting(
-    model: Any, adapter: Adapter, method: Method, layers: list[int], windows: Any, batch_size: int, progress: bool,
-    res: Residency,
-) -> dict[str, Any]:
+    model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], windows: Any, batch_size: int, progress: bool,
+    res: Residency, context: StepContext,
+) -> StepPlan[Any]:
     """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""
     runner = LayerRunner(model, adapter, windows, batch_size, res)
     stats: dict[int, Any] = {}
@@ -104,20 +105,20 @@ def _run_selecting(
         with res.streamed():
             probe_ids = windows[: method.probe_windows()]
             _probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress)
-    plan = method.plan(adapter, layers, stats)
-    chosen = sorted(int(k) for k in plan["layers"])
+    plan = method.plan(adapter, layers, stats, context)
+    chosen = sorted(plan.layers)
     if not chosen:
         return plan
     if not method.sequential:
         for i in chosen:
-            _convert(res, method, adapter, i, plan["layers"][str(i)], stats[i])
+            _convert(res, method, adapter, i, plan.layers[i], stats[i], plan)
         return plan
     runner = LayerRunner(model, adapter, windows, batch_size, res)  # refit on the already-converted upstream
     for i in tqdm(range(max(chosen) + 1), desc=f"{method.name} fit", disable=not progress, leave=False):
         with res.layer(i):
             if i in chosen:
                 fresh = _collect(runner, method, adapter, i, advance=False)
-                method.convert(adapter, i, plan["layers"][str(i)], fresh)
+                _record(plan, i, method.convert(adapter, i, plan.layers[i], fresh))
                 res.converted(i)
             runner.run_layer(i)
     return plan

@@ -34,6 +34,7 @@ from attnslim.adapters.base import Adapter
 from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method
+from attnslim.plan import LayerEntry
 
 
 def calibration_prompts(tokenizer: Any, source: str, n: int, context: int, seed: int = 0) -> torch.Tensor:
@@ -54,22 +55,22 @@ def last_log_probs(model: Any, prompts: torch.Tensor, batch_size: int = 8) -> to
     return torch.cat(parts).log_softmax(-1).cpu()
 
 
-def _checked_entries(adapter: Adapter, method: Method, layers: list[int]) -> dict[str, Any]:
+def _checked_entries(adapter: Adapter, method: Method[Any, None], layers: list[int]) -> dict[int, LayerEntry]:
     """The method's plan entries for `layers` (its own checks apply, e.g. atp refuses sliding layers)."""
     if method.collector(adapter, layers[0]).sites:
         raise AttnslimError(f"conversion costs: method {method.name!r} needs calibration statistics to convert a "
                             "layer; this analysis supports statistics-free methods (e.g. atp)")
-    return method.plan(adapter, layers, {})["layers"]
+    return dict(method.plan(adapter, layers, {}).layers)
 
 
-def _cost(model: Any, method: Method, entries: dict[str, Any], group: list[int], prompts: torch.Tensor,
-          reference: torch.Tensor, batch_size: int) -> float:
+def _cost(model: Any, method: Method[Any, None], entries: dict[int, LayerEntry], group: list[int],
+          prompts: torch.Tensor, reference: torch.Tensor, batch_size: int) -> float:
     """Last-position KL to `reference` with the layers of `group` converted together, then restored."""
     adapter = get_adapter(model)
     originals = {i: adapter.attention(i) for i in group}
     try:
         for i in group:
-            method.convert(adapter, i, dict(entries[str(i)]), None)
+            method.convert(adapter, i, entries[i], None)
         got = last_log_probs(model, prompts, batch_size)
     finally:
         for i, module in originals.items():

@@ -63,9 +63,9 @@ def progressive_recovery(
         else:
             costs = conversion_costs(model, method, prompts, layers=remaining, progress=progress)
             new = cheapest_layers(costs, count - len(converted))
-        entries = method.plan(adapter, new, {})["layers"]
+        entries = method.plan(adapter, new, {}).layers
         for i in new:
-            method.convert(adapter, i, dict(entries[str(i)]), None)
+            method.convert(adapter, i, entries[i], None)
         converted = sorted(converted + new)
         _, lora = recover_with_lora(model, tokenizer, recipe, Path(out_dir) / f"stage-{s}", progress=progress,
                                     teacher=teacher, converted=converted)

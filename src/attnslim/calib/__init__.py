@@ -2,6 +2,6 @@
 
 from attnslim.calib.hooks import SITES, capture_sites
 from attnslim.calib.runner import LayerRunner
-from attnslim.calib.stats import GramStats, flatten_tokens
+from attnslim.calib.stats import InputStats, flatten_tokens
 
-__all__ = ["SITES", "GramStats", "LayerRunner", "capture_sites", "flatten_tokens"]
+__all__ = ["SITES", "InputStats", "LayerRunner", "capture_sites", "flatten_tokens"]

@@ -18,6 +18,9 @@ from attnslim.errors import AttnslimError
 #   mlp_in  : input of gate/up                                   down_in: input of the down projection
 #   resid_in: residual stream entering the decoder layer         attn_out: attention sub-block output
 SITES = ("attn_in", "o_in", "mlp_in", "down_in", "resid_in", "attn_out")
+# the site whose activations are each decoder linear's input
+SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": "mlp_in", "up": "mlp_in",
+           "down": "down_in"}
 
 Callback = Callable[[str, torch.Tensor], None]
 

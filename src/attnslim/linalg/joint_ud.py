@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import LowRankFactors, check_rank, factorize, rrr
-from attnslim.linalg.precond import InputStats
+from attnslim.linalg.lowrank import LowRankFactors, factorize, rrr
+from attnslim.linalg.ranks import check_rank
 
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,

@@ -4,7 +4,7 @@ Paper: Koike-Akino et al., "LatentLLM: Attention-Aware Joint Tensor Compression"
 Approximated: y = W x + b by y ≈ B (A x) + b̂, B (d_out, r), A (r, d_in), minimising E‖(W − BA)x‖²
 (exact optimum for precond "rootcov"; the other pre-conditioners are the paper's baselines).
 Statistics: InputStats of the layer input (Σxxᵀ, Σx, Σ|x|, n); `rrr` also needs Σ t sᵀ and Σ t.
-Cost (weights only): r (d_out + d_in), or r (d_out + d_in) − r² with the block-identity junction.
+Cost (weights only): r (d_out + d_in), or r (d_out + d_in) − r² with the block-identity junction (linalg/ranks.py).
 Deviations: Eq. 42's double-counted S is corrected (A = J⁻¹ V P⁻¹, B = U S J); the pivot columns are
 chosen by QR column pivoting followed by maxvol swaps so |A2| ≤ 1.01 (the paper does not say how).
 """
@@ -16,8 +16,10 @@ from typing import Literal
 
 import torch
 
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.precond import InputStats, damped_eigh, preconditioner
+from attnslim.linalg.precond import damped_eigh, preconditioner
+from attnslim.linalg.ranks import check_rank, factor_weights
 
 Junction = Literal["left", "right", "split", "block_identity"]
 JUNCTIONS: tuple[str, ...] = ("left", "right", "split", "block_identity")
@@ -63,14 +65,7 @@ def param_count(d_out: int, d_in: int, r: int, junction: str = "block_identity")
     if junction not in JUNCTIONS:
         raise AttnslimError(f"junction = {junction!r} is not one of {JUNCTIONS}")
     check_rank(r, min(d_out, d_in), "rank")
-    dense = r * (d_out + d_in)
-    return dense - r * r if junction == "block_identity" else dense
-
-
-def check_rank(rank: int, max_rank: int, name: str = "rank", label: str = "layer") -> None:
-    """Raise ValueError naming the value and the valid range unless 1 <= rank <= max_rank."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise AttnslimError(f"{label}: {name} = {rank!r} is out of range; valid ranks are 1..{max_rank}")
+    return factor_weights(d_out, d_in, r, junction)
 
 
 def pivot_columns(m: torch.Tensor, max_swaps: int | None = None, tol: float = 1.01) -> torch.Tensor:

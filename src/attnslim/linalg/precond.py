@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 
 PrecondKind = Literal["identity", "hessian", "l1", "l2", "cov", "rootcov"]
@@ -28,56 +29,6 @@ PRECOND_KINDS: tuple[str, ...] = ("identity", "hessian", "l1", "l2", "cov", "roo
 
 # Eigenvalues below this fraction of the largest count as zero when judging rank deficiency.
 _RANK_TOL = 1e-9
-
-
-@dataclass(frozen=True)
-class InputStats:
-    """Streamed first/second moments of a linear layer's input (float64).
-
-    sxx: (d, d) Σ x xᵀ;  sx: (d,) Σ x;  ax: (d,) Σ |x| (elementwise);  n: number of tokens.
-    """
-
-    sxx: torch.Tensor
-    sx: torch.Tensor
-    ax: torch.Tensor
-    n: int
-
-    def __post_init__(self) -> None:
-        d = self.sxx.shape[0]
-        if self.sxx.shape != (d, d) or self.sx.shape != (d,) or self.ax.shape != (d,):
-            raise AttnslimError(
-                f"InputStats shapes disagree: sxx {tuple(self.sxx.shape)}, sx {tuple(self.sx.shape)}, "
-                f"ax {tuple(self.ax.shape)}; expected (d, d), (d,), (d,)"
-            )
-        if self.n <= 0:
-            raise AttnslimError(f"InputStats.n = {self.n}: needs at least one token")
-
-    @classmethod
-    def from_tokens(cls, x: torch.Tensor) -> InputStats:
-        """x: (N, d) with tokens as rows (PyTorch activation layout)."""
-        x64 = x.reshape(-1, x.shape[-1]).to(torch.float64)  # (N, d)
-        return cls(sxx=x64.T @ x64, sx=x64.sum(0), ax=x64.abs().sum(0), n=x64.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.sxx.shape[0])
-
-    @property
-    def mean(self) -> torch.Tensor:
-        """(d,) token mean μ = Σx / n."""
-        return self.sx.to(torch.float64) / self.n
-
-    @property
-    def corr(self) -> torch.Tensor:
-        """(d, d) auto-correlation Sxx / n (what the paper calls "covariance")."""
-        return self.sxx.to(torch.float64) / self.n
-
-    @property
-    def centred_cov(self) -> torch.Tensor:
-        """(d, d) centred covariance C0 = Sxx/n − μμᵀ (paper Eq. 49), symmetrised."""
-        mu = self.mean
-        c0 = self.corr - torch.outer(mu, mu)
-        return 0.5 * (c0 + c0.T)
 
 
 @dataclass(frozen=True)
@@ -185,6 +136,8 @@ def preconditioner(
     """
     if kind not in PRECOND_KINDS:
         raise AttnslimError(f"{label}: precond = {kind!r} is not one of {PRECOND_KINDS}")
+    if stats.n == 0:
+        raise AttnslimError(f"{label}: no calibration tokens reached this linear's input; check the calibration")
     key = (kind, damp, alpha, center, stats.n)
     built = _BUILT.setdefault(stats.sxx, {})
     if key not in built:  # q/k/v (and gate/up) read one site: one eigh for all, plan and conversion alike

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import block_identity, check_rank
-from attnslim.linalg.precond import InputStats, damped_eigh
+from attnslim.linalg.lowrank import block_identity
+from attnslim.linalg.precond import damped_eigh
+from attnslim.linalg.ranks import check_rank
 
 _F64 = torch.float64
 

@@ -49,23 +49,32 @@ Recovery training (paper form): `recover: {steps: 150, loss: kd, lr: 1e-3, ...}`
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from attnslim.adapters.base import Adapter
-from attnslim.methods.base import Method, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
 from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
+from attnslim.plan import LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 FORMS = ("paper", "serving")
 
 
+@dataclass(frozen=True)
+class AtpEntry(LayerEntry):
+    module: str  # the replacement module's class (PrincipalKeyAttention | PrincipalCacheAttention)
+    rank: int | float  # the method's rank, as given
+
+
 @register_method("atp")
 @dataclass(frozen=True)
-class Atp(Method):
+class Atp(Method[AtpEntry, None]):
+    entry_type = AtpEntry
     rank: int | float = 0.5  # an int r ≥ 1, or a fraction of the sequence (paper) / prompt (serving) length
     form: str = "paper"
     svd: str = "exact"  # exact | approx (the paper's Alg. 1)
@@ -101,17 +110,19 @@ class Atp(Method):
                     "null with form serving (its prefill is exact attention; recovery trains the paper form)")
             self.lora_recipe()  # unknown keys and bad values fail before any layer is converted
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, None],
+             context: StepContext = NO_CONTEXT) -> StepPlan[AtpEntry]:
         entries = {}
         for i in layers:
             spec = adapter.attention_spec(i)
             require(spec.sliding_window is None and spec.softcap is None, "atp", "layers", i,
                     "full-attention layers without soft-capping (this one slides or soft-caps)")
-            entries[str(i)] = {"module": self._module_name(), "rank": self.rank}
-        return {"layers": entries}
+            entries[i] = AtpEntry(self._module_name(), self.rank)
+        return StepPlan(entries)
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: AtpEntry, stats: None) -> Fit:
         self.skeleton(adapter, layer, entry)  # the module copies the original weights from the spec
+        return None
 
     def lora_recipe(self) -> Any:
         """The `recover` mapping as a train/lora.py LoraRecipe (validated there)."""
@@ -138,7 +149,7 @@ class Atp(Method):
                                        teacher=teacher, converted=converted)
         return {k: log[k] for k in ("step", "seconds", "recipe")} | {"final_loss": log["losses"][-1]}
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: AtpEntry) -> None:
         adapter.replace_attention(layer, self.build(adapter.attention_spec(layer)))
 
     def build(self, spec: Any) -> nn.Module:

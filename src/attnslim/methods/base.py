@@ -1,9 +1,14 @@
-"""The method contract: a frozen dataclass of hyperparameters with four verbs.
+"""The method contract: a frozen dataclass of hyperparameters with four verbs, typed by its plan entry E and its
+per-layer statistics S (`Method[E, S]`).
 
-    collector(adapter, layer) -> Collector     statistics it needs at one layer (streamed)
-    plan(adapter, layers, stats) -> dict       pure, JSON-serialisable decisions (ranks, chosen layers, ...)
-    convert(adapter, layer, entry, stats)      build and install the replacement modules (math in linalg/)
-    skeleton(adapter, layer, entry)            the same modules, empty, so saved weights can load
+    collector(adapter, layer) -> Collector[S]     statistics it needs at one layer (streamed)
+    begin_step(adapter, layers) -> StepContext   step-wide numbers solved before planning (latentllm's κ)
+    plan(adapter, layers, stats, context) -> StepPlan[E]
+                                                 pure decisions (ranks, chosen layers, ...): typed entries that
+                                                 round-trip through JSON (plan.py)
+    convert(adapter, layer, entry, stats) -> Fit build and install the replacement modules (math in linalg/);
+                                                 returns its fit diagnostics (JSON) or None; never edits the entry
+    skeleton(adapter, layer, entry)              the same modules, empty, so saved weights can load
 
 Optionally `trains` + `train_step(model, tokenizer, teacher)`: after all its layers are converted, a step may train
 its new parameters against `teacher`, a frozen copy of the model before the recipe's first step (api.compress; so a
@@ -15,19 +20,29 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, cast
 
 import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter
-from attnslim.calib.stats import GramStats
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.plan import JSON, LayerEntry, NoEntry, StepPlan
+
+E = TypeVar("E", bound=LayerEntry)
+S = TypeVar("S")
+S_co = TypeVar("S_co", covariant=True)
+StepContext: TypeAlias = Mapping[str, float]  # step-wide numbers begin_step solved (latentllm: κ of total_ratio)
+NO_CONTEXT: StepContext = MappingProxyType({})
+Fit: TypeAlias = dict[str, JSON] | None  # what convert measured about its fit (recorded beside the entry)
 
 
-class Collector:
+class Collector(Generic[S_co]):
     """Receives (site, activation) pairs during a layer's forward; `result()` gives the statistics."""
 
     sites: set[str] = set()
@@ -35,25 +50,25 @@ class Collector:
     def __call__(self, site: str, x: torch.Tensor) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def result(self) -> Any:
+    def result(self) -> S_co:
         raise NotImplementedError
 
 
-class GramCollector(Collector):
-    """Input Gram statistics at each requested site: {site: GramStats}."""
+class GramCollector(Collector[dict[str, InputStats]]):
+    """Input Gram statistics at each requested site: {site: InputStats}."""
 
     def __init__(self, sites: set[str]) -> None:
         self.sites = set(sites)
-        self.stats: dict[str, GramStats] = {}
+        self.stats: dict[str, InputStats] = {}
 
     def __call__(self, site: str, x: torch.Tensor) -> None:
-        self.stats.setdefault(site, GramStats.empty(x.shape[-1])).update(x)
+        self.stats.setdefault(site, InputStats.empty(x.shape[-1])).update(x)
 
-    def result(self) -> dict[str, GramStats]:
+    def result(self) -> dict[str, InputStats]:
         return self.stats
 
 
-class NoStats(Collector):
+class NoStats(Collector[None]):
     sites: set[str] = set()
 
     def __call__(self, site: str, x: torch.Tensor) -> None:
@@ -64,26 +79,34 @@ class NoStats(Collector):
 
 
 @dataclass(frozen=True)
-class Method:
+class Method(Generic[E, S]):
     name: ClassVar[str] = ""
+    entry_type: ClassVar[type[LayerEntry]] = NoEntry  # what `plan` puts per layer (read back by io's skeletons)
     sequential: ClassVar[bool] = True
     selects_layers: ClassVar[bool] = False
 
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
-        return NoStats()
+    def collector(self, adapter: Adapter, layer: int) -> Collector[S]:
+        return cast(Collector[S], NoStats())  # methods that need no statistics (S = None)
 
-    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
-        """Called once before a step converts `layers`, on the model as it enters the step (latentllm solves
-        its total_ratio here). Default: nothing."""
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
+        """Called once before a step converts `layers`, on the model as it enters the step; what it returns reaches
+        every `plan` call of the step (latentllm solves its total_ratio here). Default: checks nothing, no
+        context."""
+        return NO_CONTEXT
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, S],
+             context: StepContext = NO_CONTEXT) -> StepPlan[E]:
         raise NotImplementedError
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: E, stats: S) -> Fit:
         raise NotImplementedError
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: E) -> None:
         raise NotImplementedError
+
+    def read_plan(self, data: Mapping[str, JSON], where: str) -> StepPlan[E]:
+        """A saved plan (compression.json) back as typed entries."""
+        return StepPlan.from_json(data, cast(type[E], self.entry_type), where)
 
     def probe_windows(self) -> int:
         """How many calibration windows the selection measures the loss on (0: it reads statistics only).
@@ -91,7 +114,7 @@ class Method:
         increase as its "probe" score, and only then calls `plan`."""
         return 0
 
-    def trial(self, adapter: Adapter, layer: int, stats: Any) -> AbstractContextManager[None]:
+    def trial(self, adapter: Adapter, layer: int, stats: S) -> AbstractContextManager[None]:
         """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
         raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
 

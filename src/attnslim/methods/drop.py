@@ -11,19 +11,20 @@ Q/K/V and stores no KV cache (a 1-byte/token position marker, see _compat).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from attnslim.adapters.base import Adapter
-from attnslim.methods.base import Collector, Method, NoStats, require
+from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, NoStats, StepContext, require
 from attnslim.modules.dropped import DroppedAttention
+from attnslim.plan import NoEntry, StepPlan
 from attnslim.registry import register_method
 
 
-class SimilarityCollector(Collector):
+class SimilarityCollector(Collector[float]):
     """Mean cosine similarity between the residual stream before and after the attention sub-block."""
 
     sites = {"resid_in", "attn_out"}
@@ -51,7 +52,7 @@ class SimilarityCollector(Collector):
 
 @register_method("drop")
 @dataclass(frozen=True)
-class Drop(Method):
+class Drop(Method[NoEntry, float | None]):
     count: int | None = None
     select: str = "similarity"
     sequential = False
@@ -63,25 +64,30 @@ class Drop(Method):
             require(self.count is not None and self.count >= 0, self.name, "count", self.count,
                     "an integer >= 0 (how many candidate layers to drop)")
 
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector[float | None]:
         if self.select == "given":
             return NoStats()
         return SimilarityCollector(adapter.attention_output_norm(layer))
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, float | None],
+             context: StepContext = NO_CONTEXT) -> StepPlan[NoEntry]:
         if self.select == "given":
-            return {"layers": {str(i): {} for i in layers}}
+            return StepPlan({i: NoEntry() for i in layers})
         assert self.count is not None
         require(self.count <= len(layers), self.name, "count", self.count, f"0..{len(layers)} (the candidates)")
-        importance = {i: 1.0 - stats[i] for i in layers}
+        importance = {i: 1.0 - _similarity(stats[i]) for i in layers}
         chosen = sorted(sorted(layers, key=lambda i: importance[i])[: self.count])
-        return {
-            "layers": {str(i): {} for i in chosen},
-            "importance": {str(i): round(v, 6) for i, v in importance.items()},
-        }
+        return StepPlan({i: NoEntry() for i in chosen},
+                        info={"importance": {str(i): round(v, 6) for i, v in importance.items()}})
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: NoEntry, stats: float | None) -> Fit:
         self.skeleton(adapter, layer, entry)
+        return None
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: NoEntry) -> None:
         adapter.replace_attention(layer, DroppedAttention(layer, adapter.config.hidden_size))
+
+
+def _similarity(value: float | None) -> float:
+    assert value is not None, "select similarity collects a similarity per candidate"
+    return value

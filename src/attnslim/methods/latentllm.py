@@ -60,42 +60,57 @@ Deviations from the paper, and why:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter
+from attnslim.calib.hooks import SITE_OF
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.joint_ud import joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
-from attnslim.linalg.precond import PRECOND_KINDS, InputStats, preconditioner
+from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
 from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
 from attnslim.linalg.vo import joint_vo
 from attnslim.methods import latentllm_ranks as rk
-from attnslim.methods.base import Collector, Method, require
-from attnslim.methods.latentllm_stats import LatentCollector
-from attnslim.methods.lowrank_baselines import to_input_stats
+from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
+from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 QK_MODES = ("joint", "split")
 VO_MODES = ("separate", "joint", "none")
 MLP_MODES = ("none", "local", "joint_ud")
 ALLOCS = ("uniform", "spectrum", "global")
-SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": "mlp_in", "up": "mlp_in",
-           "down": "down_in"}
 # HF activation name -> joint_ud's name; un-gated MLPs need ReLU (closed-form z update)
 UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                   "gelu_new": "gelu_tanh"}
 
 
+DEFAULT_RATIO = 0.8  # the kept fraction when no size is given
+KAPPA = "kappa"  # begin_step's context: the kept fraction κ every linear of the step shares (total_ratio)
+
+
+@dataclass(frozen=True)
+class LatentEntry(LayerEntry):
+    ranks: dict[str, int]  # linear name -> rank
+    weights: dict[str, list[int]]  # group (attention, mlp) -> [dense weights, kept weights]
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"ranks": dict(self.ranks), "weights": {g: list(w) for g, w in self.weights.items()}}
+
+
 @register_method("latentllm")
 @dataclass(frozen=True)
-class LatentLLM(Method):
-    ratio: float | None = 0.8  # kept fraction of each attention matrix (and MLP matrix, unless mlp_ratio)
+class LatentLLM(Method[LatentEntry, LayerStats]):
+    ratio: float | None = None  # kept fraction of each attention matrix (and MLP matrix, unless mlp_ratio);
+    # DEFAULT_RATIO when none of ratio, total_ratio and ranks is given
     mlp_ratio: float | None = None
     total_ratio: float | None = None  # kept fraction of all model parameters, one κ for every compressed linear
     ranks: dict[str, int] | None = None  # explicit ranks per linear name, the same in every layer
@@ -118,10 +133,12 @@ class LatentLLM(Method):
     ud_keep_best: bool = True
     seed: int = 0
     sequential: bool = True  # type: ignore[misc]
-    _kappa: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)  # begin_step
+    entry_type = LatentEntry
 
     def __post_init__(self) -> None:
         n = self.name
+        if self.ratio is None and self.total_ratio is None and self.ranks is None:
+            object.__setattr__(self, "ratio", DEFAULT_RATIO)
         given = [k for k in ("ratio", "total_ratio", "ranks") if getattr(self, k) is not None]
         require(len(given) == 1, n, "ratio/total_ratio/ranks", given, "exactly one of ratio, total_ratio or ranks")
         for key in ("ratio", "mlp_ratio", "total_ratio", "kv_ratio"):
@@ -160,7 +177,7 @@ class LatentLLM(Method):
         return self.junction == "block_identity"
 
     # --- statistics and plan ----------------------------------------------------------------------
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector[LayerStats]:
         o_in = self.vo == "separate" or (self.vo == "joint" and self.alloc == "spectrum")
         sites = {"attn_in"} | ({"o_in"} if o_in else set())
         if self.mlp == "local" or (self.mlp != "none" and self.alloc in ("spectrum", "global")):
@@ -188,16 +205,17 @@ class LatentLLM(Method):
                 f"activation {mspec.activation!r} (valid: {valid}); it has no closed-form update. Use mlp: local"
             )
 
-    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
         """total_ratio: solve one κ for the linears of the step's `layers`, on the model as it enters the step."""
-        self._kappa.clear()
-        if self.total_ratio is not None:
-            self._kappa["step"] = rk.kappa_for_total([self._shapes(adapter, i) for i in layers],
-                                                     adapter.param_groups()["total"], self.total_ratio, self.junction)
+        if self.total_ratio is None:
+            return NO_CONTEXT
+        return {KAPPA: rk.kappa_for_total([self._shapes(adapter, i) for i in layers],
+                                          adapter.param_groups()["total"], self.total_ratio, self.junction)}
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, LayerStats],
+             context: StepContext = NO_CONTEXT) -> StepPlan[LatentEntry]:
         shapes = {i: self._shapes(adapter, i) for i in layers}
-        ranks = {i: self._ranks(adapter, i, shapes[i]) for i in layers}
+        ranks = {i: self._ranks(adapter, i, shapes[i], context) for i in layers}
         if self.alloc == "global":
             ranks = self._allocate_global(adapter, shapes, ranks, stats)
         elif self.ranks is None and (self.alloc == "spectrum" or self.kv_ratio is not None):
@@ -208,11 +226,12 @@ class LatentLLM(Method):
                 rk.check_joint_qk(ranks[i], adapter.attention_spec(i).head_dim, i)
             jn, sh = self.junction, shapes[i]
             weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks[i], jn)] for g, s in rk.groups(sh).items()}
-            out[str(i)] = {"ranks": ranks[i], "weights": weights}  # weights: [dense, kept] per group
-        return {"layers": out}
+            out[i] = LatentEntry(ranks[i], weights)
+        return StepPlan(out)
 
     def _allocate_global(self, adapter: Adapter, shapes: dict[int, dict[str, tuple[int, int]]],
-                         ranks: dict[int, dict[str, int]], stats: dict[int, Any]) -> dict[int, dict[str, int]]:
+                         ranks: dict[int, dict[str, int]], stats: Mapping[int, LayerStats]
+                         ) -> dict[int, dict[str, int]]:
         """alloc=global: each group's (attention, MLP) budget of the uniform rule, summed over the layers, is
         re-spread over the matrices of every layer by whitened spectrum energy lost per weight — the greedy of
         alloc=spectrum, across layers (statistics of the model as it enters the step)."""
@@ -237,14 +256,15 @@ class LatentLLM(Method):
                     out[int(layer)][name] = r
         return out
 
-    def _ranks(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    def _ranks(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]], context: StepContext
+               ) -> dict[str, int]:
         if self.ranks is not None:
             return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer)
         if self.total_ratio is not None:
-            if "step" not in self._kappa:
-                raise AttnslimError("latentllm total_ratio: call begin_step(adapter, layers) before plan (the "
-                                    "pipeline does), so κ is solved for the step's layers")
-            kappa = dict.fromkeys(shapes, self._kappa["step"])
+            if KAPPA not in context:
+                raise AttnslimError("latentllm total_ratio: pass plan the context begin_step(adapter, layers) "
+                                    "returns (the pipeline does), so κ is solved for the step's layers")
+            kappa = dict.fromkeys(shapes, context[KAPPA])
         else:
             assert self.ratio is not None
             mlp = self.ratio if self.mlp_ratio is None else self.mlp_ratio
@@ -252,7 +272,7 @@ class LatentLLM(Method):
         return rk.uniform_ranks(shapes, kappa, self.junction)
 
     def _allocate(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]], ranks: dict[str, int],
-                  stats: Any) -> dict[str, int]:
+                  stats: LayerStats) -> dict[str, int]:
         spec = adapter.attention_spec(layer)
         floors = {n: spec.head_dim for n in ("q", "k") if self.qk == "joint"}
         return rk.allocate(
@@ -260,7 +280,8 @@ class LatentLLM(Method):
             kv_ratio=self.kv_ratio, kv_full=spec.n_kv_heads * spec.head_dim, junction=self.junction, floors=floors,
             dense_keys=self.cache == "values")
 
-    def _spectra(self, adapter: Adapter, layer: int, names: list[str], stats: Any) -> dict[str, torch.Tensor]:
+    def _spectra(self, adapter: Adapter, layer: int, names: list[str], stats: LayerStats
+                 ) -> dict[str, torch.Tensor]:
         """Singular values of W P (the local activation-aware spectrum) of each named linear."""
         attn = adapter.attention_spec(layer)
         mlp = adapter.mlp_spec(layer) if any(n in rk.MLP for n in names) else None
@@ -275,10 +296,10 @@ class LatentLLM(Method):
         return out
 
     # --- conversion -----------------------------------------------------------------------------------
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
-        """Fit and install; records fit diagnostics in entry["fit"]."""
+    def convert(self, adapter: Adapter, layer: int, entry: LatentEntry, stats: LayerStats) -> Fit:
+        """Fit and install; returns the fit diagnostics (per QK, VO and MLP part)."""
         spec = adapter.attention_spec(layer)
-        ranks, fit = entry["ranks"], {}
+        ranks, fit = entry.ranks, {}
         st = _stats(stats, "attn_in", layer)
         fq, fk, fit["qk"] = self._qk(spec, st, ranks, layer)
         v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
@@ -287,7 +308,7 @@ class LatentLLM(Method):
         self._install(adapter, layer, spec, q_mod, k_mod, v, o).to(device)
         if self.mlp != "none":
             fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
-        entry["fit"] = {k: val for k, val in fit.items() if val}
+        return {k: val for k, val in fit.items() if val}
 
     def _qk(self, spec: Any, st: InputStats, ranks: dict[str, int], layer: int) -> tuple[Any, Any, dict[str, Any]]:
         if self.qk == "split":
@@ -312,7 +333,7 @@ class LatentLLM(Method):
         fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
         return fq, fk, {"hosvd_loss": [f.loss_history[0], f.loss_history[-1]]}
 
-    def _vo(self, adapter: Adapter, spec: Any, stats: Any, ranks: dict[str, int], layer: int
+    def _vo(self, adapter: Adapter, spec: Any, stats: LayerStats, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
         if self.vo == "none":
             return adapter.linear(layer, "v"), adapter.linear(layer, "o"), {}
@@ -344,7 +365,7 @@ class LatentLLM(Method):
         b2, a2, perm = block_identity(b, a)
         return LowRankFactors(b2, a2, bias, perm)
 
-    def _mlp(self, adapter: Adapter, layer: int, stats: Any, ranks: dict[str, int]) -> dict[str, Any]:
+    def _mlp(self, adapter: Adapter, layer: int, stats: LayerStats, ranks: dict[str, int]) -> dict[str, Any]:
         spec = adapter.mlp_spec(layer)
         names = [n for n in rk.MLP if getattr(spec, n) is not None]
         info: dict[str, Any] = {}
@@ -353,6 +374,9 @@ class LatentLLM(Method):
             factors = {n: self._local(getattr(spec, n), getattr(spec, f"{n}_bias"), _stats(stats, site[n], layer),
                                       ranks[n], f"layer {layer} {n}") for n in names}
         else:
+            if stats.tokens is None:
+                raise AttnslimError(f"latentllm: layer {layer}: mlp=joint_ud has no MLP-input token sample (the "
+                                    "collector keeps one when ud_tokens > 0); set ud_tokens >= 1")
             res = joint_ud(
                 stats.tokens, spec.up, spec.up_bias, spec.down, spec.down_bias, ranks["up"], ranks["down"],
                 activation=UD_ACTIVATIONS[spec.activation], w_g=spec.gate, b_g=spec.gate_bias, rank_g=ranks.get("gate"),
@@ -379,9 +403,9 @@ class LatentLLM(Method):
         adapter.replace_attention(layer, module)
         return module
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: LatentEntry) -> None:
         spec = adapter.attention_spec(layer)
-        ranks, dtype, device = entry["ranks"], spec.q.dtype, spec.q.device
+        ranks, dtype, device = entry.ranks, spec.q.dtype, spec.q.device
 
         def empty(name: str, w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
             d_out, d_in = w.shape
@@ -402,9 +426,9 @@ class LatentLLM(Method):
         self._install(adapter, layer, spec, q, k, v, o).to(device)
 
 
-def _stats(stats: Any, site: str, layer: int) -> InputStats:
+def _stats(stats: LayerStats, site: str, layer: int) -> InputStats:
     g = stats.grams.get(site)
     if g is None:
         raise AttnslimError(f"latentllm: layer {layer}: no statistics at {site}; the calibration did not reach it")
     g.check(f"layer {layer} {site}")
-    return to_input_stats(g)
+    return g

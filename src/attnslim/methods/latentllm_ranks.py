@@ -16,24 +16,11 @@ from collections.abc import Callable, Mapping
 import torch
 
 from attnslim.errors import AttnslimError
-from attnslim.methods.lowrank_baselines import rank_for_ratio
+from attnslim.linalg.ranks import factor_weights, max_rank, rank_for_ratio
 
 ATTENTION = ("q", "k", "v", "o")
 MLP = ("gate", "up", "down")
 Shapes = Mapping[str, tuple[int, int]]  # linear name -> (d_out, d_in)
-
-
-def factor_weights(d_out: int, d_in: int, rank: int, junction: str) -> int:
-    """Weights stored (= MACs per token) by a rank-`rank` factor pair; biases and indices not counted."""
-    dense = rank * (d_out + d_in)
-    return dense - rank * rank if junction == "block_identity" else dense
-
-
-def max_rank(d_out: int, d_in: int, junction: str) -> int:
-    """Largest rank whose factors hold no more weights than the dense d_out×d_in matrix."""
-    if junction == "block_identity":
-        return min(d_out, d_in)  # r(d'+d) − r² <= d'd for every r <= min(d', d)
-    return max(1, min(d_out * d_in // (d_out + d_in), d_out, d_in))
 
 
 def uniform_ranks(shapes: Shapes, kappa: Mapping[str, float], junction: str) -> dict[str, int]:

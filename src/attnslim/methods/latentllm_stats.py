@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnslim.calib.stats import GramStats
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Collector
 
@@ -45,20 +45,20 @@ class Reservoir:
 
 @dataclass
 class LayerStats:
-    grams: dict[str, GramStats]
+    grams: dict[str, InputStats]
     tokens: torch.Tensor | None  # (N, d) MLP-input sample for joint_ud
 
 
-class LatentCollector(Collector):
+class LatentCollector(Collector[LayerStats]):
     def __init__(self, gram_sites: set[str], ud_tokens: int, seed: int) -> None:
         self.gram_sites = set(gram_sites)
         self.sites = self.gram_sites | ({"mlp_in"} if ud_tokens else set())
-        self.grams: dict[str, GramStats] = {}
+        self.grams: dict[str, InputStats] = {}
         self.reservoir = Reservoir(ud_tokens, seed) if ud_tokens else None
 
     def __call__(self, site: str, x: torch.Tensor) -> None:
         if site in self.gram_sites:
-            self.grams.setdefault(site, GramStats.empty(x.shape[-1])).update(x.to("cpu"))
+            self.grams.setdefault(site, InputStats.empty(x.shape[-1])).update(x.to("cpu"))
         if site == "mlp_in" and self.reservoir is not None:
             self.reservoir.add(x)
 

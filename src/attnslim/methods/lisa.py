@@ -29,7 +29,7 @@ Deviations / decisions (numbers refer to the gaps in shared/methods/lisa.md §6)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +38,10 @@ from torch import nn
 
 from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Method, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import INTEGRATE, DonorAttention, SharedAttention, SharingConfig
+from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 # Paper Table 4 (LLaMA2-7B / LLaMA3-8B, 32 layers), converted to 0-based HF indices.
@@ -205,8 +206,31 @@ def temporary_sharing(adapter: Adapter, receivers: dict[int, SharingConfig]) -> 
 
 # --- the methods ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Sharing(Method):
+class SharingEntry(LayerEntry):
+    """A receiver layer: the layer it reuses the scores of, and how it builds them. JSON: {"donor", **sharing}."""
+
+    donor: int
+    sharing: SharingConfig
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"donor": self.donor, **self.sharing.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, JSON], where: str) -> SharingEntry:
+        donor, rest = data.get("donor"), {k: v for k, v in data.items() if k != "donor"}
+        try:
+            assert isinstance(donor, int)
+            return cls(donor, SharingConfig(**rest))  # type: ignore[arg-type]
+        except (AssertionError, TypeError, AttnslimError) as err:
+            raise AttnslimError(f"{where}: the plan entry {dict(data)} is not a LISA receiver ({err}); re-create "
+                                "the output with attnslim compress") from err
+
+
+@dataclass(frozen=True)
+class _Sharing(Method[SharingEntry, None]):
     """Shared plan/convert/skeleton of `ds` and `lisa`; subclasses say how a receiver builds its scores."""
+
+    entry_type = SharingEntry
 
     select: str = "given"  # given: the step's layers; preset: paper list / select_layers within them
     percent: int = 53
@@ -225,7 +249,8 @@ class _Sharing(Method):
     def sharing(self, head_dim: int, n_heads: int) -> SharingConfig:
         raise NotImplementedError
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, None],
+             context: StepContext = NO_CONTEXT) -> StepPlan[SharingEntry]:
         chosen = layers
         if self.select == "preset":
             chosen = [i for i in preset_layers(adapter.num_layers(), self.percent) if i in set(layers)]
@@ -233,23 +258,23 @@ class _Sharing(Method):
             raise AttnslimError(f"method {self.name!r}: no layer left to share among candidates {layers}")
         for i in chosen:
             check_pair(adapter, i)
-        entries = {}
+        entries: dict[int, SharingEntry] = {}
         for i in chosen:
             spec = _spec(adapter, i)
             cfg = self.sharing(spec.head_dim, spec.n_heads)
-            entries[str(i)] = {"donor": i - 1, **cfg.to_json()}
-        return {"layers": entries, "chains": _chains(chosen)}
+            entries[i] = SharingEntry(i - 1, cfg)
+        return StepPlan(entries, info={"chains": [list(c) for c in _chains(chosen)]})
 
-    def _build(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> SharedAttention:
-        cfg = SharingConfig(**{k: v for k, v in entry.items() if k != "donor"})
-        module = SharedAttention(_spec(adapter, layer), cfg)
+    def _build(self, adapter: Adapter, layer: int, entry: SharingEntry) -> SharedAttention:
+        module = SharedAttention(_spec(adapter, layer), entry.sharing)
         install_receiver(adapter, layer, module)
         return module
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: SharingEntry, stats: None) -> Fit:
         self._build(adapter, layer, entry).init_weights("ds")
+        return None
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: SharingEntry) -> None:
         self._build(adapter, layer, entry)
 
 
@@ -311,8 +336,9 @@ class Lisa(_Sharing):
         return SharingConfig(rank=rank, align_hidden=hidden, integrate=self.integrate, rope_lr=self.rope_lr,
                              nf_min_len=self.nf_min_len)
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: SharingEntry, stats: None) -> Fit:
         self._build(adapter, layer, entry).init_weights(self.init, self.seed)
+        return None
 
     @property
     def trains(self) -> bool:

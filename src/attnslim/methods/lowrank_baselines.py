@@ -12,43 +12,58 @@ the linear's weights) gives r = floor(ratio·d'·d/(d'+d)). Statistics: the inpu
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attnslim.adapters.base import Adapter
-from attnslim.calib.stats import GramStats
+from attnslim.calib.hooks import SITE_OF
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import factorize
-from attnslim.linalg.precond import InputStats
-from attnslim.methods.base import Collector, GramCollector, Method, NoStats, dense_linear, require
+from attnslim.linalg.ranks import rank_for_ratio
+from attnslim.methods.base import (
+    NO_CONTEXT,
+    Collector,
+    Fit,
+    GramCollector,
+    Method,
+    NoStats,
+    StepContext,
+    dense_linear,
+    require,
+)
 from attnslim.modules.lowrank import LowRankLinear
+from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
-SITE_OF = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "o_in", "gate": "mlp_in", "up": "mlp_in",
-           "down": "down_in"}
-
-
-def rank_for_ratio(d_out: int, d_in: int, ratio: float, junction: str = "left") -> int:
-    """Largest rank whose factor parameters are <= ratio·d_out·d_in (r(d'+d) or r(d'+d)−r²)."""
-    budget = ratio * d_out * d_in
-    if junction == "block_identity":
-        # r(d'+d) − r² <= budget  -> smaller root of r² − (d'+d) r + budget = 0
-        s = d_out + d_in
-        r = int((s - (s * s - 4 * budget) ** 0.5) / 2) if s * s >= 4 * budget else min(d_out, d_in)
-    else:
-        r = int(budget // (d_out + d_in))
-    return max(1, min(r, min(d_out, d_in)))
-
-
-def to_input_stats(g: GramStats) -> InputStats:
-    return InputStats(sxx=g.sxx, sx=g.sx, ax=g.ax, n=g.n)
+Grams = dict[str, InputStats] | None  # input statistics per site; None for the plain SVD (no statistics)
 
 
 @dataclass(frozen=True)
-class LowRankBaseline(Method):
-    ratio: float | None = 0.8
+class LinearRanks(LayerEntry):
+    """The rank of each factorised linear of one layer; JSON: {linear: rank}."""
+
+    ranks: dict[str, int]
+
+    def to_json(self) -> dict[str, JSON]:
+        return dict(self.ranks)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, JSON], where: str) -> LinearRanks:
+        bad = {k: v for k, v in data.items() if k not in SITE_OF or isinstance(v, bool) or not isinstance(v, int)}
+        if bad or not data:
+            raise AttnslimError(f"{where}: the plan entry {dict(data)} is not {{linear: rank}} over {list(SITE_OF)}; "
+                                "re-create the output with attnslim compress")
+        return cls({k: int(v) for k, v in data.items()})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LowRankBaseline(Method[LinearRanks, Grams]):
+    entry_type = LinearRanks
+    ratio: float | None = None  # kept fraction of each matrix's weights; 0.8 when neither ratio nor rank is given
     rank: int | None = None
     linears: tuple[str, ...] = ("q", "k", "v", "o")
     damp: float = 1e-2
@@ -57,6 +72,8 @@ class LowRankBaseline(Method):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "linears", tuple(self.linears))
+        if self.ratio is None and self.rank is None:
+            object.__setattr__(self, "ratio", 0.8)
         require((self.ratio is None) != (self.rank is None), self.name, "ratio/rank", (self.ratio, self.rank),
                 "exactly one of ratio (kept fraction) or rank")
         if self.ratio is not None:
@@ -69,7 +86,7 @@ class LowRankBaseline(Method):
                 f"a non-empty subset of {list(SITE_OF)}")
         require(math.isfinite(self.damp) and self.damp >= 0, self.name, "damp", self.damp, "a finite number >= 0")
 
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector[Grams]:
         if self.precond == "identity":
             return NoStats()
         return GramCollector({SITE_OF[n] for n in self.linears})
@@ -87,11 +104,12 @@ class LowRankBaseline(Method):
         assert self.ratio is not None
         return rank_for_ratio(d_out, d_in, self.ratio)
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
-        return {"layers": {str(i): {n: self._rank(adapter, i, n) for n in self.linears} for i in layers}}
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, Grams],
+             context: StepContext = NO_CONTEXT) -> StepPlan[LinearRanks]:
+        return StepPlan({i: LinearRanks({n: self._rank(adapter, i, n) for n in self.linears}) for i in layers})
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
-        for name, rank in entry.items():
+    def convert(self, adapter: Adapter, layer: int, entry: LinearRanks, stats: Grams) -> Fit:
+        for name, rank in entry.ranks.items():
             lin = dense_linear(adapter, layer, name, self.name)
             if self.precond == "identity":
                 d = lin.weight.shape[1]
@@ -99,20 +117,22 @@ class LowRankBaseline(Method):
                                torch.ones(d, dtype=torch.float64), 1)
             else:
                 site = SITE_OF[name]
+                assert stats is not None, "an activation-aware baseline collects statistics"
                 stats[site].check(f"layer {layer} {name} ({site})")
-                g = to_input_stats(stats[site])
+                g = stats[site]
             bias = None if lin.bias is None else lin.bias.detach()
             factors = factorize(
                 lin.weight.detach(), bias, g, rank, precond=self.precond, junction="left", damp=self.damp,
                 label=f"layer {layer} {name}", **self._extra(),
             )
             adapter.replace_linear(layer, name, LowRankLinear.from_factors(factors, lin.weight.dtype))
+        return None
 
     def _extra(self) -> dict[str, Any]:
         return {}
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
-        for name, rank in entry.items():
+    def skeleton(self, adapter: Adapter, layer: int, entry: LinearRanks) -> None:
+        for name, rank in entry.ranks.items():
             lin = dense_linear(adapter, layer, name, self.name)
             d_out, d_in = lin.weight.shape
             adapter.replace_linear(

@@ -47,14 +47,15 @@ the key projection and can be neither shared by a latent nor absorbed. Results: 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from attnslim import _compat
 from attnslim.adapters.base import Adapter, AttentionSpec
+from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
@@ -67,10 +68,9 @@ from attnslim.linalg.mla import (
     second_moment,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit, split_rotary
-from attnslim.linalg.precond import InputStats
-from attnslim.methods.base import Collector, GramCollector, Method, require
-from attnslim.methods.lowrank_baselines import to_input_stats
+from attnslim.methods.base import NO_CONTEXT, Collector, Fit, GramCollector, Method, StepContext, require
 from attnslim.modules.mla import MLAAttention
+from attnslim.plan import LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 KV_WEIGHTS = ("attention", "rootcov", "svd")
@@ -79,16 +79,31 @@ ALLOCS = ("uniform", "global")
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
 
+Grams = dict[str, InputStats]  # GramCollector's statistics: attn_in only
+
+
 @dataclass(frozen=True)
-class _MLABase(Method):
-    kv_ratio: float | None = 0.5  # kept fraction of the dense KV cache: r + d_rope per token and layer
+class MLAEntry(LayerEntry):
+    rank: int  # latent rank r
+    rope_dims: int  # d_rope: the rotary key's width
+    kv_elements: int  # r + d_rope, cached per token
+    dense_kv_elements: int  # 2·n_kv·d_h, what the dense layer caches
+
+
+@dataclass(frozen=True)
+class _MLABase(Method[MLAEntry, Grams]):
+    kv_ratio: float | None = None  # kept fraction of the dense KV cache, r + d_rope per token and layer; 0.5 when
+    # neither kv_ratio nor rank is given
     rank: int | None = None  # explicit latent rank r instead
     rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
     damp: float = 1e-2
     layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
+    entry_type = MLAEntry
 
     def __post_init__(self) -> None:
         n = self.name
+        if self.kv_ratio is None and self.rank is None:
+            object.__setattr__(self, "kv_ratio", 0.5)
         require(self.layout in LAYOUTS, n, "layout", self.layout, " | ".join(LAYOUTS))
         require((self.kv_ratio is None) != (self.rank is None), n, "kv_ratio/rank", (self.kv_ratio, self.rank),
                 "exactly one of kv_ratio (a kept fraction of the dense KV cache) or rank")
@@ -103,22 +118,23 @@ class _MLABase(Method):
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
 
     # --- decisions --------------------------------------------------------------------------------------
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector[Grams]:
         return GramCollector({"attn_in"})
 
-    def begin_step(self, adapter: Adapter, layers: list[int]) -> None:
+    def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
         """Refuse every layer's bad input before any statistics are collected or any layer converted."""
         for i in layers:
             self._sizes(adapter, i)
+        return NO_CONTEXT
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, Grams],
+             context: StepContext = NO_CONTEXT) -> StepPlan[MLAEntry]:
         out = {}
         for i in layers:
             spec = adapter.attention_spec(i)
             rank, rope = self._sizes(adapter, i)
-            out[str(i)] = {"rank": rank, "rope_dims": rope, "kv_elements": rank + rope,
-                           "dense_kv_elements": 2 * spec.n_kv_heads * spec.head_dim}
-        return {"layers": out}
+            out[i] = MLAEntry(rank, rope, rank + rope, 2 * spec.n_kv_heads * spec.head_dim)
+        return StepPlan(out)
 
     def _sizes(self, adapter: Adapter, layer: int) -> tuple[int, int]:
         """(r, d_rope) of one layer, or a refusal naming the layer, the value and the fix."""
@@ -163,15 +179,15 @@ class _MLABase(Method):
         return n_kv_heads * rotary_dims
 
     # --- conversion ---------------------------------------------------------------------------------------
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
+    def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: Grams) -> Fit:
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = _input_stats(stats, layer, where)
-        split = self._split(adapter, spec, st, entry["rope_dims"], where)
-        factors = self._fit(spec, split, st, entry["rank"], where)
+        split = self._split(adapter, spec, st, entry.rope_dims, where)
+        factors = self._fit(spec, split, st, entry.rank, where)
         module = self._install(adapter, layer, spec, entry)
         _load(module, factors, spec)
-        entry["fit"] = {"rope_freq": [int(f) for f in factors.freq]}
+        return {"rope_freq": [int(f) for f in factors.freq]}
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         raise NotImplementedError
@@ -179,13 +195,13 @@ class _MLABase(Method):
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
 
-    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: dict[str, Any]) -> MLAAttention:
+    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: MLAEntry) -> MLAAttention:
         dtype = spec.q.dtype
         o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = MLAAttention(
             layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
-            rank=entry["rank"], rope_dims=entry["rope_dims"], q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
+            rank=entry.rank, rope_dims=entry.rope_dims, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
             k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
             layer_type=spec.rope.layer_type if spec.rope is not None else None,
             sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
@@ -193,7 +209,7 @@ class _MLABase(Method):
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: MLAEntry) -> None:
         self._install(adapter, layer, adapter.attention_spec(layer), entry)
 
 
@@ -207,13 +223,13 @@ def default_rope_dims(rotary_dims: int, elements: int | None, dense: int) -> int
     return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements * elements / (3.0 * dense))))
 
 
-def _input_stats(stats: Any, layer: int, where: str) -> InputStats:
+def _input_stats(stats: Grams | None, layer: int, where: str) -> InputStats:
     """The attention-input statistics GramCollector gathered for one layer."""
     gram = stats.get("attn_in") if isinstance(stats, dict) else None
     if gram is None:
         raise AttnslimError(f"{where}: no statistics at attn_in; the calibration did not reach it")
     gram.check(f"layer {layer} attn_in")
-    return to_input_stats(gram)
+    return gram
 
 
 def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
@@ -315,21 +331,22 @@ class MLA(_MLABase):
         """alloc=global plans every layer's rank from statistics of all of them (then refits sequentially)."""
         return self.alloc == "global"
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
-        out = super().plan(adapter, layers, stats)
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, Grams],
+             context: StepContext = NO_CONTEXT) -> StepPlan[MLAEntry]:
+        out = super().plan(adapter, layers, stats, context)
         if self.alloc != "global":
             return out
         spectra = {}
         for i in layers:  # statistics of the model as it enters the step (the uniform plan's d_rope)
             spec, where = adapter.attention_spec(i), f"{self.name}: layer {i}"
             st = _input_stats(stats.get(i), i, where)
-            split = self._split(adapter, spec, st, out["layers"][str(i)]["rope_dims"], where)
+            split = self._split(adapter, spec, st, out.layers[i].rope_dims, where)
             spectra[i] = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
-        uniform = {i: out["layers"][str(i)]["rank"] for i in layers}
+        uniform = {i: out.layers[i].rank for i in layers}
         ranks = allocate_ranks(spectra, sum(uniform.values()), max(1, min(uniform.values()) // 4))
         for i in layers:
-            entry = out["layers"][str(i)]
-            entry["rank"], entry["kv_elements"] = ranks[i], ranks[i] + entry["rope_dims"]
+            old = out.layers[i]
+            out.layers[i] = replace(old, rank=ranks[i], kv_elements=ranks[i] + old.rope_dims)
         return out
 
     def _objective(self, spec: AttentionSpec, split: RotarySplit, st: InputStats

@@ -48,10 +48,9 @@ Deviations from the paper / reference implementation, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +59,9 @@ from torch import nn
 from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, LmmseInfo, cca_bound, lmmse_map
-from attnslim.methods.base import Collector, Method, require
+from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
 from attnslim.modules.linearized import INPUTS, LinearizedAttention
+from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 SCORES = ("cca", "nmse", "resid", "similarity")  # computed for every candidate layer, recorded in the plan
@@ -80,10 +80,15 @@ class LayerFit:
     scores: dict[str, float]
     info: LmmseInfo
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, JSON]:
         i = self.info
         return {"nmse": round(i.nmse, 6), "cond": float(f"{i.cond:.4g}"), "cond_ridged": float(f"{i.cond_ridged:.4g}"),
                 "ridge_abs": float(f"{i.ridge_abs:.4g}"), "tokens": i.n_tokens}
+
+
+@dataclass(frozen=True)
+class NblEntry(LayerEntry):
+    input: str  # what the installed map reads: "normed" (after the pre-attention norm) or "residual"
 
 
 @dataclass
@@ -130,7 +135,7 @@ class RelativeMoments:
         return max(sse, 0.0) / max(self.n, 1)
 
 
-class LinearityCollector(Collector):
+class LinearityCollector(Collector[LayerFit]):
     """Streams (X, Y) and (h, Y) statistics of one layer; `result()` fits the map and scores the layer."""
 
     def __init__(self, layer: int, input: str, ridge: float, out_norm: nn.Module | None = None) -> None:
@@ -224,7 +229,8 @@ class LinearityCollector(Collector):
 
 @register_method("nbl")
 @dataclass(frozen=True)
-class Nbl(Method):
+class Nbl(Method[NblEntry, LayerFit]):
+    entry_type = NblEntry
     m: int | None = None
     fraction: float | None = None
     criterion: str = DEFAULT_CRITERION
@@ -271,7 +277,7 @@ class Nbl(Method):
         assert self.fraction is not None
         return round(self.fraction * candidates)
 
-    def collector(self, adapter: Adapter, layer: int) -> Collector:
+    def collector(self, adapter: Adapter, layer: int) -> Collector[LayerFit]:
         if self.m is not None and self.m > adapter.num_layers():  # fail before any statistics are collected
             self.count(adapter.num_layers())
         return LinearityCollector(layer, self.input, self.ridge, adapter.attention_output_norm(layer))
@@ -286,10 +292,10 @@ class Nbl(Method):
         return None
 
     @contextmanager
-    def trial(self, adapter: Adapter, layer: int, stats: Any) -> Iterator[None]:
+    def trial(self, adapter: Adapter, layer: int, stats: LayerFit) -> Iterator[None]:
         """Layer `layer` linearized with its fit (and, for input="residual", its norm removed), then restored."""
         attention, norm = adapter.attention(layer), adapter.attention_norm(layer)
-        self.convert(adapter, layer, {"input": self.input}, stats)
+        self.convert(adapter, layer, NblEntry(self.input), stats)
         try:
             yield
         finally:
@@ -312,34 +318,33 @@ class Nbl(Method):
         sign = -1.0 if self.criterion == "highest" else 1.0
         return sorted(sorted(layers, key=lambda i: sign * scores[i][key])[:count])
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: dict[int, Any]) -> dict[str, Any]:
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, LayerFit],
+             context: StepContext = NO_CONTEXT) -> StepPlan[NblEntry]:
         count = self.count(len(layers))
         scores = {i: stats[i].scores for i in layers}
         measured = (MEASURED,) if self.probe_windows() else ()
         chosen = self.select(scores, count)
-        return {
-            "layers": {str(i): {"input": self.input} for i in chosen},
+        return StepPlan({i: NblEntry(self.input) for i in chosen}, info={
             "criterion": self.criterion,
-            "chosen": chosen,
+            "chosen": list(chosen),
             "scores": {s: {str(i): float(f"{scores[i][s]:.6g}") for i in layers} for s in SCORES + measured},
             "fit_dense": {str(i): stats[i].summary() for i in layers},
-        }
+        })
 
-    def convert(self, adapter: Adapter, layer: int, entry: dict[str, Any], stats: Any) -> None:
-        """Install the fitted map; records the installed fit's diagnostics in `entry["fit"]`."""
-        fit: LayerFit = stats
-        self._install(adapter, layer, entry).set_map(fit.weight, fit.bias)
-        entry["fit"] = fit.summary()
+    def convert(self, adapter: Adapter, layer: int, entry: NblEntry, stats: LayerFit) -> Fit:
+        """Install the fitted map; returns the installed fit's diagnostics."""
+        self._install(adapter, layer, entry).set_map(stats.weight, stats.bias)
+        return stats.summary()
 
-    def skeleton(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> None:
+    def skeleton(self, adapter: Adapter, layer: int, entry: NblEntry) -> None:
         self._install(adapter, layer, entry)
 
-    def _install(self, adapter: Adapter, layer: int, entry: dict[str, Any]) -> LinearizedAttention:
+    def _install(self, adapter: Adapter, layer: int, entry: NblEntry) -> LinearizedAttention:
         ref = next(iter(adapter.attention(layer).parameters()), None)
         if ref is None:
             ref = adapter.embed_tokens().get_parameter("weight")
-        module = LinearizedAttention(layer, adapter.config.hidden_size, entry["input"], ref.dtype, ref.device)
+        module = LinearizedAttention(layer, adapter.config.hidden_size, entry.input, ref.dtype, ref.device)
         adapter.replace_attention(layer, module)
-        if entry["input"] == "residual":  # the map reads the raw residual stream h, as NBL's reference
+        if entry.input == "residual":  # the map reads the raw residual stream h, as NBL's reference
             adapter.replace_attention_norm(layer, nn.Identity())
         return module
