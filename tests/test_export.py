@@ -15,6 +15,7 @@ from attnslim.export import ExportOptions, export_deepseek
 from attnslim.export.deepseek_layer import place_rotary
 from attnslim.models import load_model
 from attnslim.modules.mla import MLAAttention
+from attnslim.recipe import recipe_from_dict
 from conftest import tiny_llama
 from helpers import SavingTokenizer, one_step
 
@@ -22,9 +23,9 @@ IDS = torch.randint(0, 26, (2, 24), generator=torch.Generator().manual_seed(3))
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _mla(layout: str = "deepseek", report: list | None = None, **args):
-    """Tiny Llama (eps 1e-6: the export's eps, so the export is exact up to rounding) converted by mla."""
-    model = tiny_llama(rms_norm_eps=1e-6, tie_word_embeddings=False)
+def _mla(layout: str = "deepseek", report: list | None = None, eps: float = 1e-6, **args):
+    """Tiny Llama converted by mla (eps 1e-6 is the export's; any other is carried by rescaling the stream)."""
+    model = tiny_llama(rms_norm_eps=eps, tie_word_embeddings=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
         done = compress(model, SavingTokenizer(), one_step("mla", {"kv_ratio": 0.5, "rope_dims": 16,
@@ -34,10 +35,13 @@ def _mla(layout: str = "deepseek", report: list | None = None, **args):
     return model
 
 
-@pytest.mark.parametrize("args", [{}, {"rope_dims": 8}, {"rope_select": "pca", "kv_weight": "rootcov"}])
+@pytest.mark.parametrize("args,eps", [({}, 1e-6), ({"rope_dims": 8}, 1e-5),
+                                      ({"rope_select": "pca", "kv_weight": "rootcov"}, 1e-4)])
 @pytest.mark.parametrize("rank", [None, 40])
-def test_transformers_loads_the_export_and_computes_the_source_logits_and_greedy_tokens(tmp_path, args, rank):
-    model = _mla(**args)
+def test_transformers_loads_the_export_and_computes_the_source_logits_and_greedy_tokens(tmp_path, args, eps, rank):
+    """Exact up to rounding for any source eps: the export writes eps 1e-6 (transformers' fixed kv_a_layernorm eps)
+    and rescales the residual stream by √(1e-6/eps), under which every RMSNorm computes the source's."""
+    model = _mla(eps=eps, **args)
     report = export_deepseek(model, SavingTokenizer(), tmp_path / "ds", ExportOptions(kv_lora_rank=rank))
     exported, _ = load_model(str(tmp_path / "ds"))  # transformers' AutoModelForCausalLM, no attnslim module
     assert type(exported).__name__ == "DeepseekV3ForCausalLM"
@@ -122,15 +126,11 @@ def test_cli_export_writes_a_replaceable_output_and_refuses_an_mla_free_model(tm
 
 
 @pytest.mark.real
-def test_real_smollm2_export_equals_the_source_but_for_the_eps_and_free_layout_is_refused(tmp_path):
-    """SmolLM2-135M converted in DeepSeek's layout and exported: transformers' DeepseekV3ForCausalLM computes the
-    source's logits to 1e-3 of their range (the rms_norm_eps change 1e-5 -> 1e-6), and to 1e-5 with the source's
-    eps put back, which isolates the map itself. The default layout (pairs doubled per frequency, an o bias from
-    the mean correction) is refused."""
-    from attnslim.data import eval_windows
-    from attnslim.recipe import recipe_from_dict
-
-    ids = None
+def test_real_smollm2_export_equals_the_source_and_free_layout_is_refused(tmp_path):
+    """SmolLM2-135M (rms_norm_eps 1e-5) converted in DeepSeek's layout and exported: transformers'
+    DeepseekV3ForCausalLM computes the source's logits to 1e-4 of their range (the issue's target; the stream is
+    rescaled for the eps 1e-6 the export must write). The default layout (pairs doubled per frequency, an o bias
+    from the mean correction) is refused."""
     for layout in ("free", "deepseek"):
         model, tokenizer = load_model("smollm2-135m")
         recipe = recipe_from_dict({
@@ -144,16 +144,7 @@ def test_real_smollm2_export_equals_the_source_but_for_the_eps_and_free_layout_i
             with pytest.raises(AttnslimError, match="more than one rotary pair"):
                 export_deepseek(model, tokenizer, tmp_path / "free", ExportOptions())
             continue
+        assert model.config.rms_norm_eps == pytest.approx(1e-5)  # so the rescaling is what makes it exact
         report = export_deepseek(model, tokenizer, tmp_path / "ds", ExportOptions())
-        assert report["relative_logit_error"] < 3e-3 and report["top1_agreement"] > 0.99, report
-        assert abs(report["nll_export"] - report["nll_source"]) < 1e-3, report
-        exported, _ = load_model(str(tmp_path / "ds"))
-        eps = model.config.rms_norm_eps
-        for m in exported.modules():
-            if type(m).__name__ == "DeepseekV3RMSNorm" and m.weight.numel() == model.config.hidden_size:
-                m.variance_epsilon = eps
-        ids = eval_windows("wiki", tokenizer, tokens=512, seq_len=256).ids
-        with torch.no_grad():
-            ref, got = model(ids).logits, exported(ids).logits
-        assert float((ref - got).abs().max() / ref.abs().max()) < 1e-5
-    assert ids is not None
+        assert report["relative_logit_error"] < 1e-4 and report["top1_agreement"] == 1.0, report
+        assert abs(report["nll_export"] - report["nll_source"]) < 1e-5, report
