@@ -43,6 +43,8 @@ SECTIONS = {
     "heal-default": ("Healing the default recipe's compression: which text to heal on",
                      "benchmarks/heal.py"),
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
+    "mla-kv375-ablations": ("MLA at KV 0.375: which part loses to TransMLA (8192 evaluation tokens)",
+                            "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
                   "tokens, 16 calibration windows)", "benchmarks/mla.py"),
     "mla-deepseek-small": ("MLA: the DeepSeek-V3 layout (what `attnslim export` takes) against the free layout "
@@ -56,14 +58,14 @@ SECTIONS = {
 
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
-         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-small", "mla-deepseek-small",
-         "mla-speed", "mla-speed-2t", "nbl", "nbl-calib", "nbl-small", "nbl-gemma3", "nbl-gemma3-small", "lisa",
-         "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
+         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-small",
+         "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "nbl", "nbl-calib", "nbl-small", "nbl-gemma3",
+         "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
     ("latentllm", "latentllm", "latentllm-80", "svdllm-attn-80", "--recipe latentllm"),
-    ("mla (+ 40-step heal)", "mla-small", "mla-kv50-heal40", "transmla-kv50-heal40", "--recipe mla"),
+    ("mla (+ 40-step heal)", "mla", "mla-kv50-heal40", "transmla-kv50-heal40", "--recipe mla"),
     ("nbl", "nbl", "nbl-similarity-m6", "drop-similarity-layers-m6", "--recipe nbl"),
     ("lisa", "lisa", "lisa-50", "ds-50", "--recipe lisa"),
     ("atp (serving cache)", "atp", "hybrid r=1/4", "recent r=1/4", "--recipe atp"),

@@ -40,12 +40,13 @@ def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"method": method, "layers": "all", "args": args}]
 
 
-def oneshot_variants(kv: float) -> dict[str, list[dict[str, Any]]]:
+def oneshot_variants(kv: float, ablate: bool) -> dict[str, list[dict[str, Any]]]:
     p = f"{kv * 100:g}".replace(".", "")
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv})}
-    if kv == 0.5:  # the ablations, at one KV point
+    if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at)
         out |= {
             f"mla-rootcov-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "rootcov"}),
+            f"mla-uncentred-kv{p}": step("mla", {"kv_ratio": kv, "center": False}),
             f"mla-global-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),
             f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
             f"mla-plainsvd-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "svd"}),
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--kv", default="0.5,0.375,0.25", help="kept fractions of the dense KV cache")
+    parser.add_argument("--ablations-at", default="0.5", help="KV points that also get the one-shot ablations")
     parser.add_argument("--groups", default="oneshot,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run")
     parser.add_argument("--contexts", default="512,2048,4096")
@@ -108,8 +110,9 @@ def main() -> None:
     groups = set(args.groups.split(","))
     kvs = [float(k) for k in args.kv.split(",")]
     variants: dict[str, list[dict[str, Any]]] = {}
+    ablate_at = {float(k) for k in args.ablations_at.split(",") if k}
     for kv in kvs:
-        variants |= oneshot_variants(kv)
+        variants |= oneshot_variants(kv, kv in ablate_at)
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "transmla-kv"))}

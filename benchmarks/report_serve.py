@@ -77,5 +77,23 @@ def lmeval_serve_section(data: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def export_section(data: dict[str, Any]) -> list[str]:
+    env = data["environment"]
+    out = ["## Export to DeepSeek-V3: the exported checkpoint against the attnslim model", "",
+           f"Command: `.venv/bin/python {env['command']}` → `benchmarks/results/export.json`. "
+           f"`attnslim compress --recipe {data['recipe']}` (source rms_norm_eps {data['source_rms_norm_eps']:g}), then "
+           "each export below; the export verifies itself: transformers alone "
+           "loads the written directory (DeepseekV3ForCausalLM, no attnslim, no remote code) and its logits are "
+           "compared with the attnslim model's (float32) on wiki text (OUT/attnslim-export.json). The issue's "
+           "target: within 1e-4 relative in float32.", "",
+           "| export | verified on | max abs Δ logit ÷ max abs logit | top-1 agreement | NLL source → export | "
+           "kv_lora_rank + rope | export s |", "|---|---|---|---|---|---|---|"]
+    for name, e in data["exports"].items():
+        out.append(f"| `{e['command']}` ({name}) | {e['verified_on']} | {e['relative_logit_error']:.2e} | "
+                   f"{e['top1_agreement']:.4f} | {e['nll_source']:.5f} → {e['nll_export']:.5f} | "
+                   f"{e['kv_lora_rank']} + {e['qk_rope_head_dim']} | {e['seconds']:.0f} |")
+    return out + [""]
+
+
 SERVE_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "serve": serve_section, "lmeval_serve": lmeval_serve_section}
+    "serve": serve_section, "lmeval_serve": lmeval_serve_section, "export": export_section}

@@ -227,6 +227,17 @@ def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
     assert [get_adapter(model).attention(i).rank for i in range(4)] == ranks
 
 
+def test_center_false_fits_without_the_mean_correction():
+    """center (default): the input mean is carried by o_proj's bias (LatentLLM's mean correction); center=false
+    fits the uncentred moment and leaves the bias-free model's o_proj bias at zero."""
+    biases = {}
+    for center in (True, False):
+        model = tiny_llama()
+        _compress(model, "mla", {"kv_ratio": 0.5, "center": center})
+        biases[center] = torch.stack([get_adapter(model).attention(i).o_proj.bias for i in range(4)])
+    assert biases[True].abs().max() > 1e-4 and torch.equal(biases[False], torch.zeros_like(biases[False]))
+
+
 def test_gemma3_qk_norm_is_refused_naming_the_layer():
     with pytest.raises(AttnslimError, match="layer 0 normalises each head's key"):
         _compress(TINY_BUILDERS["gemma3"](), "mla", {"kv_ratio": 0.5})

@@ -15,11 +15,12 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     distances < `rope_span` (its least-squares stand-in), and components are kept by the logit error dropping
     them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
   kv_weight=attention (default): [k_nope; v] fitted on the centred input covariance (LatentLLM's root-covariance
-    objective, LatentLLM's mean correction, Eq. 45) with output-side weights: within the key block, errors
-    weighted by what they do to each head's logits (query second moments, shrinkage included, × that head's
-    output spread), within the value block by W_o (linalg/mla.attention_weight); the key block is then scaled
-    to the values' weighted energy (TransMLA's balance); kv_weight=rootcov: the same without the output side
-    (each de-rotated key row weighted by its query's squared shrinkage only; CARE's covariance-aware SVD);
+    objective, LatentLLM's mean correction, Eq. 45; center=false: the uncentred moment, no mean correction) with
+    output-side weights: within the key block, errors weighted by what they do to each head's logits (query
+    second moments, shrinkage included, × that head's output spread), within the value block by W_o
+    (linalg/mla.attention_weight); the key block is then scaled to the values' weighted energy (TransMLA's
+    balance); kv_weight=rootcov: the same without the output side (each de-rotated key row weighted by its
+    query's squared shrinkage only; CARE's covariance-aware SVD);
     kv_weight=svd: a plain truncated SVD of the weights (no statistics), the floor every fit must beat.
     Measured against each other: BENCHMARKS.md, section MLA.
   alloc=global: the step's latent budget (the uniform ranks' sum) spread over its layers by the normalised
@@ -313,6 +314,7 @@ class MLA(_MLABase):
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "attention"
     alloc: str = "uniform"  # or "global": the step's latent budget spread over its layers by spectrum
+    center: bool = True  # fit on the centred covariance, the mean carried by o_proj's bias (layout free only)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -321,6 +323,7 @@ class MLA(_MLABase):
         require(self.kv_weight in KV_WEIGHTS, self.name, "kv_weight", self.kv_weight, " | ".join(KV_WEIGHTS))
         require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
                 "an integer >= 1")
+        require(isinstance(self.center, bool), self.name, "center", self.center, "true | false")
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1,
@@ -356,7 +359,8 @@ class MLA(_MLABase):
         if self.kv_weight == "svd":
             return w_kv, torch.eye(spec.hidden_size, dtype=torch.float64), None, None
         # the mean correction lands in o_proj's bias, which layout deepseek does not have: the uncentred fit there
-        cov, mean = (st.centred_cov, st.mean) if self.layout == "free" else (st.corr, None)
+        centred = self.layout == "free" and self.center
+        cov, mean = (st.centred_cov, st.mean) if centred else (st.corr, None)
         if self.kv_weight == "attention":
             w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
                                         n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
