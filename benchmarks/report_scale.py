@@ -14,8 +14,10 @@ def _env(env: dict[str, Any]) -> str:
 def scale_section(data: dict[str, Any]) -> list[str]:
     s, cal = data["shapes"], data["calibration"]
     out = ["## Offloaded compression at Llama-3-8B shapes (random weights)", "",
-           f"Command: `OMP_NUM_THREADS={data['environment']['threads']} .venv/bin/python "
-           f"{data['environment']['command']}` → `benchmarks/results/scale.json`.  ",
+           f"Command (latest run): `OMP_NUM_THREADS={data['environment']['threads']} .venv/bin/python "
+           f"{data['environment']['command']}` → `benchmarks/results/scale.json`; each row is a run of the same "
+           "script with `--methods` and `--depths` set to its method and layer count (a rerun keeps the other "
+           "rows).  ",
            f"**{data['note']}** Shapes: hidden {s['hidden_size']}, {s['num_attention_heads']} heads, "
            f"{s['num_key_value_heads']} KV heads, FFN {s['intermediate_size']}, vocab {s['vocab_size']}; bf16 on "
            f"disk, compute dtype {data['dtype']}, `compress --offload` in a fresh process per run. Calibration: "

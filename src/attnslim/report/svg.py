@@ -12,7 +12,7 @@ from html import escape
 
 W, H, PAD = 560, 260, 48
 BLUE, RED, GREEN, GREY = "#4a7ab5", "#c0392b", "#2e8b57", "#777"
-COLORS = [BLUE, "#c33", "#3a3", "#a6c", "#e90", "#222", "#0aa", "#963"]
+COLORS = [BLUE, "#c33", "#3a3", "#a6c", "#e90", "#222", "#0aa", "#963", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22"]
 CHAR = 0.62  # upper estimate of a sans-serif glyph's width, as a fraction of the font size
 
 
@@ -189,7 +189,8 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
     y_ticks = nice_ticks(min(ys), max(ys))
     left, size = _left_margin(y_ticks), 11
     right = W - max(16.0, text_width(tick_text(x_ticks[-1], x_ticks), size) / 2 + 4)
-    top = 40.0 + (16 if len(series) > 1 else 0)
+    legend = _legend_slots(list(series), left, right, size) if len(series) > 1 else []
+    top = 40.0 + 16 * (1 + max((row for _, row in legend), default=-1))
     bottom = H - 36
     x_span, y_span = (x_ticks[-1] - x_ticks[0]) or 1.0, (y_ticks[-1] - y_ticks[0]) or 1.0
 
@@ -205,7 +206,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         if i % every == 0:
             parts.append(f'<text class="label" x="{at(t, y_ticks[0])[0]:.1f}" y="{bottom + 14:.1f}" '
                          f'text-anchor="middle">{tick_text(t, x_ticks)}</text>')
-    legend_x, labelled = left, len(points) <= 6
+    labelled = len(points) <= 6
     for k, (name, pts) in enumerate(series.items()):
         color = COLORS[k % len(COLORS)]
         coords = [(at(x, y), (x, y)) for x, y in sorted(pts)]
@@ -219,12 +220,24 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
                 anchor, dx = ("end", -6) if cx > (left + right) / 2 else ("start", 6)
                 parts.append(f'<text class="value" x="{cx + dx:.1f}" y="{cy - 6:.1f}" text-anchor="{anchor}" '
                              f'fill="{color}">{y:.4g}</text>')
-        if len(series) > 1:
-            parts.append(f'<line x1="{legend_x:.1f}" y1="{top - 14:.1f}" x2="{legend_x + 14:.1f}" y2="{top - 14:.1f}" '
-                         f'stroke="{color}" stroke-width="3"/><text x="{legend_x + 18:.1f}" y="{top - 10:.1f}">'
-                         f'{escape(name)}</text>')
-            legend_x += 30 + text_width(name, size)
+        if legend:
+            lx, row = legend[k]
+            ly = 40.0 + 16 * row + 2
+            parts.append(f'<line x1="{lx:.1f}" y1="{ly:.1f}" x2="{lx + 14:.1f}" y2="{ly:.1f}" stroke="{color}" '
+                         f'stroke-width="3"/><text x="{lx + 18:.1f}" y="{ly + 4:.1f}">{escape(name)}</text>')
     return "".join(parts) + "</svg>"
+
+
+def _legend_slots(names: list[str], left: float, right: float, size: int) -> list[tuple[float, int]]:
+    """(x, row) of each legend entry: left to right, a new row when the next entry would pass `right`."""
+    slots, x, row = [], left, 0
+    for name in names:
+        width = 18 + text_width(name, size)
+        if x > left and x + width > right:
+            x, row = left, row + 1
+        slots.append((x, row))
+        x += width + 12
+    return slots
 
 
 def heat_map(title: str, matrix: list[list[float]], label: str = "") -> str:
