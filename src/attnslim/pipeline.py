@@ -52,22 +52,17 @@ def run_step(
             stats = _collect(runner, method, adapter, i, advance=not method.sequential)
             part = method.plan(adapter, [i], {i: stats}, context)
             plan.merge(part, i)
-            _record(plan, i, method.convert(adapter, i, part.layers[i], stats))
+            plan.record(i, method.convert(adapter, i, part.layers[i], stats))
             res.converted(i)
             if method.sequential:
                 runner.run_layer(i)  # propagate through the converted layer
     return plan
 
 
-def _record(plan: StepPlan[Any], layer: int, fit: dict[str, Any] | None) -> None:
-    if fit:
-        plan.fits[layer] = fit
-
-
 def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry, stats: Any,
              plan: StepPlan[Any]) -> None:
     with res.layer(i):
-        _record(plan, i, method.convert(adapter, i, entry, stats))
+        plan.record(i, method.convert(adapter, i, entry, stats))
         res.converted(i)
 
 
@@ -118,7 +113,7 @@ def _run_selecting(
         with res.layer(i):
             if i in chosen:
                 fresh = _collect(runner, method, adapter, i, advance=False)
-                _record(plan, i, method.convert(adapter, i, plan.layers[i], fresh))
+                plan.record(i, method.convert(adapter, i, plan.layers[i], fresh))
                 res.converted(i)
             runner.run_layer(i)
     return plan

@@ -44,9 +44,7 @@ class LayerEntry:
 
 
 def _plain(value: object) -> JSON:
-    """A field value as JSON (tuples become lists, nested entries their JSON)."""
-    if isinstance(value, LayerEntry):
-        return value.to_json()
+    """A field value as JSON (tuples become lists)."""
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
@@ -73,6 +71,11 @@ class StepPlan(Generic[E]):
             per_layer = self.info.setdefault(key, {})
             assert isinstance(per_layer, dict)
             per_layer[str(layer)] = value
+
+    def record(self, layer: int, fit: dict[str, JSON] | None) -> None:
+        """Keep what `convert` reported for `layer` (nothing when it reported nothing)."""
+        if fit:
+            self.fits[layer] = fit
 
     def to_json(self) -> dict[str, JSON]:
         layers: dict[str, JSON] = {}

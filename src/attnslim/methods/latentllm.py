@@ -81,7 +81,7 @@ from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContex
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
-from attnslim.plan import JSON, LayerEntry, StepPlan
+from attnslim.plan import LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 QK_MODES = ("joint", "split")
@@ -101,9 +101,6 @@ KAPPA = "kappa"  # begin_step's context: the kept fraction κ every linear of th
 class LatentEntry(LayerEntry):
     ranks: dict[str, int]  # linear name -> rank
     weights: dict[str, list[int]]  # group (attention, mlp) -> [dense weights, kept weights]
-
-    def to_json(self) -> dict[str, JSON]:
-        return {"ranks": dict(self.ranks), "weights": {g: list(w) for g, w in self.weights.items()}}
 
 
 @register_method("latentllm")
