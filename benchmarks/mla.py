@@ -40,7 +40,7 @@ def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"method": method, "layers": "all", "args": args}]
 
 
-def oneshot_variants(kv: float, ablate: bool) -> dict[str, list[dict[str, Any]]]:
+def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = ()) -> dict[str, list[dict[str, Any]]]:
     p = f"{kv * 100:g}".replace(".", "")
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv})}
     if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at)
@@ -49,6 +49,15 @@ def oneshot_variants(kv: float, ablate: bool) -> dict[str, list[dict[str, Any]]]
             f"mla-uncentred-kv{p}": step("mla", {"kv_ratio": kv, "center": False}),
             f"mla-global-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),
             f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
+            # FreqFold (4 neighbouring frequencies share one change of basis) under either rotary choice
+            f"mla-fold4-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 4}),
+            f"mla-rorope-fold4-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca", "rope_fold": 4}),
+            f"mla-rootcov-fold4-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "rootcov", "rope_fold": 4}),
+            f"mla-fold2-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 2}),
+            f"mla-fold8-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 8}),
+            f"mla-spread-kv{p}": step("mla", {"kv_ratio": kv, "rope_spread": True}),
+            **{f"mla-fold4-rope{d}-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 4, "rope_dims": d})
+               for d in fold_rope_dims},  # a rope_dims sweep under FreqFold (--fold-rope-dims)
             f"mla-plainsvd-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "svd"}),
             f"latentllm-kvonly-kv{p}": step("latentllm", {"ratio": 1.0, "kv_ratio": kv}),
             # DeepSeek-V3's layout (exportable): one rotary pair per frequency, no mean correction (no o bias)
@@ -98,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--kv", default="0.5,0.375,0.25", help="kept fractions of the dense KV cache")
     parser.add_argument("--ablations-at", default="0.5", help="KV points that also get the one-shot ablations")
+    parser.add_argument("--fold-rope-dims", default="24,48", help="rope_dims tried with rope_fold 4 (ablations)")
     parser.add_argument("--groups", default="oneshot,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run")
     parser.add_argument("--contexts", default="512,2048,4096")
@@ -112,7 +122,7 @@ def main() -> None:
     variants: dict[str, list[dict[str, Any]]] = {}
     ablate_at = {float(k) for k in args.ablations_at.split(",") if k}
     for kv in kvs:
-        variants |= oneshot_variants(kv, kv in ablate_at)
+        variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "transmla-kv"))}

@@ -109,6 +109,41 @@ def test_rotary_split_keeps_logits_and_drops_only_phases():
     assert phase_mean(0.0, 64) == pytest.approx(1.0) and abs(phase_mean(1.0, 64)) < 0.05
 
 
+def test_freqfold_is_exact_where_the_folded_frequencies_are_equal():
+    """FreqFold (either selection) mixes `fold` neighbouring frequencies in one change of basis and rotates each
+    kept component at one of them: exact when those frequencies are equal. One KV head, so the group's slots
+    hold all its components; the same split at distinct frequencies is not exact."""
+    gen = torch.Generator().manual_seed(2)
+    h, n_kv, d_h, d_rot, t = 2, 1, 8, 8, 10
+    wk = torch.randn(n_kv * d_h, 12, generator=gen, dtype=torch.float64)
+    wq = torch.randn(h * d_h, 12, generator=gen, dtype=torch.float64)
+    x = torch.randn(t, 12, generator=gen, dtype=torch.float64)
+    k_mom, q = wk @ x.T @ x @ wk.T / t, (x @ wq.T).view(t, h, d_h)
+    q_mom = torch.einsum("thd,the->hde", q, q) / t
+    k = (x @ wk.T).view(t, n_kv, d_h)
+    pos = torch.arange(t, dtype=torch.float64)
+
+    def logits(angles, split):
+        cos = torch.cos(pos[:, None] * angles).repeat(1, 2)[None]
+        sin = torch.sin(pos[:, None] * angles).repeat(1, 2)[None]
+        ref = apply_rope(q.permute(1, 0, 2)[None], cos, sin)[0] @ apply_rope(
+            k.permute(1, 0, 2)[None], cos, sin)[0].transpose(-1, -2)  # (h, t, t)
+        idx = torch.cat([split.freq, split.freq])
+        q_r = apply_rope(torch.einsum("thd,hed->hte", q, split.rope_query)[None], cos[..., idx], sin[..., idx])[0]
+        k_r = apply_rope((k.reshape(t, -1) @ split.rope_key.T)[None, None], cos[..., idx], sin[..., idx])[0]
+        return q_r @ k_r.transpose(-1, -2), ref
+
+    paired = torch.tensor([1.0, 1.0, 0.1, 0.1], dtype=torch.float64)  # folds of 2 with equal frequencies
+    distinct = torch.tensor([1.0, 0.5, 0.1, 0.05], dtype=torch.float64)
+    for select in ("pca", "query"):
+        kw = {"n_heads": h, "n_kv_heads": n_kv, "head_dim": d_h, "rotary_dims": d_rot, "select": select,
+              "fold": 2, "pairs": d_rot // 2}
+        got, ref = logits(paired, split_rotary(k_mom, q_mom, angles=paired, **kw))
+        assert torch.allclose(got, ref, atol=1e-8), select
+        got, ref = logits(distinct, split_rotary(k_mom, q_mom, angles=distinct, **kw))
+        assert not torch.allclose(got, ref, atol=1e-3), select
+
+
 def _paths_agree(module: MLAAttention, x: torch.Tensor, cache=None):
     outs = []
     for path in ("absorb", "decompress"):
@@ -252,7 +287,8 @@ def test_gemma3_qk_norm_is_refused_naming_the_layer():
      ("mla", {"kv_ratio": None, "rank": 60}, "layer 0: kv rank = 60 exceeds 48"),
      ("mla", {"kv_ratio": 0.2, "rope_dims": 16}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*above 0.266"),
      ("mla", {"kv_ratio": 0.5, "rank": 8}, "exactly one"), ("mla", {"rope_select": "norm"}, "rope_select"),
-     ("mla", {"kv_weight": "pca"}, "kv_weight"), ("transmla", {"freq_fold": 0}, "freq_fold")],
+     ("mla", {"kv_weight": "pca"}, "kv_weight"), ("transmla", {"freq_fold": 0}, "freq_fold"),
+     ("mla", {"rope_fold": 0}, "rope_fold"), ("mla", {"rope_fold": 2, "rope_dims": 32}, "rope_dims = 32 exceeds the 16")],
 )
 def test_bad_input_is_refused_with_layer_value_and_fix(method, args, match):
     model = tiny_llama()

@@ -21,9 +21,10 @@ Choosing T and the kept components (`select`):
          components are the best change of basis for it. A dropped component's query is scaled by β_j, the mean
          cosine of its phase over causal distances < span (`phase_mean`), the least-squares stand-in for its
          rotation; the score is the error that leaves, σ_c² (1 − β_j²).
-fold > 1 (TransMLA's FreqFold) treats `fold` neighbouring frequencies as one: the PCA runs over all their
-components and its top components take the group's frequency slots in order, which is exact only where the
-neighbouring frequencies are equal (an approximation the baseline makes; `select=query` never folds).
+fold > 1 (TransMLA's FreqFold) treats `fold` neighbouring frequencies as one: the PCA (or the joint
+diagonalisation, select=query, with β the mean over the group's frequencies) runs over all their components and
+its top components take the group's frequency slots in order, which is exact only where the neighbouring
+frequencies are equal: an approximation that buys more key energy per rotary slot.
 one_per_freq keeps at most one component per frequency (a frequency's best), so every kept pair has its own
 frequency: the layout of DeepSeek-V3's rotary key, one slot per frequency (export/deepseek.py).
 """
@@ -101,8 +102,6 @@ def split_rotary(
     if one_per_freq and pairs > half:
         raise AttnslimError(f"{label}: one rotary pair per frequency allows at most {half} pairs ({rotary_dims} "
                             f"rotary dims); {pairs} requested")
-    if fold > 1 and select != "pca":
-        raise AttnslimError(f"{label}: fold = {fold} needs select='pca' (FreqFold is a PCA over frequencies)")
     groups = [list(range(s, min(s + fold, half))) for s in range(0, half, fold)]
     built = [_group(key_moment, query_moment, f, n_heads, n_kv_heads, head_dim, half, select, angles, span, damp)
              for f in groups]
@@ -142,7 +141,7 @@ def _group(k_mom: torch.Tensor, q_mom: torch.Tensor | None, freqs: list[int], h:
     inv_sqrt = sig.clamp_min(sig.max() * 1e-12).rsqrt()
     key_t = inv_sqrt[:, None] * (u.T @ lq)  # T = Σ^{-1/2} Uᵀ Q^{1/2}:   T K Tᵀ = Σ
     query_t = inv_sqrt[:, None] * (vh @ lk)  # T^{-T} = Σ^{-1/2} Vᵀ K^{1/2}: T^{-T} Q T^{-1} = Σ
-    beta = phase_mean(float(angles[freqs[0]]), span)
+    beta = sum(phase_mean(float(angles[j]), span) for j in freqs) / len(freqs)
     return _Group(freqs, key_t, query_t, sig.pow(2) * (1.0 - beta**2), beta)
 
 

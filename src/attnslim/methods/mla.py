@@ -13,7 +13,11 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
   rope_select=query (default): balanced truncation of each frequency's logit, K and the lifted query moment
     diagonalised together; a dropped component's query is shrunk by the mean cosine of its phase over causal
     distances < `rope_span` (its least-squares stand-in), and components are kept by the logit error dropping
-    them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy), without FreqFold.
+    them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy).
+  rope_fold: FreqFold under either choice: `rope_fold` neighbouring frequencies share one change of basis, so a
+    rotary slot can hold the best direction of several frequencies (rotated at one of them: exact only where
+    they are equal); it caps rope_dims at one head's rotary dims. rope_spread=true keeps at most one pair per
+    frequency without folding (the ablation that separates FreqFold's pooling from its spread over frequencies).
   kv_weight=attention (default): [k_nope; v] fitted on the centred input covariance (LatentLLM's root-covariance
     objective, LatentLLM's mean correction, Eq. 45; center=false: the uncentred moment, no mean correction) with
     output-side weights: within the key block, errors weighted by what they do to each head's logits (query
@@ -157,7 +161,7 @@ class _MLABase(Method[MLAEntry, Grams]):
         dense = 2 * spec.n_kv_heads * spec.head_dim
         rope = self.rope_dims if self.rope_dims is not None else default_rope_dims(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
-        full_rot = d_rot if self.layout == "deepseek" else self._rope_cap(spec.n_kv_heads, d_rot)
+        full_rot = self._rope_cap(spec.n_kv_heads, d_rot)
         if rope > full_rot:
             fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
             raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
@@ -175,9 +179,15 @@ class _MLABase(Method[MLAEntry, Grams]):
                                 f"(min(2·n_kv·d_h − d_rope, hidden)); lower rank or kv_ratio")
         return rank, rope
 
+    def _rotary_choice(self) -> tuple[str, int, int, bool]:
+        """(select, span, fold, one pair per frequency) of linalg/mla_rope.split_rotary."""
+        raise NotImplementedError
+
     def _rope_cap(self, n_kv_heads: int, rotary_dims: int) -> int:
-        """The most rotary dims one layer can keep: every rotary component of every KV head."""
-        return n_kv_heads * rotary_dims
+        """The most rotary dims one layer can keep: every rotary component of every KV head, or one rotary
+        head's worth when every frequency has one slot (FreqFold, one pair per frequency, layout deepseek)."""
+        _, _, fold, one_per_freq = self._rotary_choice()
+        return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
 
     # --- conversion ---------------------------------------------------------------------------------------
     def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: Grams) -> Fit:
@@ -191,7 +201,7 @@ class _MLABase(Method[MLAEntry, Grams]):
         return {"rope_freq": [int(f) for f in factors.freq]}
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        raise NotImplementedError
+        return _split_common(adapter, spec, st, rope, *self._rotary_choice(), where)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
@@ -315,6 +325,8 @@ class MLA(_MLABase):
     kv_weight: str = "attention"
     alloc: str = "uniform"  # or "global": the step's latent budget spread over its layers by spectrum
     center: bool = True  # fit on the centred covariance, the mean carried by o_proj's bias (layout free only)
+    rope_fold: int = 1  # FreqFold for either rope_select: neighbouring frequencies sharing one change of basis
+    rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -324,10 +336,12 @@ class MLA(_MLABase):
         require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
                 "an integer >= 1")
         require(isinstance(self.center, bool), self.name, "center", self.center, "true | false")
+        require(isinstance(self.rope_fold, int) and not isinstance(self.rope_fold, bool) and self.rope_fold >= 1,
+                self.name, "rope_fold", self.rope_fold, "an integer >= 1 (1: no folding)")
+        require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
 
-    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        return _split_common(adapter, spec, st, rope, self.rope_select, self.rope_span, 1,
-                             self.layout == "deepseek", where)
+    def _rotary_choice(self) -> tuple[str, int, int, bool]:
+        return self.rope_select, self.rope_span, self.rope_fold, self.layout == "deepseek" or self.rope_spread
 
     @property
     def selects_layers(self) -> bool:  # type: ignore[override]
@@ -384,12 +398,8 @@ class TransMLA(_MLABase):
         require(isinstance(self.freq_fold, int) and self.freq_fold >= 1, self.name, "freq_fold", self.freq_fold,
                 "an integer >= 1 (1: no folding)")
 
-    def _rope_cap(self, n_kv_heads: int, rotary_dims: int) -> int:
-        """FreqFold gives every frequency one slot: one rotary head's worth (all components without folding)."""
-        return rotary_dims if self.freq_fold > 1 else n_kv_heads * rotary_dims
-
-    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        return _split_common(adapter, spec, st, rope, "pca", 1, self.freq_fold, self.layout == "deepseek", where)
+    def _rotary_choice(self) -> tuple[str, int, int, bool]:
+        return "pca", 1, self.freq_fold, self.layout == "deepseek"
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         w_kv = _stacked(spec, split)
