@@ -43,8 +43,10 @@ SECTIONS = {
     "heal-default": ("Healing the default recipe's compression: which text to heal on",
                      "benchmarks/heal.py"),
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
-    "mla-kv375-ablations": ("MLA at KV 0.375: which part loses to TransMLA (8192 evaluation tokens)",
-                            "benchmarks/mla.py"),
+    "mla-kv375-ablations": ("MLA at KV 0.375: the ablations, FreqFold and the rope_dims sweep that set today's "
+                            "default (8192 evaluation tokens)", "benchmarks/mla.py"),
+    "mla-kv25-ablations": ("MLA at KV 0.25: FreqFold against one pair per frequency, and d_rope under FreqFold "
+                           "(8192 evaluation tokens)", "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
                   "tokens, 16 calibration windows)", "benchmarks/mla.py"),
     "mla-deepseek-small": ("MLA: the DeepSeek-V3 layout (what `attnslim export` takes) against the free layout "
@@ -58,7 +60,8 @@ SECTIONS = {
 
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
-         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-small",
+         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
+         "mla-small",
          "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "nbl", "nbl-calib", "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)

@@ -29,6 +29,7 @@ from common import Harness, calibration
 from attnslim.api import compress
 from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
+from attnslim.methods.mla import default_rope_dims
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 
@@ -40,25 +41,32 @@ def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"method": method, "layers": "all", "args": args}]
 
 
+def legacy(kv: float) -> dict[str, Any]:
+    """`mla`'s first default split (no FreqFold, d_rope = E²/1.5D: 64 / 36 / 16 at KV 0.5 / 0.375 / 0.25 on
+    SmolLM2's 3 KV heads x 64 rotary dims), pinned in the ablations and heal rows measured with it."""
+    return {"kv_ratio": kv, "rope_fold": 1, "rope_dims": default_rope_dims(64, int(kv * 384), 384)}
+
+
 def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = ()) -> dict[str, list[dict[str, Any]]]:
     p = f"{kv * 100:g}".replace(".", "")
+    old = legacy(kv)
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv})}
-    if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at)
+    if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at), on the legacy split unless they vary it
         out |= {
-            f"mla-rootcov-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "rootcov"}),
-            f"mla-uncentred-kv{p}": step("mla", {"kv_ratio": kv, "center": False}),
-            f"mla-global-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),
-            f"mla-rorope-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca"}),
+            f"mla-rootcov-kv{p}": step("mla", {**old, "kv_weight": "rootcov"}),
+            f"mla-uncentred-kv{p}": step("mla", {**old, "center": False}),
+            f"mla-global-kv{p}": step("mla", {**old, "alloc": "global"}),
+            f"mla-rorope-kv{p}": step("mla", {**old, "rope_select": "pca"}),
             # FreqFold (4 neighbouring frequencies share one change of basis) under either rotary choice
-            f"mla-fold4-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 4}),
-            f"mla-rorope-fold4-kv{p}": step("mla", {"kv_ratio": kv, "rope_select": "pca", "rope_fold": 4}),
-            f"mla-rootcov-fold4-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "rootcov", "rope_fold": 4}),
-            f"mla-fold2-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 2}),
-            f"mla-fold8-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 8}),
-            f"mla-spread-kv{p}": step("mla", {"kv_ratio": kv, "rope_spread": True}),
+            f"mla-fold4-kv{p}": step("mla", {**old, "rope_fold": 4}),
+            f"mla-rorope-fold4-kv{p}": step("mla", {**old, "rope_select": "pca", "rope_fold": 4}),
+            f"mla-rootcov-fold4-kv{p}": step("mla", {**old, "kv_weight": "rootcov", "rope_fold": 4}),
+            f"mla-fold2-kv{p}": step("mla", {**old, "rope_fold": 2}),
+            f"mla-fold8-kv{p}": step("mla", {**old, "rope_fold": 8}),
+            f"mla-spread-kv{p}": step("mla", {**old, "rope_spread": True}),
             **{f"mla-fold4-rope{d}-kv{p}": step("mla", {"kv_ratio": kv, "rope_fold": 4, "rope_dims": d})
                for d in fold_rope_dims},  # a rope_dims sweep under FreqFold (--fold-rope-dims)
-            f"mla-plainsvd-kv{p}": step("mla", {"kv_ratio": kv, "kv_weight": "svd"}),
+            f"mla-plainsvd-kv{p}": step("mla", {**old, "kv_weight": "svd"}),
             f"latentllm-kvonly-kv{p}": step("latentllm", {"ratio": 1.0, "kv_ratio": kv}),
             # DeepSeek-V3's layout (exportable): one rotary pair per frequency, no mean correction (no o bias)
             f"mla-deepseek-kv{p}": step("mla", {"kv_ratio": kv, "rope_dims": 64, "layout": "deepseek"}),
@@ -124,13 +132,18 @@ def main() -> None:
     for kv in kvs:
         variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
-    heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
+    # the grid's heal rows and the heal ablations were measured on the legacy split; the product recipe's row
+    # (mla-kv50-heal40-lr3e-4, recipes/mla.yaml) follows today's default
+    legacy_recipes = {}
+    for kv in kvs:
+        legacy_recipes[f"mla-kv{kv * 100:g}".replace(".", "")] = {"calibration": cal, "steps": step("mla", legacy(kv))}
+    heals = {f"{k}-heal40": {**recipes[k], **legacy_recipes.get(k, {}), "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "transmla-kv"))}
     for base in ("mla-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every parameter trained
         if base in recipes:
             for tag, change in HEAL_ABLATIONS.items():
-                heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",
-                                                 "heal": {**HEAL, **change}}
+                src = recipes[base] if tag == "lr3e-4" else {**recipes[base], **legacy_recipes.get(base, {})}
+                heals[f"{base}-heal40-{tag}"] = {**src, "name": f"{base}-heal40-{tag}", "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
     only = {k for k in args.only.split(",") if k}
     h.dense()

@@ -248,8 +248,9 @@ def test_error_falls_as_the_kv_budget_grows_and_module_reports():
         errors.append(float((model(input_ids=IDS).logits - ref).pow(2).mean()))
     assert errors[0] > errors[1] > errors[2], errors
     attn = get_adapter(model).attention(0)
-    assert "r_kv=48" in repr(attn) and "d_rope=16" in repr(attn) and attn.describe()["kind"] == "MLAAttention"
-    assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 48) + 4 * 16 * (64 + 48) - 48 * 48)  # B: 48 x 48
+    # default d_rope = E/6 rounded to even: 10 of the 64 cached values at kv_ratio 1 (fold 4: 5 pairs < 8 frequencies)
+    assert "r_kv=54" in repr(attn) and "d_rope=10" in repr(attn) and attn.describe()["kind"] == "MLAAttention"
+    assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 54) + 4 * 16 * (64 + 54) - 54 * 54)  # B: 54 x 54
 
 
 def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
@@ -257,7 +258,7 @@ def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
     report = _compress(model, "mla", {"kv_ratio": 0.75, "alloc": "global"}, windows=16, seq_len=64)
     entries = report.steps[0]["plan"]["layers"].values()
     ranks = [e["rank"] for e in entries]
-    assert sum(ranks) == 4 * 32 and len(set(ranks)) > 1, ranks  # uniform: 0.75 x 64 - 16 = 32 per layer
+    assert sum(ranks) == 4 * 40 and len(set(ranks)) > 1, ranks  # uniform: 0.75 x 64 - 8 (E/6 -> 8) = 40 per layer
     assert kv_bytes_per_token(model)["total"] == pytest.approx(4 * 48 * 4)
     assert [get_adapter(model).attention(i).rank for i in range(4)] == ranks
 
@@ -288,7 +289,8 @@ def test_gemma3_qk_norm_is_refused_naming_the_layer():
      ("mla", {"kv_ratio": 0.2, "rope_dims": 16}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*above 0.266"),
      ("mla", {"kv_ratio": 0.5, "rank": 8}, "exactly one"), ("mla", {"rope_select": "norm"}, "rope_select"),
      ("mla", {"kv_weight": "pca"}, "kv_weight"), ("transmla", {"freq_fold": 0}, "freq_fold"),
-     ("mla", {"rope_fold": 0}, "rope_fold"), ("mla", {"rope_fold": 2, "rope_dims": 32}, "rope_dims = 32 exceeds the 16")],
+     ("mla", {"rope_fold": 0}, "rope_fold"),
+     ("mla", {"rope_fold": 2, "rope_dims": 32}, "rope_dims = 32 exceeds the 16")],
 )
 def test_bad_input_is_refused_with_layer_value_and_fix(method, args, match):
     model = tiny_llama()

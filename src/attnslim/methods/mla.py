@@ -16,7 +16,10 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy).
   rope_fold: FreqFold under either choice: `rope_fold` neighbouring frequencies share one change of basis, so a
     rotary slot can hold the best direction of several frequencies (rotated at one of them: exact only where
-    they are equal); it caps rope_dims at one head's rotary dims. rope_spread=true keeps at most one pair per
+    they are equal); it caps rope_dims at one head's rotary dims. Default (null): fold 4 where the layer keeps
+    fewer rotary pairs than it has frequencies, none where every frequency has a slot (folding then only adds the
+    mismatch), with d_rope = E/6 (`folded_rope_dims`): measured against fold 1/2/8 and other d_rope in
+    BENCHMARKS.md, section MLA. rope_spread=true keeps at most one pair per
     frequency without folding (the ablation that separates FreqFold's pooling from its spread over frequencies).
   kv_weight=attention (default): [k_nope; v] fitted on the centred input covariance (LatentLLM's root-covariance
     objective, LatentLLM's mean correction, Eq. 45; center=false: the uncentred moment, no mean correction) with
@@ -81,6 +84,7 @@ from attnslim.registry import register_method
 KV_WEIGHTS = ("attention", "rootcov", "svd")
 LAYOUTS = ("free", "deepseek")
 ALLOCS = ("uniform", "global")
+AUTO_FOLD = 4  # `mla`'s FreqFold where fewer rotary pairs than frequencies are kept (BENCHMARKS.md, MLA)
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
 
@@ -159,9 +163,9 @@ class _MLABase(Method[MLAEntry, Grams]):
                 raise AttnslimError(f"{where} has {'/'.join(biased)} biases; layout: deepseek writes DeepSeek-V3's "
                                     "form, which has no attention biases (vLLM loads none); use layout: free")
         dense = 2 * spec.n_kv_heads * spec.head_dim
-        rope = self.rope_dims if self.rope_dims is not None else default_rope_dims(
+        rope = self.rope_dims if self.rope_dims is not None else self._default_rope(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
-        full_rot = self._rope_cap(spec.n_kv_heads, d_rot)
+        full_rot = self._rope_cap(spec.n_kv_heads, d_rot, rope)
         if rope > full_rot:
             fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
             raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
@@ -179,14 +183,18 @@ class _MLABase(Method[MLAEntry, Grams]):
                                 f"(min(2·n_kv·d_h − d_rope, hidden)); lower rank or kv_ratio")
         return rank, rope
 
-    def _rotary_choice(self) -> tuple[str, int, int, bool]:
-        """(select, span, fold, one pair per frequency) of linalg/mla_rope.split_rotary."""
+    def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
+        return default_rope_dims(rotary_dims, elements, dense)
+
+    def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
+        """(select, span, fold, one pair per frequency) of linalg/mla_rope.split_rotary for a layer keeping
+        `rope` of its `rotary_dims` (one head's) rotary dims."""
         raise NotImplementedError
 
-    def _rope_cap(self, n_kv_heads: int, rotary_dims: int) -> int:
+    def _rope_cap(self, n_kv_heads: int, rotary_dims: int, rope: int) -> int:
         """The most rotary dims one layer can keep: every rotary component of every KV head, or one rotary
         head's worth when every frequency has one slot (FreqFold, one pair per frequency, layout deepseek)."""
-        _, _, fold, one_per_freq = self._rotary_choice()
+        _, _, fold, one_per_freq = self._rotary_choice(rope, rotary_dims)
         return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
 
     # --- conversion ---------------------------------------------------------------------------------------
@@ -201,7 +209,8 @@ class _MLABase(Method[MLAEntry, Grams]):
         return {"rope_freq": [int(f) for f in factors.freq]}
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        return _split_common(adapter, spec, st, rope, *self._rotary_choice(), where)
+        d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
+        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
@@ -232,6 +241,16 @@ def default_rope_dims(rotary_dims: int, elements: int | None, dense: int) -> int
     if rotary_dims == 0 or elements is None:
         return rotary_dims
     return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements * elements / (3.0 * dense))))
+
+
+def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
+    """`mla`'s d_rope when none is given: E/6 rounded to even (E cached elements per token), at least 8 and at
+    most one head's rotary dims; the model's rotary dims with an explicit rank. With FreqFold a rotary slot holds
+    more of the key than without, so fewer of them pay: fitted to rope_dims sweeps under rope_fold 4 on
+    SmolLM2-135M at KV 0.5, 0.375 and 0.25 (BENCHMARKS.md, MLA). 0 without RoPE."""
+    if rotary_dims == 0 or elements is None:
+        return rotary_dims
+    return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements / 12.0)))
 
 
 def _input_stats(stats: Grams | None, layer: int, where: str) -> InputStats:
@@ -325,7 +344,8 @@ class MLA(_MLABase):
     kv_weight: str = "attention"
     alloc: str = "uniform"  # or "global": the step's latent budget spread over its layers by spectrum
     center: bool = True  # fit on the centred covariance, the mean carried by o_proj's bias (layout free only)
-    rope_fold: int = 1  # FreqFold for either rope_select: neighbouring frequencies sharing one change of basis
+    rope_fold: int | None = None  # FreqFold for either rope_select: neighbouring frequencies sharing one change of
+    # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
 
     def __post_init__(self) -> None:
@@ -336,12 +356,17 @@ class MLA(_MLABase):
         require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
                 "an integer >= 1")
         require(isinstance(self.center, bool), self.name, "center", self.center, "true | false")
-        require(isinstance(self.rope_fold, int) and not isinstance(self.rope_fold, bool) and self.rope_fold >= 1,
-                self.name, "rope_fold", self.rope_fold, "an integer >= 1 (1: no folding)")
+        require(self.rope_fold is None or (isinstance(self.rope_fold, int) and not isinstance(self.rope_fold, bool)
+                                           and self.rope_fold >= 1),
+                self.name, "rope_fold", self.rope_fold, "null (auto) or an integer >= 1 (1: no folding)")
         require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
 
-    def _rotary_choice(self) -> tuple[str, int, int, bool]:
-        return self.rope_select, self.rope_span, self.rope_fold, self.layout == "deepseek" or self.rope_spread
+    def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
+        return folded_rope_dims(rotary_dims, elements)
+
+    def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
+        fold = self.rope_fold if self.rope_fold is not None else (AUTO_FOLD if rope < rotary_dims else 1)
+        return self.rope_select, self.rope_span, fold, self.layout == "deepseek" or self.rope_spread
 
     @property
     def selects_layers(self) -> bool:  # type: ignore[override]
@@ -398,7 +423,7 @@ class TransMLA(_MLABase):
         require(isinstance(self.freq_fold, int) and self.freq_fold >= 1, self.name, "freq_fold", self.freq_fold,
                 "an integer >= 1 (1: no folding)")
 
-    def _rotary_choice(self) -> tuple[str, int, int, bool]:
+    def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
         return "pca", 1, self.freq_fold, self.layout == "deepseek"
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
