@@ -132,8 +132,8 @@ def main() -> None:
     for kv in kvs:
         variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
-    # the grid's heal rows and the heal ablations were measured on the legacy split; the product recipe's row
-    # (mla-kv50-heal40-lr3e-4, recipes/mla.yaml) follows today's default
+    # the grid's heal rows and the heal ablations were measured on the legacy split (at 0.5 it is the product
+    # recipe's: recipes/mla.yaml pins rope_dims 64, where the default takes no FreqFold)
     legacy_recipes = {}
     for kv in kvs:
         legacy_recipes[f"mla-kv{kv * 100:g}".replace(".", "")] = {"calibration": cal, "steps": step("mla", legacy(kv))}
@@ -142,7 +142,7 @@ def main() -> None:
     for base in ("mla-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every parameter trained
         if base in recipes:
             for tag, change in HEAL_ABLATIONS.items():
-                src = recipes[base] if tag == "lr3e-4" else {**recipes[base], **legacy_recipes.get(base, {})}
+                src = {**recipes[base], **legacy_recipes.get(base, {})}
                 heals[f"{base}-heal40-{tag}"] = {**src, "name": f"{base}-heal40-{tag}", "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
     only = {k for k in args.only.split(",") if k}

@@ -209,6 +209,28 @@ def test_global_allocation_keeps_the_model_budget_and_moves_rank_across_layers(t
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
 
 
+def test_global_plan_uses_the_spectra_summarized_while_each_layer_was_in_memory():
+    from attnslim.methods.latentllm import LatentLLM
+    from attnslim.methods.latentllm_stats import LayerStats
+
+    adapter = get_adapter(tiny_llama())
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    raw = {i: LayerStats({"attn_in": InputStats.from_tokens(x * (1 + i)), "o_in": InputStats.from_tokens(x)}, None)
+           for i in range(4)}
+    method = LatentLLM(ratio=0.7, alloc="global")
+    with pytest.raises(AttnslimError, match="layer 0's statistics hold no spectra; pass plan what `summarize"):
+        method.plan(adapter, list(range(4)), raw)
+    summary = {i: method.summarize(adapter, i, st) for i, st in raw.items()}
+    assert all(s.grams == {} and sorted(s.spectra) == ["k", "o", "q", "v"] for s in summary.values())  # sequential
+    # the refit collects fresh statistics: the plan holds one spectrum per linear, not a Gram matrix per layer
+    kept = [e.weights["attention"][1] for e in method.plan(adapter, list(range(4)), summary).layers.values()]
+    uniform = LatentLLM(ratio=0.7, alloc="uniform").plan(adapter, list(range(4)), raw).layers.values()
+    assert 0 < sum(kept) <= sum(e.weights["attention"][1] for e in uniform)  # the step's budget, spread by spectrum
+    one_shot = LatentLLM(ratio=0.7, alloc="global", sequential=False).summarize(adapter, 0, raw[0])
+    assert one_shot.grams is raw[0].grams and one_shot.spectra is not None  # convert still reads them
+    assert LatentLLM(ratio=0.7).summarize(adapter, 0, raw[0]) is raw[0]  # per-layer allocs plan inside the layer
+
+
 def test_kv_ratio_bounds_the_latent_cache():
     model = tiny_llama()
     dense = kv_bytes_per_token(model)["total"]

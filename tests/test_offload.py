@@ -23,14 +23,21 @@ CASES = [  # (family, method, args): every method that can run offloaded, on the
     ("llama", "latentllm", {"ratio": 0.6}),
     ("gemma3", "latentllm", {"ratio": 0.6, "mlp": "joint_ud"}),
     ("opt", "latentllm", {"ratio": None, "total_ratio": 0.9}),
+    ("llama", "latentllm", {"ratio": 0.6, "alloc": "global"}),
+    ("gemma3", "latentllm", {"ratio": 0.7, "mlp": "local", "alloc": "global"}),
+    ("opt", "latentllm", {"ratio": 0.7, "alloc": "global", "sequential": False}),
     ("llama", "nbl", {"m": 2}),
     ("gemma3", "nbl", {"m": 2, "sequential": True, "criterion": "cca"}),
     ("llama", "drop", {"count": 1}),
     ("opt", "atp", {}),
+    ("llama", "lisa", {}),  # converting layer n rewires its donor, layer n-1 (Method.rewires)
+    ("mistral", "lisa", {"rank": 4, "integrate": "add"}),
+    ("opt", "ds", {}),
     ("opt", "mla", {}),
     ("llama", "mla", {"kv_ratio": 0.5}),
     ("llama", "transmla", {"kv_ratio": 0.5}),
 ]
+LAYERS = {"lisa": "1:", "ds": "1:"}  # sharing needs a donor below: layers 1-3, one chain (2 reads a converted 1)
 
 
 def _checkpoint(family: str, directory: Path) -> Path:
@@ -65,10 +72,11 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert not differ, f"tensors differ: {differ[:5]}"
 
 
-@pytest.mark.parametrize("family,method,args", CASES, ids=[f"{f}-{m}" for f, m, _ in CASES])
+@pytest.mark.parametrize("family,method,args", CASES,
+                         ids=[f"{f}-{m}" + ("-global" if a.get("alloc") == "global" else "") for f, m, a in CASES])
 def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     src = _checkpoint(family, tmp_path / "src")
-    recipe = one_step(method, args)
+    recipe = one_step(method, args, layers=LAYERS.get(method, "all"))
     memory = _in_memory(src, recipe, tmp_path / "mem")
     offloaded = compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
     assert offloaded.steps[0]["plan"] == json.loads(json.dumps(memory.steps[0]["plan"]))
@@ -78,15 +86,37 @@ def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     assert len(list((tmp_path / "off").glob("model-*.safetensors"))) == 4 + 1  # a shard per layer + the rest
 
 
-def test_sharded_output_loads_to_the_same_logits(tmp_path):
+@pytest.mark.parametrize("method,args", [("latentllm", {"ratio": 0.6}), ("lisa", {})])
+def test_sharded_output_loads_to_the_same_logits(method, args, tmp_path):
     src = _checkpoint("llama", tmp_path / "src")
-    recipe = one_step("latentllm", {"ratio": 0.6})
+    recipe = one_step(method, args, layers=LAYERS.get(method, "all"))
     _in_memory(src, recipe, tmp_path / "mem")
     compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     mem, _ = load(tmp_path / "mem")
-    off, _ = load(tmp_path / "off")
-    assert torch.equal(mem(input_ids=ids).logits, off(input_ids=ids).logits)
+    with torch.no_grad():
+        ref = mem(input_ids=ids).logits
+        for offload in (False, True):  # the output loaded whole, and run with its layers on disk
+            off, _ = load(tmp_path / "off", offload=offload)
+            assert torch.equal(ref, off(input_ids=ids).logits)
+
+
+def test_a_conversion_holds_the_layers_it_rewires(tmp_path, monkeypatch):
+    from attnslim.methods.lisa import Lisa
+
+    src = _checkpoint("llama", tmp_path / "src")
+    seen = []
+    real = Lisa.convert
+
+    def convert(self, adapter, layer, entry, stats):
+        blocks = adapter.decoder_layers()
+        seen.append([j for j, block in enumerate(blocks) if all(p.device.type != "meta" for p in block.parameters())])
+        return real(self, adapter, layer, entry, stats)
+
+    monkeypatch.setattr(Lisa, "convert", convert)
+    compress_offloaded(src, one_step("lisa", {}, layers="1:"), tmp_path / "off", tokenizer=SavingTokenizer(),
+                       progress=False)
+    assert seen == [[0, 1], [1, 2], [2, 3]]  # receiver n and its donor n-1 (Lisa.rewires), nothing else
 
 
 def test_one_decoder_layer_in_memory_at_a_time(tmp_path, monkeypatch):
@@ -124,11 +154,9 @@ def test_a_shard_is_hashed_once_and_damage_is_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("method,args,match", [
-    ("ds", {}, "ds.*donor, layer n-1"),
-    ("lisa", {}, "lisa.*donor"),
     ("nbl", {"m": 1, "criterion": "probe"}, "criterion probe"),
-    ("latentllm", {"ratio": 0.6, "alloc": "global"}, "alloc global"),
     ("atp", {"recover": {"steps": 1}}, "atp.*trains"),
+    ("lisa", {"train": {"steps": 1}}, "lisa.*trains"),
 ])
 def test_what_cannot_run_offloaded_is_refused_without_output(method, args, match, tmp_path):
     src = _checkpoint("llama", tmp_path / "src")

@@ -20,7 +20,10 @@ CASES = [  # family, method, args: a replaced attention of each kind that reads 
     ("llama", "latentllm", {"ratio": 0.6}),
     ("opt", "svdllm", {"ratio": 0.5}),
     ("gemma3", "latentllm", {"ratio": 0.6}),
+    ("llama", "lisa", {}),  # layers 1-3 read their donor's scores through links the skeletons rebuild
+    ("mistral", "ds", {}),
 ]
+LAYERS = {"lisa": "1:", "ds": "1:"}  # sharing needs a donor below
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -28,7 +31,8 @@ def _saved(family: str, method: str, args: dict, out) -> None:
     model = TINY_BUILDERS[family]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
-        report = compress(model, ByteTokenizer(), one_step(method, args), progress=False)
+        report = compress(model, ByteTokenizer(), one_step(method, args, layers=LAYERS.get(method, "all")),
+                          progress=False)
     save(model, SavingTokenizer(), out, report.to_json())
 
 

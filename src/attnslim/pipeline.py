@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ from tqdm import tqdm
 from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
+from attnslim.errors import AttnslimError
 from attnslim.eval.perplexity import window_nll
 from attnslim.methods.base import Method, StepContext
 from attnslim.plan import LayerEntry, StepPlan
@@ -52,8 +55,8 @@ def run_step(
             stats = _collect(runner, method, adapter, i, advance=not method.sequential)
             part = method.plan(adapter, [i], {i: stats}, context)
             plan.merge(part, i)
-            plan.record(i, method.convert(adapter, i, part.layers[i], stats))
-            res.converted(i)
+            with _converting(res, method, adapter, i):
+                plan.record(i, method.convert(adapter, i, part.layers[i], stats))
             if method.sequential:
                 runner.run_layer(i)  # propagate through the converted layer
     return plan
@@ -61,9 +64,26 @@ def run_step(
 
 def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry, stats: Any,
              plan: StepPlan[Any]) -> None:
-    with res.layer(i):
+    with res.layer(i), _converting(res, method, adapter, i):
         plan.record(i, method.convert(adapter, i, entry, stats))
-        res.converted(i)
+
+
+@contextmanager
+def _converting(res: Residency, method: AnyMethod, adapter: Adapter, i: int) -> Iterator[None]:
+    """Around the conversion of layer i (already inside `res.layer(i)`): the other layers it rewires
+    (`method.rewires`, e.g. LISA's donor) in memory too, and every layer it touched marked converted on success, so
+    an offloaded run writes them all back."""
+    others = method.rewires(i)
+    bad = [j for j in others if j == i or not 0 <= j < adapter.num_layers()]
+    if bad:
+        raise AttnslimError(f"internal: {method.name}.rewires({i}) names {bad}, not other decoder layers of the "
+                            f"{adapter.num_layers()}")
+    with ExitStack() as held:
+        for j in others:
+            held.enter_context(res.layer(j))
+        yield
+        for j in (i, *others):
+            res.converted(j)
 
 
 def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
@@ -92,8 +112,8 @@ def _run_selecting(
     stats: dict[int, Any] = {}
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name} stats", disable=not progress, leave=False):
         with res.layer(i):
-            if i in layers:
-                stats[i] = _collect(runner, method, adapter, i, advance=True)
+            if i in layers:  # summarize: what the plan needs of layer i's weights, read while they are here
+                stats[i] = method.summarize(adapter, i, _collect(runner, method, adapter, i, advance=True))
             else:
                 runner.run_layer(i)
     if method.probe_windows():
@@ -113,7 +133,7 @@ def _run_selecting(
         with res.layer(i):
             if i in chosen:
                 fresh = _collect(runner, method, adapter, i, advance=False)
-                plan.record(i, method.convert(adapter, i, plan.layers[i], fresh))
-                res.converted(i)
+                with _converting(res, method, adapter, i):
+                    plan.record(i, method.convert(adapter, i, plan.layers[i], fresh))
             runner.run_layer(i)
     return plan

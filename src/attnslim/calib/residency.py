@@ -1,8 +1,10 @@
 """Where the weights of a decoder layer live while the pipeline works on it.
 
 The pipeline brackets every piece of work on decoder layer i with `residency.layer(i)`, calls
-`residency.converted(i)` after a method replaced something in it, and runs whole-model forwards (the runner's
-capture of layer 0's inputs, the KV-bytes measurement) inside `residency.streamed()`. Two implementations:
+`residency.converted(i)` after a method replaced something in it (the other layers a conversion rewires,
+`Method.rewires`, are opened with `layer(j)` inside `layer(i)` and marked the same way), and runs whole-model
+forwards (the runner's capture of layer 0's inputs, the KV-bytes measurement) inside `residency.streamed()`. Two
+implementations:
 
 - `InMemoryLayers` (here): the whole model is in memory; on CPU every verb is a no-op, on another device the layer
   (or, for `streamed`, the modules outside the decoder layers) is moved there for the duration and back after.

@@ -16,6 +16,13 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
+
+Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
+    rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
+                                                 layer n-1); the pipeline holds them in memory around the conversion
+    summarize(adapter, layer, stats) -> S        for `selects_layers` methods: what `plan` needs of a layer's weights,
+                                                 computed while that layer is in memory (latentllm alloc=global's
+                                                 spectra); the pipeline hands the result to `plan`
 """
 
 from __future__ import annotations
@@ -118,10 +125,23 @@ class Method(Generic[E, S]):
         """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
         raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
 
+    def rewires(self, layer: int) -> list[int]:
+        """The other decoder layers (never `layer` itself) that `convert` or `skeleton` of `layer` modifies, e.g. a
+        receiver's donor that starts exporting its scores. The pipeline keeps them in memory around the conversion
+        and writes them back as converted (calib/residency.py). Default: none."""
+        return []
+
+    def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:
+        """A `selects_layers` step's statistics of `layer` as `plan` (and, for a method that is not `sequential`,
+        `convert`) will receive them. The pipeline calls it right after collecting them, while the layer's weights
+        are in memory: a plan that reads the weights (not only the statistics) computes what it needs from them
+        here, since with `--offload` they are on disk by the time `plan` runs. Default: `stats` unchanged."""
+        return stats
+
     def offload_problem(self) -> str | None:
         """Why this configuration cannot run with the weights offloaded (one decoder layer in memory at a time),
-        or None. The pipeline holds only the layer being converted; a method whose conversion reaches another
-        layer, or whose selection needs whole-model forwards with every candidate converted, says so here."""
+        or None. The pipeline holds only the layer being worked on (and those `rewires` names); a method whose
+        selection needs whole-model forwards with every candidate converted says so here."""
         return None
 
     @property

@@ -27,7 +27,8 @@ alloc=uniform is the notes' rule: every matrix keeps the fraction. alloc=spectru
 group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
 per weight (each matrix's energy normalised to 1). alloc=global runs that greedy across layers too: each group's
 budget summed over the layers (so the kept fractions of attention and MLP hold model-wide, not per layer); it
-needs statistics of every layer first (a dense pass), then refits each layer on the compressed upstream.
+needs the spectra of every layer first (a dense pass; `summarize` computes them while each layer is in memory, so
+it runs with --offload and holds no Gram matrix per layer), then refits each layer on the compressed upstream.
 Measured against each other (BENCHMARKS.md, section LatentLLM): global does not beat the per-layer rule, so it is
 not the default.
 kv_ratio bounds r_k + r_v by a kept fraction of the dense
@@ -165,9 +166,16 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         """alloc=global plans every layer from statistics of all of them (then refits sequentially)."""
         return self.alloc == "global"
 
-    def offload_problem(self) -> str | None:
-        return ("alloc global reads the weights of every layer to plan the ranks; use alloc uniform or spectrum"
-                if self.alloc == "global" else None)
+    def summarize(self, adapter: Adapter, layer: int, stats: LayerStats) -> LayerStats:
+        """alloc=global: each compressed linear's spectrum, computed while the layer's weights are in memory (with
+        --offload the plan runs after every layer went back to disk). A sequential step refits every layer on fresh
+        statistics, so its plan keeps only the spectra (not a Gram matrix per layer and site)."""
+        if self.alloc != "global":
+            return stats
+        spectra = self._spectra(adapter, layer, list(self._shapes(adapter, layer)), stats)
+        if self.sequential:
+            return LayerStats({}, None, spectra)
+        return LayerStats(stats.grams, stats.tokens, spectra)
 
     @property
     def block_identity(self) -> bool:
@@ -243,8 +251,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                 if not sub:
                     continue
                 budget += rk.kept_weights(sub, ranks[i], self.junction)
-                for n, sv in self._spectra(adapter, i, list(sub), stats[i]).items():
-                    keyed[f"{i}.{n}"], spectra[f"{i}.{n}"] = sub[n], sv
+                for n in sub:
+                    keyed[f"{i}.{n}"], spectra[f"{i}.{n}"] = sub[n], _summary(stats[i], layer=i)[n]
                     if self.qk == "joint" and n in ("q", "k"):
                         floors[f"{i}.{n}"] = adapter.attention_spec(i).head_dim
             if keyed:
@@ -289,7 +297,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             center = b is not None and self.precond in ("rootcov", "cov")
             pc = preconditioner(_stats(stats, SITE_OF[n], layer), self.precond, damp=self.damp, alpha=self.alpha,
                                 center=center, label=f"layer {layer} {n}")
-            out[n] = torch.linalg.svdvals(pc.right(w.to(torch.float64)))
+            out[n] = torch.linalg.svdvals(pc.right(w.to(pc.p.device, torch.float64)))  # where the statistics are
         return out
 
     # --- conversion -----------------------------------------------------------------------------------
@@ -421,6 +429,13 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                 if (w := getattr(mspec, n)) is not None:
                     adapter.replace_linear(layer, n, empty(n, w, getattr(mspec, f"{n}_bias")).to(device))
         self._install(adapter, layer, spec, q, k, v, o).to(device)
+
+
+def _summary(stats: LayerStats, layer: int) -> dict[str, torch.Tensor]:
+    if stats.spectra is None:
+        raise AttnslimError(f"latentllm alloc=global: layer {layer}'s statistics hold no spectra; pass plan what "
+                            "`summarize(adapter, layer, stats)` returns for each layer (the pipeline does)")
+    return stats.spectra
 
 
 def _stats(stats: LayerStats, site: str, layer: int) -> InputStats:

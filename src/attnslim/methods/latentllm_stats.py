@@ -47,6 +47,8 @@ class Reservoir:
 class LayerStats:
     grams: dict[str, InputStats]
     tokens: torch.Tensor | None  # (N, d) MLP-input sample for joint_ud
+    spectra: dict[str, torch.Tensor] | None = None  # alloc=global: linear name -> singular values of W P, computed
+    # by LatentLLM.summarize while the layer's weights are in memory
 
 
 class LatentCollector(Collector[LayerStats]):

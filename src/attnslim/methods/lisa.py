@@ -237,8 +237,10 @@ class _Sharing(Method[SharingEntry, None]):
     nf_min_len: int | None = None
     sequential = False
 
-    def offload_problem(self) -> str | None:
-        return "converting layer n also rewires its donor, layer n-1 (cross-layer score sharing)"
+    def rewires(self, layer: int) -> list[int]:
+        """Converting receiver n makes its donor, layer n-1, export its scores (a DonorAttention, or a link on a
+        receiver below): with --offload the pipeline holds layer n-1 in memory too and writes it back."""
+        return [layer - 1]
 
     def __post_init__(self) -> None:
         require(self.select in SELECT, self.name, "select", self.select, " | ".join(SELECT))

@@ -3,7 +3,8 @@
 The model is a skeleton built under accelerate's `init_empty_weights` (every parameter on the meta device, buffers
 real). `layer(i)` reads decoder layer i through safetensors' memory-mapped `safe_open` (from the input checkpoint,
 or from the layer's output shard once a method converted it) onto the compute device in the compute dtype; on exit
-a converted layer is written to its output shard, and the layer goes back to the meta device. `streamed()` runs a
+a converted layer is written to its output shard, and the layer goes back to the meta device. `layer(j)` nests inside
+`layer(i)` (j != i) for the other layers a conversion rewires (`Method.rewires`: LISA's donor). `streamed()` runs a
 whole-model forward the same way, one decoder layer per forward hook, with the modules outside the layers
 (embeddings, final norm; never the output head unless it is tied to them) in memory for its duration.
 `finish()` writes the layers no method touched and the tensors outside the layers, so the output directory holds
