@@ -263,6 +263,28 @@ def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
     assert [get_adapter(model).attention(i).rank for i in range(4)] == ranks
 
 
+def test_global_plan_uses_the_spectra_summarized_while_each_layer_was_in_memory():
+    from attnslim.calib.stats import InputStats
+    from attnslim.methods.mla import MLA
+    from attnslim.methods.mla_stats import MLAStats
+
+    adapter = get_adapter(tiny_llama())
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    raw = {i: MLAStats({"attn_in": InputStats.from_tokens(x * (1 + i) + i)}) for i in range(4)}
+    method = MLA(kv_ratio=0.5, alloc="global")
+    with pytest.raises(AttnslimError, match="layer 0: alloc=global plans from each layer's latent spectrum.*summarize"):
+        method.plan(adapter, list(range(4)), raw)
+    summary = {i: method.summarize(adapter, i, st) for i, st in raw.items()}
+    # sequential: the refit collects fresh statistics, so the plan holds one spectrum per layer, not a Gram matrix
+    assert all(s.grams == {} and s.spectrum is not None and s.spectrum.ndim == 1 for s in summary.values())
+    ranks = [e.rank for e in method.plan(adapter, list(range(4)), summary).layers.values()]
+    uniform = [e.rank for e in MLA(kv_ratio=0.5).plan(adapter, list(range(4)), raw).layers.values()]
+    assert sum(ranks) == sum(uniform) and ranks != uniform, (ranks, uniform)  # the step's budget, moved by spectrum
+    with pytest.raises(AttnslimError, match="layer 0: these statistics hold only the spectrum `summarize` kept"):
+        method.convert(adapter, 0, method.plan(adapter, [0], {0: summary[0]}).layers[0], summary[0])
+    assert MLA(kv_ratio=0.5).summarize(adapter, 0, raw[0]) is raw[0]  # uniform: nothing to summarize
+
+
 def test_center_false_fits_without_the_mean_correction():
     """center (default): the input mean is carried by o_proj's bias (LatentLLM's mean correction); center=false
     fits the uncentred moment and leaves the bias-free model's o_proj bias at zero."""

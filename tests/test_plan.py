@@ -17,6 +17,7 @@ from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.methods import METHODS, lookup_method
 from attnslim.methods.mla import MLAEntry
+from attnslim.methods.mla_stats import MLAStats
 from attnslim.plan import StepPlan
 from conftest import tiny_llama
 from helpers import ByteTokenizer, one_step
@@ -67,7 +68,7 @@ def test_convert_returns_its_fit_and_leaves_the_entry_alone():
     with pytest.raises(dataclasses.FrozenInstanceError):
         entry.rank = 1  # type: ignore[misc]
     fresh = tiny_llama()
-    stats = {"attn_in": _attn_in_stats(fresh)}
+    stats = MLAStats({"attn_in": _attn_in_stats(fresh)})
     fit = method.convert(get_adapter(fresh), 0, entry, stats)
     assert fit is not None and fit["rope_freq"] and entry == MLAEntry(**{k: saved[k] for k in
                                                                          ("rank", "rope_dims", "kv_elements",

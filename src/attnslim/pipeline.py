@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -94,12 +94,14 @@ def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
 
 
 def _probe(model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
-           batch_size: int, progress: bool) -> None:
+           batch_size: int, progress: bool, res: Residency) -> None:
     """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
-    mean NLL over the probe windows recorded as stats[i].scores["probe"]."""
+    mean NLL over the probe windows recorded as stats[i].scores["probe"]. Runs inside `res.streamed()`; with
+    offloaded weights the candidate is read in for its trial, whose replacement module then stays in memory
+    through the forwards while the rest of the layer comes and goes with them (offload/store.py)."""
     base = _mean_nll(model, ids, batch_size)
     for i in tqdm(layers, desc=f"{method.name} probe", disable=not progress, leave=False):
-        with method.trial(adapter, i, stats[i]):
+        with res.layer(i) if res.offloaded else nullcontext(), method.trial(adapter, i, stats[i]):
             stats[i].scores["probe"] = _mean_nll(model, ids, batch_size) - base
 
 
@@ -119,7 +121,7 @@ def _run_selecting(
     if method.probe_windows():
         with res.streamed():
             probe_ids = windows[: method.probe_windows()]
-            _probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress)
+            _probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress, res)
     plan = method.plan(adapter, layers, stats, context)
     chosen = sorted(plan.layers)
     if not chosen:

@@ -21,8 +21,8 @@ Two verbs let a method run with the weights offloaded (one decoder layer in memo
     rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
                                                  layer n-1); the pipeline holds them in memory around the conversion
     summarize(adapter, layer, stats) -> S        for `selects_layers` methods: what `plan` needs of a layer's weights,
-                                                 computed while that layer is in memory (latentllm alloc=global's
-                                                 spectra); the pipeline hands the result to `plan`
+                                                 computed while that layer is in memory (latentllm's and
+                                                 mla's alloc=global spectra); the pipeline hands the result to `plan`
 """
 
 from __future__ import annotations

@@ -32,12 +32,13 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     Measured against each other: BENCHMARKS.md, section MLA.
   alloc=global: the step's latent budget (the uniform ranks' sum) spread over its layers by the normalised
     weighted spectrum of each layer's [k_nope; v] (LatentLLM's global allocation; a dense statistics pass
-    first, then a sequential refit); per-layer KV then differs, the step's total stays.
+    first, each layer's spectrum computed by `summarize` while that layer is in memory, so it runs offloaded;
+    then a sequential refit); per-layer KV then differs, the step's total stays.
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
   Deviation: α from second moments (streamed statistics), not from a mean of per-token norms.
-Statistics: Σxxᵀ, Σx, n at the attention input (q, k, v all read it); nothing else.
+Statistics: Σxxᵀ, Σx, n at the attention input (q, k, v all read it); nothing else (methods/mla_stats.py).
 layout=deepseek (both methods): the form of a DeepSeek-V3 checkpoint, which `attnslim export --to deepseek-v3` writes
   exactly (export/deepseek.py) and stock vLLM serves: at most one rotary pair per frequency (DeepSeek's rotary
   key has one slot per frequency; rope_dims at most one head's rotary dims), no attention biases (layers with any
@@ -76,7 +77,8 @@ from attnslim.linalg.mla import (
     second_moment,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit, split_rotary
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, GramCollector, Method, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in, spectrum
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import LayerEntry, StepPlan
 from attnslim.registry import register_method
@@ -88,9 +90,6 @@ AUTO_FOLD = 4  # `mla`'s FreqFold where fewer rotary pairs than frequencies are 
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
 
-Grams = dict[str, InputStats]  # GramCollector's statistics: attn_in only
-
-
 @dataclass(frozen=True)
 class MLAEntry(LayerEntry):
     rank: int  # latent rank r
@@ -100,7 +99,7 @@ class MLAEntry(LayerEntry):
 
 
 @dataclass(frozen=True)
-class _MLABase(Method[MLAEntry, Grams]):
+class _MLABase(Method[MLAEntry, MLAStats]):
     kv_ratio: float | None = None  # kept fraction of the dense KV cache, r + d_rope per token and layer; 0.5 when
     # neither kv_ratio nor rank is given
     rank: int | None = None  # explicit latent rank r instead
@@ -127,8 +126,8 @@ class _MLABase(Method[MLAEntry, Grams]):
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
 
     # --- decisions --------------------------------------------------------------------------------------
-    def collector(self, adapter: Adapter, layer: int) -> Collector[Grams]:
-        return GramCollector({"attn_in"})
+    def collector(self, adapter: Adapter, layer: int) -> Collector[MLAStats]:
+        return MLACollector()
 
     def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
         """Refuse every layer's bad input before any statistics are collected or any layer converted."""
@@ -136,7 +135,7 @@ class _MLABase(Method[MLAEntry, Grams]):
             self._sizes(adapter, i)
         return NO_CONTEXT
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, Grams],
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, MLAStats],
              context: StepContext = NO_CONTEXT) -> StepPlan[MLAEntry]:
         out = {}
         for i in layers:
@@ -198,10 +197,10 @@ class _MLABase(Method[MLAEntry, Grams]):
         return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
 
     # --- conversion ---------------------------------------------------------------------------------------
-    def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: Grams) -> Fit:
+    def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: MLAStats) -> Fit:
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
-        st = _input_stats(stats, layer, where)
+        st = attn_in(stats, layer, where)
         split = self._split(adapter, spec, st, entry.rope_dims, where)
         factors = self._fit(spec, split, st, entry.rank, where)
         module = self._install(adapter, layer, spec, entry)
@@ -251,15 +250,6 @@ def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
     if rotary_dims == 0 or elements is None:
         return rotary_dims
     return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements / 12.0)))
-
-
-def _input_stats(stats: Grams | None, layer: int, where: str) -> InputStats:
-    """The attention-input statistics GramCollector gathered for one layer."""
-    gram = stats.get("attn_in") if isinstance(stats, dict) else None
-    if gram is None:
-        raise AttnslimError(f"{where}: no statistics at attn_in; the calibration did not reach it")
-    gram.check(f"layer {layer} attn_in")
-    return gram
 
 
 def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
@@ -373,23 +363,32 @@ class MLA(_MLABase):
         """alloc=global plans every layer's rank from statistics of all of them (then refits sequentially)."""
         return self.alloc == "global"
 
-    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, Grams],
+    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, MLAStats],
              context: StepContext = NO_CONTEXT) -> StepPlan[MLAEntry]:
         out = super().plan(adapter, layers, stats, context)
         if self.alloc != "global":
             return out
-        spectra = {}
-        for i in layers:  # statistics of the model as it enters the step (the uniform plan's d_rope)
-            spec, where = adapter.attention_spec(i), f"{self.name}: layer {i}"
-            st = _input_stats(stats.get(i), i, where)
-            split = self._split(adapter, spec, st, out.layers[i].rope_dims, where)
-            spectra[i] = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
+        spectra = {i: spectrum(stats.get(i), f"{self.name}: layer {i}") for i in layers}  # from `summarize`
         uniform = {i: out.layers[i].rank for i in layers}
         ranks = allocate_ranks(spectra, sum(uniform.values()), max(1, min(uniform.values()) // 4))
         for i in layers:
             old = out.layers[i]
             out.layers[i] = replace(old, rank=ranks[i], kv_elements=ranks[i] + old.rope_dims)
         return out
+
+    def summarize(self, adapter: Adapter, layer: int, stats: MLAStats) -> MLAStats:
+        """alloc=global: the layer's latent spectrum under the uniform plan's d_rope, from the statistics of the
+        model as it enters the step, computed while the layer's weights are in memory (with --offload the plan
+        runs after every layer went back to disk). A sequential step refits every layer on fresh statistics, so
+        its plan keeps only the spectrum, not the layer's Gram matrix."""
+        if self.alloc != "global":
+            return stats
+        _, rope = self._sizes(adapter, layer)
+        spec, where = adapter.attention_spec(layer), f"{self.name}: layer {layer}"
+        st = attn_in(stats, layer, where)
+        split = self._split(adapter, spec, st, rope, where)
+        found = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
+        return MLAStats({} if self.sequential else stats.grams, found)
 
     def _objective(self, spec: AttentionSpec, split: RotarySplit, st: InputStats
                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:

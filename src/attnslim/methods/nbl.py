@@ -285,12 +285,6 @@ class Nbl(Method[NblEntry, LayerFit]):
     def probe_windows(self) -> int:
         return self.probe if self.criterion == MEASURED else 0
 
-    def offload_problem(self) -> str | None:
-        if self.criterion == MEASURED:
-            return (f"criterion {MEASURED} measures the loss of the whole model with each candidate converted; use "
-                    "criterion similarity, cca or resid (statistics only)")
-        return None
-
     @contextmanager
     def trial(self, adapter: Adapter, layer: int, stats: LayerFit) -> Iterator[None]:
         """Layer `layer` linearized with its fit (and, for input="residual", its norm removed), then restored."""

@@ -49,6 +49,8 @@ class OffloadedLayers:
         self.prefix = _name_of(model, layers)
         self.n_shards = len(layers) + 1
         self.written: set[int] = set()  # layers whose current weights are in their output shard
+        self.shard_keys: dict[int, set[str]] = {}  # the tensor names of each written layer's shard
+        self.source_names = set(source.names())
         self.resident: set[int] = set()
         self.dirty: set[int] = set()
         skipped = tuple(_name_of(model, m) + "." for m in skip)
@@ -123,31 +125,39 @@ class OffloadedLayers:
         return f"{self.prefix}.{i}."
 
     def _load_layer(self, i: int) -> None:
+        """Read layer i's offloaded (meta) parameters; parameters already in memory are a module a method put
+        there for a whole-model forward (nbl's probe trial) and stay as they are."""
         if i in self.resident:
             return
         prefix = self._layer_prefix(i)
+        groups = [g for g in _tied_groups(self.layers[i], prefix) if self.model.get_parameter(g[0]).is_meta]
         if i in self.written:
             from safetensors import safe_open
 
             with safe_open(str(self.out_dir / shard_name(i + 1, self.n_shards)), framework="pt") as f:
-                for group in _tied_groups(self.layers[i], prefix):
+                for group in groups:
                     dtype = self.model.get_parameter(group[0]).dtype
                     name = next((n for n in group if n in f.keys()), group[0])  # noqa: SIM118
                     self._assign(group, f.get_tensor(name).to(self.device, dtype, copy=True))
         else:
-            self._fill(_tied_groups(self.layers[i], prefix))
+            self._fill(groups)
         self.resident.add(i)
 
     def _release_layer(self, i: int) -> None:
+        """After a whole-model forward's use of layer i: what can be read again (from the layer's output shard,
+        or the input checkpoint) goes back to disk; a module a method put in for the forward stays in memory."""
         if i in self.dirty:
             raise AttnslimError(f"internal: layer {i} was converted inside a whole-model forward")
-        self._release(self._layer_prefix(i), self.layers[i])
+        saved = self.shard_keys[i] if i in self.written else self.source_names
+        self._release(self._layer_prefix(i), self.layers[i], saved)
         self.resident.discard(i)
 
-    def _release(self, prefix: str, module: nn.Module) -> None:
+    def _release(self, prefix: str, module: nn.Module, saved: set[str] | None = None) -> None:
+        """Every parameter of `module` back to the meta device (only those named in `saved`, when given)."""
         release_derived(module)
         for group in _tied_groups(module, prefix):
-            self._assign(group, _meta_like(self.model.get_parameter(group[0])))
+            if saved is None or any(n in saved for n in group):
+                self._assign(group, _meta_like(self.model.get_parameter(group[0])))
 
     def _write_layer(self, i: int) -> None:
         prefix = self._layer_prefix(i)
@@ -159,6 +169,7 @@ class OffloadedLayers:
                 state[name] = buf.detach().to("cpu")
         write_shard(self.out_dir / shard_name(i + 1, self.n_shards), state)
         self.written.add(i)
+        self.shard_keys[i] = set(state)
 
     def _read_source(self, groups: list[list[str]]) -> list[torch.Tensor]:
         """One tensor per tied group from the input checkpoint, in the dtype of the group's (meta) parameter."""
