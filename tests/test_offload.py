@@ -260,14 +260,24 @@ def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
         compute.check_dtype(torch.device("cpu"), torch.float16)
 
 
+REAL_CASES = [  # (method, args, layers, calibration windows of 128 tokens): one per kind of step: factorised
+    ("latentllm", {"ratio": 0.8}, "0:3", 2),  # linears, a new attention module, a layer selection, a rewired
+    ("mla", {"kv_ratio": 0.5}, "0:3", 2),  # donor, a projection of the keys
+    ("nbl", {"m": 1}, "0:3", 5),  # its 576x576 covariance needs > 576 tokens
+    ("lisa", {}, "1:3", 2),
+    ("atp", {}, "0:3", 2),
+]
+
+
 @pytest.mark.real
-def test_smollm2_offloaded_equals_in_memory(tmp_path):
+@pytest.mark.parametrize("method,args,layers,windows", REAL_CASES, ids=[c[0] for c in REAL_CASES])
+def test_smollm2_offloaded_equals_in_memory(method, args, layers, windows, tmp_path):
     from attnslim.api import compress_to
     from attnslim.recipe import recipe_from_dict
 
     recipe = recipe_from_dict({
-        "name": "offload-check", "calibration": {"source": "wiki", "windows": 2, "seq_len": 128, "seed": 0},
-        "steps": [{"method": "latentllm", "layers": "0:3", "args": {"ratio": 0.8}}],
+        "name": "offload-check", "calibration": {"source": "wiki", "windows": windows, "seq_len": 128, "seed": 0},
+        "steps": [{"method": method, "layers": layers, "args": args}],
     })
     compress_to("smollm2-135m", recipe, tmp_path / "mem", progress=False)
     compress_to("smollm2-135m", recipe, tmp_path / "off", offload=True, progress=False)
