@@ -29,7 +29,7 @@ from common import Harness, calibration
 from attnslim.api import compress
 from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
-from attnslim.methods.mla import default_rope_dims
+from attnslim.methods.mla_base import default_rope_dims
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 
@@ -43,14 +43,15 @@ def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def legacy(kv: float) -> dict[str, Any]:
     """`mla`'s first default split (no FreqFold, d_rope = E²/1.5D: 64 / 36 / 16 at KV 0.5 / 0.375 / 0.25 on
-    SmolLM2's 3 KV heads x 64 rotary dims), pinned in the ablations and heal rows measured with it."""
+    SmolLM2's 3 KV heads x 64 rotary dims; recipes/mla.yaml's at 0.5), pinned in the rows measured with it."""
     return {"kv_ratio": kv, "rope_fold": 1, "rope_dims": default_rope_dims(64, int(kv * 384), 384)}
 
 
 def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = ()) -> dict[str, list[dict[str, Any]]]:
     p = f"{kv * 100:g}".replace(".", "")
     old = legacy(kv)
-    out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv})}
+    out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv}),
+           f"mla-legacy-kv{p}": step("mla", old)}  # the first default, beside today's
     if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at), on the legacy split unless they vary it
         out |= {
             f"mla-rootcov-kv{p}": step("mla", {**old, "kv_weight": "rootcov"}),
@@ -132,18 +133,13 @@ def main() -> None:
     for kv in kvs:
         variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
-    # the grid's heal rows and the heal ablations were measured on the legacy split (at 0.5 it is the product
-    # recipe's: recipes/mla.yaml pins rope_dims 64, where the default takes no FreqFold)
-    legacy_recipes = {}
-    for kv in kvs:
-        legacy_recipes[f"mla-kv{kv * 100:g}".replace(".", "")] = {"calibration": cal, "steps": step("mla", legacy(kv))}
-    heals = {f"{k}-heal40": {**recipes[k], **legacy_recipes.get(k, {}), "name": f"{k}-heal40", "heal": HEAL}
-             for k in variants if k.startswith(("mla-kv", "transmla-kv"))}
-    for base in ("mla-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every parameter trained
-        if base in recipes:
+    heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
+             for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv"))}
+    for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every
+        if base in recipes:  # parameter trained (mla-legacy-kv50-heal40-lr3e-4 is recipes/mla.yaml's compression)
             for tag, change in HEAL_ABLATIONS.items():
-                src = {**recipes[base], **legacy_recipes.get(base, {})}
-                heals[f"{base}-heal40-{tag}"] = {**src, "name": f"{base}-heal40-{tag}", "heal": {**HEAL, **change}}
+                heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",
+                                                 "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
     only = {k for k in args.only.split(",") if k}
     h.dense()

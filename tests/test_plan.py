@@ -16,7 +16,7 @@ from attnslim.calib.hooks import capture_sites
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.methods import METHODS, lookup_method
-from attnslim.methods.mla import MLAEntry
+from attnslim.methods.mla_base import MLAEntry
 from attnslim.methods.mla_stats import MLAStats
 from attnslim.plan import StepPlan
 from conftest import tiny_llama

@@ -1,6 +1,6 @@
 """Compression methods (registered by name on import; the list below is explicit)."""
 
-from attnslim.methods import atp, drop, latentllm, lisa, lowrank_baselines, mla, nbl  # noqa: F401
+from attnslim.methods import atp, drop, latentllm, lisa, lowrank_baselines, mla, nbl, transmla  # noqa: F401
 from attnslim.methods.base import Method
 from attnslim.registry import METHODS, lookup
 

@@ -55,191 +55,32 @@ the key projection and can be neither shared by a latent nor absorbed. Results: 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
-from attnslim import _compat
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.stats import InputStats
-from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
     allocate_ranks,
     assemble,
     attention_weight,
     fit_latent,
-    head_moments,
     latent_spectrum,
-    second_moment,
 )
-from attnslim.linalg.mla_rope import SELECTS, RotarySplit, split_rotary
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
-from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in, spectrum
-from attnslim.modules.mla import MLAAttention
-from attnslim.plan import LayerEntry, StepPlan
+from attnslim.linalg.mla_rope import SELECTS, RotarySplit
+from attnslim.methods.base import NO_CONTEXT, StepContext, require
+from attnslim.methods.mla_base import MLABase, MLAEntry, balance, stacked_kv
+from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
+from attnslim.plan import StepPlan
 from attnslim.registry import register_method
 
 KV_WEIGHTS = ("attention", "rootcov", "svd")
-LAYOUTS = ("free", "deepseek")
 ALLOCS = ("uniform", "global")
 AUTO_FOLD = 4  # `mla`'s FreqFold where fewer rotary pairs than frequencies are kept (BENCHMARKS.md, MLA)
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
-
-
-@dataclass(frozen=True)
-class MLAEntry(LayerEntry):
-    rank: int  # latent rank r
-    rope_dims: int  # d_rope: the rotary key's width
-    kv_elements: int  # r + d_rope, cached per token
-    dense_kv_elements: int  # 2·n_kv·d_h, what the dense layer caches
-
-
-@dataclass(frozen=True)
-class _MLABase(Method[MLAEntry, MLAStats]):
-    kv_ratio: float | None = None  # kept fraction of the dense KV cache, r + d_rope per token and layer; 0.5 when
-    # neither kv_ratio nor rank is given
-    rank: int | None = None  # explicit latent rank r instead
-    rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
-    damp: float = 1e-2
-    layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
-    entry_type = MLAEntry
-
-    def __post_init__(self) -> None:
-        n = self.name
-        if self.kv_ratio is None and self.rank is None:
-            object.__setattr__(self, "kv_ratio", 0.5)
-        require(self.layout in LAYOUTS, n, "layout", self.layout, " | ".join(LAYOUTS))
-        require((self.kv_ratio is None) != (self.rank is None), n, "kv_ratio/rank", (self.kv_ratio, self.rank),
-                "exactly one of kv_ratio (a kept fraction of the dense KV cache) or rank")
-        require(self.kv_ratio is None or (isinstance(self.kv_ratio, int | float) and 0 < self.kv_ratio <= 1), n,
-                "kv_ratio", self.kv_ratio, "(0, 1]: a kept fraction of the dense KV cache")
-        for key in ("rank", "rope_dims"):
-            v = getattr(self, key)
-            require(v is None or (isinstance(v, int) and not isinstance(v, bool)), n, key, v, "an integer")
-        require(self.rope_dims is None or (self.rope_dims >= 0 and self.rope_dims % 2 == 0), n, "rope_dims",
-                self.rope_dims, "an even number >= 0 (rotary dims come in frequency pairs)")
-        require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",
-                self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
-
-    # --- decisions --------------------------------------------------------------------------------------
-    def collector(self, adapter: Adapter, layer: int) -> Collector[MLAStats]:
-        return MLACollector()
-
-    def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
-        """Refuse every layer's bad input before any statistics are collected or any layer converted."""
-        for i in layers:
-            self._sizes(adapter, i)
-        return NO_CONTEXT
-
-    def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, MLAStats],
-             context: StepContext = NO_CONTEXT) -> StepPlan[MLAEntry]:
-        out = {}
-        for i in layers:
-            spec = adapter.attention_spec(i)
-            rank, rope = self._sizes(adapter, i)
-            out[i] = MLAEntry(rank, rope, rank + rope, 2 * spec.n_kv_heads * spec.head_dim)
-        return StepPlan(out)
-
-    def _sizes(self, adapter: Adapter, layer: int) -> tuple[int, int]:
-        """(r, d_rope) of one layer, or a refusal naming the layer, the value and the fix."""
-        spec = adapter.attention_spec(layer)
-        where = f"{self.name}: layer {layer}"
-        if spec.k_norm is not None:
-            raise AttnslimError(
-                f"{where} normalises each head's key (QK-norm, {type(spec.k_norm).__name__}): a per-head RMS norm "
-                "after the key projection can be neither shared by one latent nor absorbed into the query, so MLA "
-                "refuses it; leave this layer out of the step's `layers` (latentllm handles QK-norm layers)")
-        d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
-        if spec.rope is not None:
-            _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
-        if self.layout == "deepseek":
-            biased = [name for name in ("q", "k", "v", "o") if spec.bias(name) is not None]
-            if biased:
-                raise AttnslimError(f"{where} has {'/'.join(biased)} biases; layout: deepseek writes DeepSeek-V3's "
-                                    "form, which has no attention biases (vLLM loads none); use layout: free")
-        dense = 2 * spec.n_kv_heads * spec.head_dim
-        rope = self.rope_dims if self.rope_dims is not None else self._default_rope(
-            d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
-        full_rot = self._rope_cap(spec.n_kv_heads, d_rot, rope)
-        if rope > full_rot:
-            fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
-            raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
-                                f"keep ({spec.n_kv_heads} KV heads x {d_rot} rotary dims); {fix}")
-        rank = self.rank if self.kv_ratio is None else int(self.kv_ratio * dense) - rope
-        assert rank is not None
-        max_rank = min(spec.n_kv_heads * spec.head_dim * 2 - rope, spec.hidden_size)
-        if rank < 1:
-            budget = f"kv_ratio = {self.kv_ratio} keeps {rank + rope} of {dense} values" if self.kv_ratio else \
-                f"rank = {rank}"
-            raise AttnslimError(f"{where}: {budget}, which leaves no latent beside the {rope}-dim rotary key; "
-                                f"raise kv_ratio above {(rope + 1) / dense:.3f} or lower rope_dims")
-        if rank > max_rank:
-            raise AttnslimError(f"{where}: kv rank = {rank} exceeds {max_rank}, the most this layer allows "
-                                f"(min(2·n_kv·d_h − d_rope, hidden)); lower rank or kv_ratio")
-        return rank, rope
-
-    def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
-        return default_rope_dims(rotary_dims, elements, dense)
-
-    def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
-        """(select, span, fold, one pair per frequency) of linalg/mla_rope.split_rotary for a layer keeping
-        `rope` of its `rotary_dims` (one head's) rotary dims."""
-        raise NotImplementedError
-
-    def _rope_cap(self, n_kv_heads: int, rotary_dims: int, rope: int) -> int:
-        """The most rotary dims one layer can keep: every rotary component of every KV head, or one rotary
-        head's worth when every frequency has one slot (FreqFold, one pair per frequency, layout deepseek)."""
-        _, _, fold, one_per_freq = self._rotary_choice(rope, rotary_dims)
-        return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
-
-    # --- conversion ---------------------------------------------------------------------------------------
-    def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: MLAStats) -> Fit:
-        spec = adapter.attention_spec(layer)
-        where = f"{self.name}: layer {layer}"
-        st = attn_in(stats, layer, where)
-        split = self._split(adapter, spec, st, entry.rope_dims, where)
-        factors = self._fit(spec, split, st, entry.rank, where)
-        module = self._install(adapter, layer, spec, entry)
-        _load(module, factors, spec)
-        return {"rope_freq": [int(f) for f in factors.freq]}
-
-    def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
-        d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
-        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where)
-
-    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
-        raise NotImplementedError
-
-    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: MLAEntry) -> MLAAttention:
-        dtype = spec.q.dtype
-        o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
-        rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
-        module = MLAAttention(
-            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
-            rank=entry.rank, rope_dims=entry.rope_dims, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
-            k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
-            layer_type=spec.rope.layer_type if spec.rope is not None else None,
-            sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
-        )
-        adapter.replace_attention(layer, module)
-        return module.to(spec.q.device)
-
-    def skeleton(self, adapter: Adapter, layer: int, entry: MLAEntry) -> None:
-        self._install(adapter, layer, adapter.attention_spec(layer), entry)
-
-
-def default_rope_dims(rotary_dims: int, elements: int | None, dense: int) -> int:
-    """d_rope when none is given: E²/(1.5·D) rounded to even (E cached elements per token, D = 2·n_kv·d_h the
-    dense cache), at least 8 and at most one head's rotary dims; the model's rotary dims with an explicit rank.
-    Fitted to a rope_dims sweep on SmolLM2-135M at KV 0.5, 0.375 and 0.25 (BENCHMARKS.md, MLA): the tighter the
-    budget, the more the latent is worth against the rotary key. 0 without RoPE."""
-    if rotary_dims == 0 or elements is None:
-        return rotary_dims
-    return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements * elements / (3.0 * dense))))
 
 
 def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
@@ -252,83 +93,9 @@ def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
     return max(min(8, rotary_dims), min(rotary_dims, 2 * round(elements / 12.0)))
 
 
-def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
-    """Copy the fitted tensors into the installed module (cast to its dtype)."""
-    with torch.no_grad():
-        for name, value in (("q_rope", f.q_rope), ("q_nope", f.q_nope), ("rope_freq", f.freq)):
-            target = getattr(module, name)
-            if target is not None:
-                target.copy_(value)
-        module.kv.b.copy_(f.kv.B)
-        if module.kv.block_identity:
-            assert f.kv.perm is not None  # fit_latent always returns the block-identity form
-            module.kv.a.copy_(f.kv.a2)
-            module.kv.perm.copy_(f.kv.perm)
-        else:  # full rank: A = J⁻¹ M as one dense matrix (the identity columns included)
-            module.kv.a.copy_(f.kv.A)
-        module.o_proj.weight.copy_(spec.o)
-        if module.o_proj.bias is not None:
-            module.o_proj.bias.copy_(f.o_bias)
-        elif f.o_bias.abs().max() > 0:  # layout deepseek refuses biases and fits without the mean correction
-            raise AttnslimError(f"layer {module.layer_idx}: the fit gave an output bias but o_proj has none")
-        if module.k_rope is not None:
-            module.k_rope.weight.copy_(f.k_rope)
-            if f.k_rope_bias is not None and module.k_rope.bias is not None:
-                module.k_rope.bias.copy_(f.k_rope_bias)
-
-
-def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[torch.Tensor, float]:
-    """(θ_j (d_rot/2,) radians per token, RoPE's attention scale) read from the model's own rotary tables."""
-    assert spec.rope is not None
-    rotary = adapter.rotary_embedding(spec.rope.layer_type)
-    if rotary is None:
-        raise AttnslimError(f"{where}: the adapter gives no rotary module for a RoPE layer")
-    # on the rotary module's own device: with offloaded weights the layer's tensors may not be materialised
-    device = next(iter(rotary.buffers()), torch.zeros(0)).device
-    x = torch.zeros(1, dtype=torch.float32, device=device)
-    pos = torch.arange(2, device=device)[None]
-    cos, sin = _compat.rotary_cos_sin(rotary, x, pos, spec.rope.layer_type)  # (1, 2, d_rot)
-    if cos.shape[-1] != spec.rope.rotary_dims:
-        raise AttnslimError(f"{where}: the model rotates {cos.shape[-1]} dims per head but the adapter says "
-                            f"{spec.rope.rotary_dims}; MLA needs the true rotary width (fix the adapter's RopeSpec)")
-    half = spec.rope.rotary_dims // 2
-    angles = torch.atan2(sin[0, 1, :half].double(), cos[0, 1, :half].double())
-    return angles, float(cos[0, 0, 0])
-
-
-def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
-                  fold: int, one_per_freq: bool, where: str) -> RotarySplit:
-    d_rot, angles, scale = 0, None, 1.0
-    if spec.rope is not None:
-        d_rot = spec.rope.rotary_dims
-        angles, scale = _rotary_info(adapter, spec, where)
-    q_mom = head_moments(spec.q, spec.q_bias, st, spec.n_heads) if select == "query" else None
-    return split_rotary(
-        second_moment(spec.k, spec.k_bias, st), q_mom,
-        n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
-        pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, one_per_freq=one_per_freq,
-        label=where)
-
-
-def _stacked(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:
-    """(D_n + n_kv·d_h, d) the weights of [k_nope; v]."""
-    return torch.cat([split.nope_key @ spec.k.to(torch.float64), spec.v.to(torch.float64)])
-
-
-def _balance(weights: list[torch.Tensor], w_kv: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
-    """The key block's weight (D_n, D_n) rescaled so the weighted key energy tr(W_k C W_kᵀ S_k²) equals the
-    values' (TransMLA's balance α², here under any within-block weights); [keys, values] as given otherwise."""
-    w_k, w_v = weights
-    d_n = w_k.shape[0]
-    rows_k, rows_v = w_kv[:d_n], w_kv[d_n:]  # (D_n, d), (n_kv·d_h, d)
-    e_k = float(torch.trace(w_k @ rows_k @ cov @ rows_k.T)) if d_n else 0.0
-    e_v = float(torch.trace(w_v @ rows_v @ cov @ rows_v.T))
-    return [w_k * (e_v / e_k) if e_k > 0 else w_k, w_v]
-
-
 @register_method("mla")
 @dataclass(frozen=True)
-class MLA(_MLABase):
+class MLA(MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "attention"
@@ -393,7 +160,7 @@ class MLA(_MLABase):
     def _objective(self, spec: AttentionSpec, split: RotarySplit, st: InputStats
                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None, torch.Tensor | None]:
         """(W_kv, C, output-side weights, mean for the value correction) of the latent fit (`kv_weight`)."""
-        w_kv = _stacked(spec, split)
+        w_kv = stacked_kv(spec, split)
         if self.kv_weight == "svd":
             return w_kv, torch.eye(spec.hidden_size, dtype=torch.float64), None, None
         # the mean correction lands in o_proj's bias, which layout deepseek does not have: the uncentred fit there
@@ -402,31 +169,11 @@ class MLA(_MLABase):
         if self.kv_weight == "attention":
             w_k, w_v = attention_weight(spec.q, spec.q_bias, spec.v, spec.o, split, st, n_heads=spec.n_heads,
                                         n_kv_heads=spec.n_kv_heads, scaling=spec.scaling)
-            return w_kv, cov, _balance([w_k, w_v], w_kv, cov), mean
+            return w_kv, cov, balance([w_k, w_v], w_kv, cov), mean
         rows = [torch.diag(split.nope_weight.clamp_min(ROW_FLOOR)), torch.eye(spec.v.shape[0], dtype=torch.float64)]
-        return w_kv, cov, _balance(rows, w_kv, cov), mean
+        return w_kv, cov, balance(rows, w_kv, cov), mean
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         w_kv, cov, weights, mean = self._objective(spec, split, st)
         kv = fit_latent(w_kv, cov, rank, weights, self.damp, where)
         return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, mean)
-
-
-@register_method("transmla")
-@dataclass(frozen=True)
-class TransMLA(_MLABase):
-    freq_fold: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(isinstance(self.freq_fold, int) and self.freq_fold >= 1, self.name, "freq_fold", self.freq_fold,
-                "an integer >= 1 (1: no folding)")
-
-    def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
-        return "pca", 1, self.freq_fold, self.layout == "deepseek"
-
-    def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
-        w_kv = _stacked(spec, split)
-        eye = [torch.eye(split.nope_key.shape[0], dtype=torch.float64), torch.eye(spec.v.shape[0], dtype=torch.float64)]
-        kv = fit_latent(w_kv, st.corr, rank, _balance(eye, w_kv, st.corr), self.damp, where)
-        return assemble(spec.q, spec.k, spec.k_bias, spec.v, spec.v_bias, spec.o, spec.o_bias, split, kv, None)
