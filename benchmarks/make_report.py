@@ -48,11 +48,14 @@ SECTIONS = {
     "mla-kv25-ablations": ("MLA at KV 0.25: FreqFold against one pair per frequency, and d_rope under FreqFold "
                            "(8192 evaluation tokens)", "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
-                  "tokens, 16 calibration windows)", "benchmarks/mla.py"),
+                  "tokens, 16 calibration windows; `mla` rows are of the previous default split, no FreqFold and "
+                  "d_rope E²/1.5D)", "benchmarks/mla.py"),
     "mla-deepseek-small": ("MLA: the DeepSeek-V3 layout (what `attnslim export` takes) against the free layout "
                            "(small run: 2048 evaluation tokens, 16 calibration windows)", "benchmarks/mla.py"),
     "mla-speed": ("MLA: decode and prefill speed against dense, with FLOPs and KV bytes",
                   "benchmarks/mla.py"),
+    "mla-speed-fold": ("MLA: decode speed of the default split (FreqFold, d_rope 32) against the previous one (d_rope "
+                       "64), 2 threads", "benchmarks/mla.py"),
     "mla-speed-2t": ("MLA: decode and prefill speed against dense on 2 threads (quiet machine)",
                      "benchmarks/mla.py"),
 }
@@ -61,8 +64,8 @@ SECTIONS = {
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
-         "mla-small",
-         "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "nbl", "nbl-calib", "nbl-small", "nbl-gemma3",
+         "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "nbl", "nbl-calib",
+         "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (

@@ -55,7 +55,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter
+from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.modules.principal import KEY_PATHS, QUERY_MODES, VALUE_SCALES, PrincipalKeyAttention
 from attnslim.modules.principal_serving import COMPRESSORS, PrincipalCacheAttention
@@ -152,7 +152,7 @@ class Atp(Method[AtpEntry, None]):
     def skeleton(self, adapter: Adapter, layer: int, entry: AtpEntry) -> None:
         adapter.replace_attention(layer, self.build(adapter.attention_spec(layer)))
 
-    def build(self, spec: Any) -> nn.Module:
+    def build(self, spec: AttentionSpec) -> nn.Module:
         """The replacement module for one AttentionSpec (weights copied from the spec)."""
         if self.form == "paper":
             return PrincipalKeyAttention(

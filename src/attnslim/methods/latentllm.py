@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnslim.adapters.base import Adapter
+from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec
 from attnslim.calib.hooks import SITE_OF
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
@@ -199,7 +199,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             shapes |= {n: tuple(w.shape) for n in rk.MLP if (w := getattr(mspec, n)) is not None}
         return shapes  # type: ignore[return-value]
 
-    def _check_activation(self, mspec: Any, layer: int) -> None:
+    def _check_activation(self, mspec: MLPSpec, layer: int) -> None:
         if self.mlp != "joint_ud":
             return
         act, gated = UD_ACTIVATIONS.get(mspec.activation), mspec.gate is not None
@@ -315,7 +315,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
         return {k: val for k, val in fit.items() if val}
 
-    def _qk(self, spec: Any, st: InputStats, ranks: dict[str, int], layer: int) -> tuple[Any, Any, dict[str, Any]]:
+    def _qk(self, spec: AttentionSpec, st: InputStats, ranks: dict[str, int], layer: int
+            ) -> tuple[LowRankFactors, LowRankFactors, dict[str, Any]]:
         if self.qk == "split":
             fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
             return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
@@ -338,7 +339,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
         return fq, fk, {"hosvd_loss": [f.loss_history[0], f.loss_history[-1]]}
 
-    def _vo(self, adapter: Adapter, spec: Any, stats: LayerStats, ranks: dict[str, int], layer: int
+    def _vo(self, adapter: Adapter, spec: AttentionSpec, stats: LayerStats, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
         if self.vo == "none":
             return adapter.linear(layer, "v"), adapter.linear(layer, "o"), {}
@@ -396,7 +397,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         return info
 
     # --- modules ----------------------------------------------------------------------------------------
-    def _install(self, adapter: Adapter, layer: int, spec: Any, q: nn.Module, k: LowRankLinear, v: nn.Module,
+    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, q: nn.Module, k: LowRankLinear, v: nn.Module,
                  o: nn.Module) -> LatentAttention:
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = LatentAttention(
