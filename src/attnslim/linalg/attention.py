@@ -64,7 +64,9 @@ def grouped_attention(
     b, h, t, e = q.shape
     n = k.shape[1]
     g = h // n
-    scores = (q.reshape(b, n, g * t, e) @ k.transpose(-1, -2)) * scaling  # (b, n, g·t, kv)
+    scores = q.reshape(b, n, g * t, e) @ k.transpose(-1, -2)  # (b, n, g·t, kv)
+    if scaling != 1.0:  # callers that fold the scale into the query pass 1.0
+        scores = scores * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if keep is not None:

@@ -78,6 +78,7 @@ class MLAAttention(ReplacementAttention):
         self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._value_t: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._fused: tuple[tuple[int, ...], _Fused] | None = None
 
     # --- RoPE -----------------------------------------------------------------------------------------
@@ -98,6 +99,14 @@ class MLAAttention(ReplacementAttention):
         return apply_rope(x, table[0][:, start:end], table[1][:, start:end])
 
     # --- projections ------------------------------------------------------------------------------------
+    def _value_map(self) -> torch.Tensor:
+        """(n_kv, r, d_h) B_vᵀ per KV head, contiguous, outside autograd: computed once per parameter version."""
+        key = (self.kv.b._version, self.kv.b.data_ptr())
+        if self._value_t is None or self._value_t[0] != key:
+            b_v = self.kv.b[self.nope_dims :].view(self.n_kv_heads, self.head_dim, self.rank)
+            self._value_t = (key, b_v.transpose(-1, -2).contiguous().detach())
+        return self._value_t[1]
+
     def absorbed_query(self) -> torch.Tensor:
         """(h, r, d_h) B_kᵀ N_q,i: maps query head i straight to latent space."""
         b_k = self.kv.b[: self.nope_dims]  # (D_n, r)
@@ -163,11 +172,14 @@ class MLAAttention(ReplacementAttention):
         n_kv, r = self.n_kv_heads, self.rank
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
         # over the whole cached row there and keep the latent columns
-        values = store if t > FEW_QUERIES else store[..., :r]
-        lat = attend(q_cat, store, values, keep, scaling, self.softcap)[..., :r]
-        b_v = self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r)  # (n_kv, d_h, r)
+        if t > FEW_QUERIES:
+            lat = attend(q_cat, store, store, keep, scaling, self.softcap)[..., :r]
+        else:
+            lat = attend(q_cat, store, store[..., :r], keep, scaling, self.softcap)  # (b, h, t, r)
+        b_v_t = self._value_map() if not torch.is_grad_enabled() else \
+            self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r).transpose(-1, -2)  # (n_kv, r, d_h)
         lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
-        return (lat @ b_v.transpose(-1, -2)).view(b, h, t, self.head_dim)  # no copy of B_v per group
+        return (lat @ b_v_t).view(b, h, t, self.head_dim)  # no copy of B_v per group
 
     # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
     def fused(self) -> _Fused | None:
@@ -200,7 +212,7 @@ class MLAAttention(ReplacementAttention):
     def release_derived(self) -> None:
         """Forget the weights derived from the parameters (offloaded runs take the parameters away after each
         forward: keeping their derivatives would hold every layer's copy in memory)."""
-        self._fused = self._absorbed = None
+        self._fused = self._absorbed = self._value_t = None
 
     def _decode_inputs(self, x: torch.Tensor, fused: _Fused, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
@@ -211,12 +223,13 @@ class MLAAttention(ReplacementAttention):
         q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q_cat = q @ fused.maps  # (b, h, t, r + d_rope)
-        new = y[:, None, :, hd:]  # (b, 1, t, r + d_rope)
-        if self.rope_dims:
-            q_cat = torch.cat([q_cat[..., :r], self._rope(q_cat[..., r:], past)], dim=-1)
-            new = torch.cat([new[..., :r], self._rope(new[..., r:], past)], dim=-1)
-        return new.contiguous(), q_cat
+        q_cat = q @ fused.maps  # (b, h, t, r + d_rope), a fresh tensor: its rotary columns are rotated in place
+        new = y[:, None, :, hd:].contiguous()  # (b, 1, t, r + d_rope)
+        if self.rope_dims:  # one RoPE call for the rotary query of every head and the rotary key
+            rotated = self._rope(torch.cat([q_cat[..., r:], new[..., r:]], dim=1), past)  # (b, h + 1, t, d_rope)
+            q_cat[..., r:] = rotated[:, :-1]
+            new[..., r:] = rotated[:, -1:]
+        return new, q_cat
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
