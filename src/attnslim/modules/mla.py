@@ -100,11 +100,14 @@ class MLAAttention(ReplacementAttention):
 
     # --- projections ------------------------------------------------------------------------------------
     def _value_map(self) -> torch.Tensor:
-        """(n_kv, r, d_h) B_vᵀ per KV head, contiguous, outside autograd: computed once per parameter version."""
+        """(n_kv, r, d_h) B_vᵀ per KV head: a view of the parameter under autograd; outside it a contiguous copy,
+        computed once per parameter version."""
+        b_v_t = self.kv.b[self.nope_dims :].view(self.n_kv_heads, self.head_dim, self.rank).transpose(-1, -2)
+        if torch.is_grad_enabled():
+            return b_v_t
         key = (self.kv.b._version, self.kv.b.data_ptr())
         if self._value_t is None or self._value_t[0] != key:
-            b_v = self.kv.b[self.nope_dims :].view(self.n_kv_heads, self.head_dim, self.rank)
-            self._value_t = (key, b_v.transpose(-1, -2).contiguous().detach())
+            self._value_t = (key, b_v_t.contiguous().detach())
         return self._value_t[1]
 
     def absorbed_query(self) -> torch.Tensor:
@@ -176,8 +179,7 @@ class MLAAttention(ReplacementAttention):
             lat = attend(q_cat, store, store, keep, scaling, self.softcap)[..., :r]
         else:
             lat = attend(q_cat, store, store[..., :r], keep, scaling, self.softcap)  # (b, h, t, r)
-        b_v_t = self._value_map() if not torch.is_grad_enabled() else \
-            self.kv.b[self.nope_dims :].view(n_kv, self.head_dim, r).transpose(-1, -2)  # (n_kv, r, d_h)
+        b_v_t = self._value_map()  # (n_kv, r, d_h)
         lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
         return (lat @ b_v_t).view(b, h, t, self.head_dim)  # no copy of B_v per group
 
