@@ -31,7 +31,7 @@ from torch import nn
 from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
-from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.rope import apply_rope, rotate_half
 from attnslim.linalg.scores import heads
 from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
@@ -42,9 +42,10 @@ PATHS = ("auto", "absorb", "decompress")
 
 
 class _Fused(NamedTuple):
-    w_in: torch.Tensor  # (h·d_h + r + d_rope, d)
-    b_in: torch.Tensor | None  # (h·d_h + r + d_rope,)
-    maps: torch.Tensor  # (h, d_h, r + d_rope)
+    w_in: torch.Tensor  # (h·d_h + r + 2·d_rope, d)
+    b_in: torch.Tensor | None  # (h·d_h + r + 2·d_rope,)
+    maps: torch.Tensor  # (h, d_h, r + 2·d_rope)
+    value_t: torch.Tensor  # (n_kv, r, d_h) B_vᵀ per KV head
 
 
 @register_module
@@ -78,37 +79,33 @@ class MLAAttention(ReplacementAttention):
         self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._value_t: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._fused: tuple[tuple[int, ...], _Fused] | None = None
+        self._fused: tuple[tuple[tuple[int, int], ...], _Fused] | None = None
 
     # --- RoPE -----------------------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotate x (b, n, t, d_rope) as positions start .. start + t − 1, at the kept frequencies."""
         if not self.rope_dims:
             return x
-        end = start + x.shape[-2]
+        return apply_rope(x, *self._cos_sin(start, start + x.shape[-2], x))
+
+    def _cos_sin(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (1, end − start, d_rope) of positions start .. end − 1 at the kept frequencies, in like's
+        dtype and device."""
         table = self._table
-        if table is None or table[0].shape[1] < end or table[0].device != x.device or table[0].dtype != x.dtype:
+        if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
             cap = max(256, 1 << (end - 1).bit_length())  # grow geometrically: O(1) amortised per token
-            pos = torch.arange(cap, device=x.device)[None]  # (1, cap)
-            cos, sin = _compat.rotary_cos_sin(self._rotary[0], x, pos, self.layer_type)  # (1, cap, d_rot)
+            pos = torch.arange(cap, device=like.device)[None]  # (1, cap)
+            cos, sin = _compat.rotary_cos_sin(self._rotary[0], like, pos, self.layer_type)  # (1, cap, d_rot)
             assert self.rope_freq is not None
-            idx = torch.cat([self.rope_freq, self.rope_freq]).to(x.device)  # half-split: pair p at p and m + p
+            idx = torch.cat([self.rope_freq, self.rope_freq]).to(like.device)  # half-split: pair p at p and m + p
             table = (cos[..., idx], sin[..., idx])
             self._table = table
-        return apply_rope(x, table[0][:, start:end], table[1][:, start:end])
+        return table[0][:, start:end], table[1][:, start:end]
 
     # --- projections ------------------------------------------------------------------------------------
     def _value_map(self) -> torch.Tensor:
-        """(n_kv, r, d_h) B_vᵀ per KV head: a view of the parameter under autograd; outside it a contiguous copy,
-        computed once per parameter version."""
-        b_v_t = self.kv.b[self.nope_dims :].view(self.n_kv_heads, self.head_dim, self.rank).transpose(-1, -2)
-        if torch.is_grad_enabled():
-            return b_v_t
-        key = (self.kv.b._version, self.kv.b.data_ptr())
-        if self._value_t is None or self._value_t[0] != key:
-            self._value_t = (key, b_v_t.contiguous().detach())
-        return self._value_t[1]
+        """(n_kv, r, d_h) B_vᵀ per KV head, a view of the parameter (`fused` holds a contiguous copy for decode)."""
+        return self.kv.b[self.nope_dims :].view(self.n_kv_heads, self.head_dim, self.rank).transpose(-1, -2)
 
     def absorbed_query(self) -> torch.Tensor:
         """(h, r, d_h) B_kᵀ N_q,i: maps query head i straight to latent space."""
@@ -142,7 +139,7 @@ class MLAAttention(ReplacementAttention):
             new, q_cat = self._decode_inputs(x, fused, past)
             store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
             keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
-            out = self._attend_latent(q_cat, store, keep, 1.0)  # `scaling` is in the fused query maps
+            out = self._attend_latent(q_cat, store, keep, 1.0, fused.value_t)  # `scaling` is in the fused maps
         else:
             q = heads(self.q_proj(x), self.head_dim)  # (b, h, t, d_h)
             if self.q_norm is not None:
@@ -165,12 +162,12 @@ class MLAAttention(ReplacementAttention):
                 ) -> torch.Tensor:
         """Scores and values in latent space; (b, h, t, d_h)."""
         q_lat = torch.einsum("bhtd,hrd->bhtr", q, self.absorbed_query())  # (b, h, t, r)
-        return self._attend_latent(torch.cat([q_lat, q_r], dim=-1), store, keep, self.scaling)
+        return self._attend_latent(torch.cat([q_lat, q_r], dim=-1), store, keep, self.scaling, self._value_map())
 
-    def _attend_latent(self, q_cat: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None, scaling: float
-                       ) -> torch.Tensor:
+    def _attend_latent(self, q_cat: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None, scaling: float,
+                       b_v_t: torch.Tensor) -> torch.Tensor:
         """q_cat (b, h, t, r + d_rope) [absorbed query; rotated rotary query] against the cached [c, k_r]:
-        attention-weighted latents, then each head's value up-projection; (b, h, t, d_h)."""
+        attention-weighted latents, then each head's value up-projection b_v_t (n_kv, r, d_h); (b, h, t, d_h)."""
         b, h, t, _ = q_cat.shape
         n_kv, r = self.n_kv_heads, self.rank
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
@@ -179,7 +176,6 @@ class MLAAttention(ReplacementAttention):
             lat = attend(q_cat, store, store, keep, scaling, self.softcap)[..., :r]
         else:
             lat = attend(q_cat, store, store[..., :r], keep, scaling, self.softcap)  # (b, h, t, r)
-        b_v_t = self._value_map()  # (n_kv, r, d_h)
         lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
         return (lat @ b_v_t).view(b, h, t, self.head_dim)  # no copy of B_v per group
 
@@ -187,51 +183,58 @@ class MLAAttention(ReplacementAttention):
     def fused(self) -> _Fused | None:
         """Derived weights for decode outside autograd, rebuilt when a parameter changes (None where q_proj is
         not a plain Linear, e.g. factorised by another step: the unfused path then runs, with the same values):
-          w_in (h·d_h + r + d_rope, d)  [W_q; A; W_kr]  (A dense: the block identity written out)
-          maps (h, d_h, r + d_rope)     scaling · [B_kᵀ N_q,i; R_q,i]ᵀ per head: q -> [absorbed query; rotary
-                                        query], the softmax scale folded in (RoPE is linear: it commutes)."""
+          w_in (h·d_h + r + 2·d_rope, d)  [W_q; A; W_kr; P W_kr]  (A dense: the block identity written out)
+          maps (h, d_h, r + 2·d_rope)     scaling · [B_kᵀ N_q,i; R_q,i; P R_q,i]ᵀ per head: q -> [absorbed query;
+                                          rotary query; its rotate-half], the softmax scale folded in.
+        P is RoPE's rotate-half ([x1, x2] -> [−x2, x1]), a fixed linear map: with P·y computed by the same GEMM,
+        RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`_rotate_in_place`)."""
         if not isinstance(self.q_proj, nn.Linear):
             return None
-        parts = [*self.q_proj.parameters(), *self.kv.parameters(), *(self.k_rope.parameters() if self.k_rope else ()),
-                 *(p for p in (self.q_nope, self.q_rope) if p is not None)]
-        key = tuple(x for p in parts for x in (p._version, p.data_ptr()))
+        # the parameters and buffers it derives from, read from the modules' own dicts: this runs per layer and step
+        owners = (self.q_proj, self.kv, self.k_rope, self)
+        key = tuple((p._version, p.data_ptr()) for m in owners if m is not None
+                    for d in (m._parameters, m._buffers) for p in d.values() if p is not None)
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]
-        e = self.rank + self.rope_dims
         with torch.no_grad():  # A as (r, d): its block identity written out
-            k_rope = [self.k_rope.weight] if self.k_rope is not None else []
-            rows = [self.q_proj.weight, self.kv.dense_latent(), *k_rope]
-            biases = [self.q_proj.bias, None] + ([self.k_rope.bias] if self.k_rope is not None else [])
+            rows = [self.q_proj.weight, self.kv.dense_latent()]
+            biases = [self.q_proj.bias, None]
+            maps = [self.absorbed_query()]  # (h, r, d_h)
+            if self.k_rope is not None and self.q_rope is not None:
+                w_kr, q_r = self.k_rope.weight, self.q_rope  # (d_rope, d), (h, d_rope, d_h)
+                rows += [w_kr, rotate_half(w_kr.T).T]
+                b_kr = self.k_rope.bias
+                biases += [b_kr, None if b_kr is None else rotate_half(b_kr)]
+                maps += [q_r, rotate_half(q_r.transpose(1, 2)).transpose(1, 2)]
             bias = None if all(x is None for x in biases) else torch.cat(
                 [x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(biases, rows, strict=True)])
-            maps = [self.absorbed_query()] + ([self.q_rope] if self.q_rope is not None else [])
             value = _Fused(torch.cat(rows).detach(), None if bias is None else bias.detach(),
-                           (torch.cat(maps, dim=1).transpose(1, 2) * self.scaling).contiguous().detach())
-        assert value.maps.shape[-1] == e
+                           (torch.cat(maps, dim=1).transpose(1, 2) * self.scaling).contiguous().detach(),
+                           self._value_map().contiguous().detach())
+        assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
         self._fused = (key, value)
         return value
 
     def release_derived(self) -> None:
         """Forget the weights derived from the parameters (offloaded runs take the parameters away after each
         forward: keeping their derivatives would hold every layer's copy in memory)."""
-        self._fused = self._absorbed = self._value_t = None
+        self._fused = self._absorbed = None
 
     def _decode_inputs(self, x: torch.Tensor, fused: _Fused, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
-        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)]."""
-        b, t, _ = x.shape
-        hd, r = self.n_heads * self.head_dim, self.rank
-        y = F.linear(x, fused.w_in, fused.b_in)  # (b, t, h·d_h + r + d_rope)
+        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], both views of fresh GEMM outputs."""
+        t = x.shape[1]
+        hd, e = self.n_heads * self.head_dim, self.rank + self.rope_dims
+        y = F.linear(x, fused.w_in, fused.b_in)  # (b, t, h·d_h + r + 2·d_rope): [q, c, k_r, P k_r]
         q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q_cat = q @ fused.maps  # (b, h, t, r + d_rope), a fresh tensor: its rotary columns are rotated in place
-        new = y[:, None, :, hd:].contiguous()  # (b, 1, t, r + d_rope)
-        if self.rope_dims:  # one RoPE call for the rotary query of every head and the rotary key
-            rotated = self._rope(torch.cat([q_cat[..., r:], new[..., r:]], dim=1), past)  # (b, h + 1, t, d_rope)
-            q_cat[..., r:] = rotated[:, :-1]
-            new[..., r:] = rotated[:, -1:]
-        return new, q_cat
+        q_cat = q @ fused.maps  # (b, h, t, r + 2·d_rope): [absorbed query, q_r, P q_r]
+        if self.rope_dims:
+            cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
+            _rotate_in_place(q_cat[..., self.rank :], cos, sin)
+            _rotate_in_place(y[..., hd + self.rank :], cos, sin)
+        return y[:, None, :, hd : hd + e], q_cat[..., :e]
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
@@ -274,3 +277,9 @@ class MLAAttention(ReplacementAttention):
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}, r_kv={self.rank}, "
                 f"d_rope={self.rope_dims}, d_nope={self.nope_dims} ({self.kv_cache_bytes_per_token()} B/token)")
+
+
+def _rotate_in_place(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """z (..., t, 2·d_rope) = [y, P y] -> its first d_rope columns become RoPE(y) = y·cos + (P y)·sin."""
+    d = cos.shape[-1]
+    z[..., :d].mul_(cos).addcmul_(z[..., d:], sin)
