@@ -8,7 +8,7 @@ Groups (--groups, comma-separated; default oneshot,speed):
            [k_nope; v] (kv_weight=svd), today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE) and
            `mla` in DeepSeek-V3's layout (layout=deepseek, recipes/mla-deepseek.yaml: what `attnslim export` takes)
   heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's);
-           at 0.5 also `mla` healed with larger learning rates and with every parameter trained (HEAL_ABLATIONS)
+           at 0.5 and 0.25 also `mla` healed with larger learning rates, and with every parameter trained
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them
 
@@ -135,7 +135,7 @@ def main() -> None:
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv"))}
-    for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50"):  # heal ablations at 0.5: larger steps, every
+    for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50", "mla-kv25"):  # heal ablations: larger steps, every
         if base in recipes:  # parameter trained (mla-legacy-kv50-heal40-lr3e-4 is recipes/mla.yaml's compression)
             for tag, change in HEAL_ABLATIONS.items():
                 heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",

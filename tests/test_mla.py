@@ -272,7 +272,7 @@ def test_global_plan_uses_the_spectra_summarized_while_each_layer_was_in_memory(
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
     raw = {i: MLAStats({"attn_in": InputStats.from_tokens(x * (1 + i) + i)}) for i in range(4)}
     method = MLA(kv_ratio=0.5, alloc="global")
-    with pytest.raises(AttnslimError, match="layer 0: alloc=global plans from each layer's latent spectrum.*summarize"):
+    with pytest.raises(AttnslimError, match="layer 0: the plan needs each layer's latent spectrum.*summarize"):
         method.plan(adapter, list(range(4)), raw)
     summary = {i: method.summarize(adapter, i, st) for i, st in raw.items()}
     # sequential: the refit collects fresh statistics, so the plan holds one spectrum per layer, not a Gram matrix

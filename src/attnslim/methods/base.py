@@ -175,6 +175,12 @@ def require(cond: bool, method: str, key: str, value: Any, valid: str) -> None:
         raise AttnslimError(f"method {method!r}: {key}={value!r} is invalid; valid: {valid}")
 
 
+def missing_summary(where: str, what: str) -> AttnslimError:
+    """The refusal of a plan that needs what `Method.summarize` computes (`what`) but got raw statistics."""
+    return AttnslimError(f"{where}: the plan needs {what}, which `summarize(adapter, layer, stats)` computes while "
+                         "the layer is in memory; pass plan what it returns for each layer (the pipeline does)")
+
+
 def dense_linear(adapter: Adapter, layer: int, name: str, method: str) -> nn.Linear:
     """Layer `layer`'s linear `name` as the plain nn.Linear a factorising method starts from, or a refusal naming
     what an earlier step made of it."""

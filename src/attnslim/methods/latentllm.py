@@ -7,8 +7,8 @@ Approximates, per layer, without training:
        qk=split: each of W_q, W_k locally by activation-aware SVD (same module, same cache).
   v/o  vo=separate (default, the paper's final choice, Remark 11): local activation-aware SVD of each;
        vo=joint: the attention-agnostic joint V/O of App. G.0/G.1 (linalg/vo); vo=none keeps them dense.
-  mlp  mlp=local: local SVD of gate/up/down; mlp=joint_ud: SparseLLM-style alternating up/down fit (§4.3,
-       App. H; linalg/joint_ud). Exact for ReLU (OPT): the z', z updates are closed form. Gated MLPs
+  mlp  (latentllm_mlp) mlp=local: local SVD of gate/up/down; mlp=joint_ud: SparseLLM-style alternating up/down
+       fit (§4.3, App. H; linalg/joint_ud). Exact for ReLU (OPT): the z', z updates are closed form. Gated MLPs
        (SwiGLU, GeGLU): z', z and all refits are exact, the gate pre-activation takes safeguarded
        Gauss-Newton steps (no closed form). Un-gated GELU and other activations are refused.
 Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the attention input (q/k/v), the o input, the MLP and
@@ -68,17 +68,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec
+from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.hooks import SITE_OF
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.joint_ud import joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
 from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
 from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
 from attnslim.linalg.vo import joint_vo
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.latentllm_mlp import check_ud_activation, fit_joint_ud, fit_local
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
@@ -89,9 +89,6 @@ QK_MODES = ("joint", "split")
 VO_MODES = ("separate", "joint", "none")
 MLP_MODES = ("none", "local", "joint_ud")
 ALLOCS = ("uniform", "spectrum", "global")
-# HF activation name -> joint_ud's name; un-gated MLPs need ReLU (closed-form z update)
-UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                  "gelu_new": "gelu_tanh"}
 
 
 DEFAULT_RATIO = 0.8  # the kept fraction when no size is given
@@ -195,20 +192,10 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         shapes = {n: tuple(spec.weight(n).shape) for n in names}
         if self.mlp != "none":
             mspec = adapter.mlp_spec(layer)
-            self._check_activation(mspec, layer)
+            if self.mlp == "joint_ud":
+                check_ud_activation(mspec, layer)
             shapes |= {n: tuple(w.shape) for n in rk.MLP if (w := getattr(mspec, n)) is not None}
         return shapes  # type: ignore[return-value]
-
-    def _check_activation(self, mspec: MLPSpec, layer: int) -> None:
-        if self.mlp != "joint_ud":
-            return
-        act, gated = UD_ACTIVATIONS.get(mspec.activation), mspec.gate is not None
-        if act is None or (not gated and act != "relu"):
-            valid = sorted(UD_ACTIVATIONS) if gated else ["relu"]
-            raise AttnslimError(
-                f"latentllm: layer {layer}: mlp=joint_ud does not support the {'gated' if gated else 'un-gated'} "
-                f"activation {mspec.activation!r} (valid: {valid}); it has no closed-form update. Use mlp: local"
-            )
 
     def begin_step(self, adapter: Adapter, layers: list[int]) -> StepContext:
         """total_ratio: solve one κ for the linears of the step's `layers`, on the model as it enters the step."""
@@ -252,7 +239,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                     continue
                 budget += rk.kept_weights(sub, ranks[i], self.junction)
                 for n in sub:
-                    keyed[f"{i}.{n}"], spectra[f"{i}.{n}"] = sub[n], _summary(stats[i], layer=i)[n]
+                    keyed[f"{i}.{n}"], spectra[f"{i}.{n}"] = sub[n], stats[i].spectra_of(i)[n]
                     if self.qk == "joint" and n in ("q", "k"):
                         floors[f"{i}.{n}"] = adapter.attention_spec(i).head_dim
             if keyed:
@@ -295,7 +282,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             spec = attn if n in rk.ATTENTION else mlp
             w, b = getattr(spec, n), getattr(spec, f"{n}_bias")
             center = b is not None and self.precond in ("rootcov", "cov")
-            pc = preconditioner(_stats(stats, SITE_OF[n], layer), self.precond, damp=self.damp, alpha=self.alpha,
+            pc = preconditioner(stats.site(SITE_OF[n], layer), self.precond, damp=self.damp, alpha=self.alpha,
                                 center=center, label=f"layer {layer} {n}")
             out[n] = torch.linalg.svdvals(pc.right(w.to(pc.p.device, torch.float64)))  # where the statistics are
         return out
@@ -305,7 +292,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         """Fit and install; returns the fit diagnostics (per QK, VO and MLP part)."""
         spec = adapter.attention_spec(layer)
         ranks, fit = entry.ranks, {}
-        st = _stats(stats, "attn_in", layer)
+        st = stats.site("attn_in", layer)
         fq, fk, fit["qk"] = self._qk(spec, st, ranks, layer)
         v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
         dtype, device = spec.q.dtype, spec.q.device
@@ -343,10 +330,10 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
         if self.vo == "none":
             return adapter.linear(layer, "v"), adapter.linear(layer, "o"), {}
-        st_v = _stats(stats, "attn_in", layer)
+        st_v = stats.site("attn_in", layer)
         if self.vo == "separate":
             fv = self._local(spec.v, spec.v_bias, st_v, ranks["v"], f"layer {layer} v")
-            fo = self._local(spec.o, spec.o_bias, _stats(stats, "o_in", layer), ranks["o"], f"layer {layer} o")
+            fo = self._local(spec.o, spec.o_bias, stats.site("o_in", layer), ranks["o"], f"layer {layer} o")
             info: dict[str, Any] = {}
         else:
             f = joint_vo(spec.v, spec.o, st_v, ranks["v"], ranks["o"], n_heads=spec.n_heads,
@@ -372,26 +359,16 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         return LowRankFactors(b2, a2, bias, perm)
 
     def _mlp(self, adapter: Adapter, layer: int, stats: LayerStats, ranks: dict[str, int]) -> dict[str, Any]:
+        """Fit (latentllm_mlp) and install the MLP's factors; returns the fit diagnostics."""
         spec = adapter.mlp_spec(layer)
-        names = [n for n in rk.MLP if getattr(spec, n) is not None]
         info: dict[str, Any] = {}
         if self.mlp == "local":
-            site = {"gate": "mlp_in", "up": "mlp_in", "down": "down_in"}
-            factors = {n: self._local(getattr(spec, n), getattr(spec, f"{n}_bias"), _stats(stats, site[n], layer),
-                                      ranks[n], f"layer {layer} {n}") for n in names}
+            factors = fit_local(spec, stats, ranks, layer, self._local)
         else:
-            if stats.tokens is None:
-                raise AttnslimError(f"latentllm: layer {layer}: mlp=joint_ud has no MLP-input token sample (the "
-                                    "collector keeps one when ud_tokens > 0); set ud_tokens >= 1")
-            res = joint_ud(
-                stats.tokens, spec.up, spec.up_bias, spec.down, spec.down_bias, ranks["up"], ranks["down"],
-                activation=UD_ACTIVATIONS[spec.activation], w_g=spec.gate, b_g=spec.gate_bias, rank_g=ranks.get("gate"),
-                n_iter=self.ud_iter, damp=self.damp, junction="left" if self.block_identity else self.junction,
-                keep_best=self.ud_keep_best, dtype=torch.float32, label=f"layer {layer} mlp",
-            )  # the junction only re-gauges B A: pivot once, on the factors kept, not on every iterate
-            chosen = {"up": res.up, "down": res.down, **({"gate": res.gate} if res.gate is not None else {})}
-            factors = {n: self._gauge(f.B, f.A, f.bias) if self.block_identity else f for n, f in chosen.items()}
-            info = {"ud_tokens": int(stats.tokens.shape[0]), "ud_output_error": [round(e, 6) for e in res.output_error]}
+            factors, info = fit_joint_ud(
+                spec, stats, ranks, layer, n_iter=self.ud_iter, damp=self.damp,
+                junction="left" if self.block_identity else self.junction, keep_best=self.ud_keep_best,
+                gauge=self._gauge if self.block_identity else None)
         for n, f in factors.items():
             adapter.replace_linear(layer, n, compact_linear(f, spec.up.dtype).to(spec.up.device))
         return info
@@ -431,17 +408,3 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                     adapter.replace_linear(layer, n, empty(n, w, getattr(mspec, f"{n}_bias")).to(device))
         self._install(adapter, layer, spec, q, k, v, o).to(device)
 
-
-def _summary(stats: LayerStats, layer: int) -> dict[str, torch.Tensor]:
-    if stats.spectra is None:
-        raise AttnslimError(f"latentllm alloc=global: layer {layer}'s statistics hold no spectra; pass plan what "
-                            "`summarize(adapter, layer, stats)` returns for each layer (the pipeline does)")
-    return stats.spectra
-
-
-def _stats(stats: LayerStats, site: str, layer: int) -> InputStats:
-    g = stats.grams.get(site)
-    if g is None:
-        raise AttnslimError(f"latentllm: layer {layer}: no statistics at {site}; the calibration did not reach it")
-    g.check(f"layer {layer} {site}")
-    return g

@@ -9,7 +9,7 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Collector
+from attnslim.methods.base import Collector, missing_summary
 
 
 class Reservoir:
@@ -49,6 +49,20 @@ class LayerStats:
     tokens: torch.Tensor | None  # (N, d) MLP-input sample for joint_ud
     spectra: dict[str, torch.Tensor] | None = None  # alloc=global: linear name -> singular values of W P, computed
     # by LatentLLM.summarize while the layer's weights are in memory
+
+    def site(self, site: str, layer: int) -> InputStats:
+        """The checked Gram sums at `site`, or a refusal naming the site."""
+        g = self.grams.get(site)
+        if g is None:
+            raise AttnslimError(f"latentllm: layer {layer}: no statistics at {site}; the calibration did not reach it")
+        g.check(f"layer {layer} {site}")
+        return g
+
+    def spectra_of(self, layer: int) -> dict[str, torch.Tensor]:
+        """alloc=global: the spectra `summarize` computed, or a refusal naming the fix."""
+        if self.spectra is None:
+            raise missing_summary(f"latentllm alloc=global: layer {layer}", "each compressed linear's spectrum")
+        return self.spectra
 
 
 class LatentCollector(Collector[LayerStats]):

@@ -10,7 +10,7 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Collector, GramCollector
+from attnslim.methods.base import Collector, GramCollector, missing_summary
 
 SITE = "attn_in"
 
@@ -52,7 +52,5 @@ def attn_in(stats: MLAStats | None, layer: int, where: str) -> InputStats:
 def spectrum(stats: MLAStats | None, where: str) -> torch.Tensor:
     """alloc=global: the layer's latent spectrum `summarize` computed, or a refusal naming the fix."""
     if stats is None or stats.spectrum is None:
-        raise AttnslimError(f"{where}: alloc=global plans from each layer's latent spectrum, which these statistics "
-                            "do not hold; pass plan what `summarize(adapter, layer, stats)` returns for each layer "
-                            "(the pipeline does)")
+        raise missing_summary(where, "each layer's latent spectrum (alloc=global)")
     return stats.spectrum

@@ -198,7 +198,7 @@ class MLAAttention(ReplacementAttention):
             return self._fused[1]
         with torch.no_grad():  # A as (r, d): its block identity written out
             rows = [self.q_proj.weight, self.kv.dense_latent()]
-            biases = [self.q_proj.bias, None]
+            biases: list[torch.Tensor | None] = [self.q_proj.bias, None]
             maps = [self.absorbed_query()]  # (h, r, d_h)
             if self.k_rope is not None and self.q_rope is not None:
                 w_kr, q_r = self.k_rope.weight, self.q_rope  # (d_rope, d), (h, d_rope, d_h)
