@@ -38,6 +38,7 @@ def nbl_then_latent(m: int, latent: dict[str, Any]) -> list[dict[str, Any]]:
 
 BASES = {
     "latentllm-kv50": [{"method": "latentllm", "layers": "all", "args": {"ratio": 1.0, "kv_ratio": 0.5}}],  # default
+    "mla-kv50": [{"method": "mla", "layers": "all", "args": {"kv_ratio": 0.5}}],  # recipes/mla.yaml's compression
     # the parameter target by attention alone: embeddings + MLP are 80% of the model, so attention must keep <= 25%
     "latentllm-a20": [{"method": "latentllm", "layers": "all", "args": {"ratio": 0.2}}],
     "nbl12-val-kv80": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8}),

@@ -13,7 +13,8 @@ r + d_rope values per token and layer. Two paths give the same output (tested):
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
              d_h (r + d_rope) + r d_h for the absorbed projections.
-  decompress (prefill): k_n = B_k c and v = B_v c for every cached token, then attention at width D_n + d_rope.
+  decompress (prefill): every cached token's key per query head [M_iᵀ c; k_r] with M_i = B_kᵀ N_q,i, and its
+             value B_v c, then attention at width d_h + d_rope per head (N_q,i q_i · B_k c = q_i · M_iᵀ c).
 B_kᵀ N_q,i is a product of two parameters; outside autograd it is computed once per parameter version.
 RoPE tables come from the model's rotary module (scaled RoPE stays exact), gathered at the kept frequencies
 `rope_freq`, at absolute cache positions: keys are rotated once when cached, so sliding-window caches (which
@@ -31,6 +32,7 @@ from torch import nn
 from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
+from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope, rotate_half
 from attnslim.linalg.scores import heads
 from attnslim.modules.base import ReplacementAttention
@@ -238,18 +240,21 @@ class MLAAttention(ReplacementAttention):
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
-        """Keys and values rebuilt for every cached token; (b, h, t, d_h)."""
-        b, kv, n_kv = store.shape[0], store.shape[2], self.n_kv_heads
-        full = F.linear(store[:, 0, :, : self.rank], self.kv.b)  # (b, kv, D_n + n_kv·d_h)
-        k = torch.cat([full[..., None, : self.nope_dims].transpose(1, 2), store[..., self.rank :]], dim=-1)
-        v = heads(full[..., self.nope_dims :], self.head_dim)  # (b, n_kv, kv, d_h)
-        q_n = self._project(q, self.q_nope)  # (b, h, t, D_n)
-        k = k.expand(b, n_kv, kv, k.shape[-1])  # (b, n_kv, kv, D_n + d_rope): one key serves every head (view)
-        pad = k.shape[-1] - self.head_dim if q.shape[2] > FEW_QUERIES else 0
+        """Keys and values rebuilt for every cached token; (b, h, t, d_h). Query head i's non-rotary logit is
+        N_q,i q_i · B_k c = q_i · M_iᵀ c with M_i = B_kᵀ N_q,i (`absorbed_query`), so each head gets the key
+        [M_iᵀ c; k_r] and attention runs at width d_h + d_rope per head, not D_n + d_rope."""
+        b, kv, h = store.shape[0], store.shape[2], self.n_heads
+        c = store[:, 0, :, : self.rank]  # (b, kv, r)
+        k = torch.einsum("bsr,hrd->bhsd", c, self.absorbed_query())  # (b, h, kv, d_h)
+        if self.rope_dims:
+            k = torch.cat([k, store[..., self.rank :].expand(b, h, kv, self.rope_dims)], dim=-1)
+            q = torch.cat([q, q_r], dim=-1)  # (b, h, t, d_h + d_rope)
+        v = heads(F.linear(c, self.kv.b[self.nope_dims :]), self.head_dim)  # (b, n_kv, kv, d_h)
+        v = repeat_kv(v, h // self.n_kv_heads)  # every query head has its own key here
+        pad = self.rope_dims if q.shape[2] > FEW_QUERIES else 0
         if pad > 0:  # SDPA's fast kernels need the value width to equal the query width (zero columns, sliced off)
             v = F.pad(v, (0, pad))
-        out = attend(torch.cat([q_n, q_r], dim=-1), k, v, keep, self.scaling, self.softcap)
-        return out[..., : self.head_dim]
+        return attend(q, k, v, keep, self.scaling, self.softcap)[..., : self.head_dim]
 
     # --- reporting --------------------------------------------------------------------------------------
     def kv_cache_bytes_per_token(self) -> int:
