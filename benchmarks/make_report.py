@@ -40,7 +40,7 @@ SECTIONS = {
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model", "benchmarks/heal.py"),
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression", "benchmarks/heal.py"),
-    "heal-default": ("Healing the default recipe's compression: which text to heal on",
+    "heal-default": ("Healing the default recipe's compression: which text to heal on, and the MLA recipe beside it",
                      "benchmarks/heal.py"),
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
     "mla-kv375-ablations": ("MLA at KV 0.375: the ablations, FreqFold and the rope_dims sweep that set today's "

@@ -34,7 +34,8 @@ from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 
 HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
-HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3}, "all-lr3e-4": {"lr": 3.0e-4, "params": "all"}}
+HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3}, "all-lr3e-4": {"lr": 3.0e-4, "params": "all"},
+                  "all-lr5e-4": {"lr": 5.0e-4, "params": "all"}, "all-lr1e-3": {"lr": 1.0e-3, "params": "all"}}
 
 
 def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
