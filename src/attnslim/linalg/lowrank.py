@@ -11,6 +11,7 @@ chosen by QR column pivoting followed by maxvol swaps so |A2| ≤ 1.01 (the pape
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +59,10 @@ class LowRankFactors:
     def param_count(self) -> int:
         d_out, d_in = int(self.B.shape[0]), int(self.A.shape[1])
         return param_count(d_out, d_in, self.rank, "block_identity" if self.perm is not None else "left")
+
+
+Gauge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], LowRankFactors]  # (B, A, bias) -> a factor
+# form (e.g. the block identity pivoted into A), the same map B A
 
 
 def param_count(d_out: int, d_in: int, r: int, junction: str = "block_identity") -> int:

@@ -3,7 +3,8 @@
 Approximates, per layer, without training:
   q/k  qk=joint (default): the pre-softmax logits of every head by shared latents A_q x, A_k x and per-head
        decompressions (Tucker/HOSVD of the whitened per-head bilinear forms, Alg. 1; linalg/tucker.joint_qk),
-       which turns MHA/GQA into multi-head latent attention (`LatentAttention`, latent key cache).
+       which turns MHA/GQA into multi-head latent attention (`LatentAttention`, latent key cache; the joint fits
+       of q/k and v/o are in latentllm_attention).
        qk=split: each of W_q, W_k locally by activation-aware SVD (same module, same cache).
   v/o  vo=separate (default, the paper's final choice, Remark 11): local activation-aware SVD of each;
        vo=joint: the attention-agnostic joint V/O of App. G.0/G.1 (linalg/vo); vo=none keeps them dense.
@@ -74,10 +75,9 @@ from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
 from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
-from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
-from attnslim.linalg.vo import joint_vo
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.latentllm_attention import fit_joint_qk, fit_joint_vo
 from attnslim.methods.latentllm_mlp import check_ud_activation, fit_joint_ud, fit_local
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
@@ -307,24 +307,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         if self.qk == "split":
             fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
             return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
-        rope = None
-        if spec.rope is not None and self.rope_window > 1:
-            rope = rope_rotations(spec.head_dim, causal_offsets(self.rope_window), spec.rope.theta,
-                                  spec.rope.rotary_dims)
-        whiten, bias_aware = None, None
-        if self.precond != "rootcov":  # Table-1 ablation: the HOSVD in P-coordinates of another P
-            center = self.precond == "cov" and spec.q_bias is not None
-            pc = preconditioner(st, self.precond, damp=self.damp, alpha=self.alpha, center=center,
-                                label=f"layer {layer} q/k")
-            whiten, bias_aware = (pc.matrix(), pc.inv_matrix()), False
-        f = joint_qk(
-            spec.q, spec.k, st, ranks["q"], ranks["k"], n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-            b_q=spec.q_bias, b_k=spec.k_bias, bias_aware=bias_aware, rope=rope, n_iter=self.qk_iter, damp=self.damp,
-            junction="block_identity" if self.block_identity else "none", label=f"layer {layer} q/k", whiten=whiten,
-        )
-        fq = LowRankFactors(f.b_q.flatten(0, 1), f.a_q, f.bias_q, f.perm_q)
-        fk = LowRankFactors(f.b_k.flatten(0, 1), f.a_k, f.bias_k, f.perm_k)
-        return fq, fk, {"hosvd_loss": [f.loss_history[0], f.loss_history[-1]]}
+        return fit_joint_qk(spec, st, ranks, layer, precond=self.precond, damp=self.damp, alpha=self.alpha,
+                            rope_window=self.rope_window, n_iter=self.qk_iter, block_identity=self.block_identity)
 
     def _vo(self, adapter: Adapter, spec: AttentionSpec, stats: LayerStats, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
@@ -336,13 +320,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             fo = self._local(spec.o, spec.o_bias, stats.site("o_in", layer), ranks["o"], f"layer {layer} o")
             info: dict[str, Any] = {}
         else:
-            f = joint_vo(spec.v, spec.o, st_v, ranks["v"], ranks["o"], n_heads=spec.n_heads,
-                         n_kv_heads=spec.n_kv_heads, b_v=spec.v_bias, b_o=spec.o_bias, n_iter=self.vo_iter,
-                         damp=self.damp, junction="none", label=f"layer {layer} v/o")
-            r_o = ranks["o"]
-            a_o = f.a_o.permute(1, 0, 2).reshape(r_o, -1)  # (r_o, h·d_h): Ŵ_o = B_o A_o
-            fv, fo = self._gauge(f.b_v.flatten(0, 1), f.a_v, f.bias_v), self._gauge(f.b_o, a_o, f.bias_o)
-            info = {"vo_loss": [f.loss_history[0], f.loss_history[-1]]}
+            fv, fo, info = fit_joint_vo(spec, st_v, ranks, layer, n_iter=self.vo_iter, damp=self.damp,
+                                        gauge=self._gauge)
         dtype = spec.v.dtype
         return compact_linear(fv, dtype), compact_linear(fo, dtype), info
 

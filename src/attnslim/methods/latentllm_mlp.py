@@ -18,7 +18,7 @@ from attnslim.adapters.base import MLPSpec
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.joint_ud import joint_ud
-from attnslim.linalg.lowrank import LowRankFactors
+from attnslim.linalg.lowrank import Gauge, LowRankFactors
 from attnslim.methods.latentllm_ranks import MLP
 from attnslim.methods.latentllm_stats import LayerStats
 
@@ -28,7 +28,6 @@ UD_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu
                   "gelu_new": "gelu_tanh"}
 
 Local = Callable[[torch.Tensor, torch.Tensor | None, InputStats, int, str], LowRankFactors]  # (w, b, stats, r, label)
-Gauge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], LowRankFactors]  # (B, A, bias) -> module form
 
 
 def check_ud_activation(spec: MLPSpec, layer: int) -> None:
