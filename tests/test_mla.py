@@ -326,6 +326,27 @@ def test_opt_refuses_rotary_dims_without_rope():
         _compress(TINY_BUILDERS["opt"](), "mla", {"kv_ratio": 0.5, "rope_dims": 16})
 
 
+@torch.no_grad()
+def _real_paths_agree(model, ids: torch.Tensor) -> None:
+    """Prefill ids[:, :-1], then one decode step, once forced through `absorb` (outside autograd: the fused
+    decode weights) and once through `decompress`; the logits must agree to float32 rounding."""
+    modules = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    out = {}
+    for path in ("absorb", "decompress"):
+        for m in modules:
+            m.path = path
+        cache = _compat.new_cache(model.config)
+        prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
+        step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        out[path] = torch.cat([prefill, step], dim=1)  # (1, t, vocab)
+    for m in modules:
+        m.path = "auto"
+    assert modules and modules[0]._fused is not None  # the absorbed run used the fused decode weights
+    diff = (out["absorb"] - out["decompress"]).abs().max() / out["decompress"].abs().max()
+    assert diff < 1e-4, diff
+    assert torch.equal(out["absorb"].argmax(-1), out["decompress"].argmax(-1))
+
+
 @pytest.mark.real
 def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
     """SmolLM2-135M, layers 0-5 at half the dense KV cache (measured from the cache): the default `mla` must beat
@@ -353,5 +374,7 @@ def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
         kv = kv_bytes_per_token(model)["per_layer"]
         assert all(kv[i] == 0.5 * dense_kv[i] for i in layers) and kv[-1] == dense_kv[-1]
         ppl[name] = perplexity(model, windows, progress=False).ppl / dense_ppl
+        if name == "mla":  # on real weights: the fused absorbed decode == the decompressed path, prefill and step
+            _real_paths_agree(model, windows.ids[:1, :65])
     assert ppl["mla"] < ppl["transmla"] and ppl["mla"] < ppl["svd"], ppl
     assert ppl["mla"] < 1.2, ppl

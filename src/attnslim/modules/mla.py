@@ -264,7 +264,9 @@ class MLAAttention(ReplacementAttention):
         """FLOPs (2 per MAC) of the attention core for one new token at `context` tokens (the absorbed path):
         scores h·T·(r + d_rope), values h·T·r, absorbed query and value projections h·d_h·(2r + d_rope).
         bench.flops counts every weight of `kv` as applied once per token; decode applies A but never B itself
-        (B_k lives in the absorbed query, B_v is applied per head above), so B's size is taken off here."""
+        (B_k lives in the absorbed query, B_v is applied per head above), so B's size is taken off here.
+        The count is the algorithm's: the rotate-half rows `fused` adds (d_rope·(d + h·d_h) MACs, under 1% of a
+        SmolLM2 decode step) trade a few FLOPs for fewer operations and are not in it."""
         h, r, e = self.n_heads, self.rank, self.rank + self.rope_dims
         return 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r) - self.kv.b.numel())
 
