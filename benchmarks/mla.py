@@ -8,7 +8,9 @@ Groups (--groups, comma-separated; default oneshot,speed):
            [k_nope; v] (kv_weight=svd), today's latent cache (latentllm q/o dense, kv_ratio 0.5, exact RoPE) and
            `mla` in DeepSeek-V3's layout (layout=deepseek, recipes/mla-deepseek.yaml: what `attnslim export` takes)
   heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's);
-           at 0.5 and 0.25 also `mla` healed with larger learning rates, and with every parameter trained
+           at 0.5 and 0.25 also `mla` healed with larger learning rates, with every parameter trained,
+           and with the hidden-state term (heal.hidden; at 0.25 also on
+           three more draws of the heal's data, with and without it)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them
 
@@ -35,7 +37,14 @@ from attnslim.recipe import recipe_from_dict
 
 HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
 HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3},
-                  **{f"all-lr{lr}": {"lr": float(lr), "params": "all"} for lr in ("2e-4", "3e-4", "5e-4", "1e-3")}}
+                  **{f"all-lr{lr}": {"lr": float(lr), "params": "all"} for lr in ("2e-4", "3e-4", "5e-4", "1e-3")},
+                  # the hidden-state term (train/heal.py) beside the logit KL
+                  **{f"all-lr3e-4-hidden{w}": {"lr": 3.0e-4, "params": "all", "hidden": float(w)}
+                     for w in ("1", "10", "30")},
+                  # other draws of the heal's data (seeds 1-3): how much of a difference is the draw
+                  **{f"all-lr3e-4{tag}-seed{seed}": {"lr": 3.0e-4, "params": "all", "hidden": w, "seed": seed}
+                     for tag, w in (("", 0.0), ("-hidden10", 10.0)) for seed in (1, 2, 3)},
+                  "lr3e-4-hidden10": {"lr": 3.0e-4, "hidden": 10.0}}
 
 
 def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from attnslim.api import compress
 from attnslim.errors import AttnslimError
 from attnslim.recipe import apply_overrides, fingerprint, recipe_from_dict, recipe_to_dict
-from attnslim.train.heal import HealConfig, distill_kl, heal, healing_parameters
+from attnslim.train.heal import HealConfig, distill_kl, heal, heal_loss, healing_parameters, hidden_distance
 from conftest import tiny_llama
 from helpers import ByteTokenizer, one_step
 
@@ -49,6 +49,37 @@ def test_distill_kl_is_zero_for_equal_logits_and_matches_the_definition():
     p = F.softmax(t / 2.0, -1)
     manual = (p * (F.log_softmax(t / 2.0, -1) - F.log_softmax(s / 2.0, -1))).sum(-1).mean() * 4.0
     assert float(distill_kl(s, t, 2.0)) == pytest.approx(float(manual), rel=1e-5)
+
+
+def test_hidden_distance_is_relative_per_position_and_the_heal_loss_adds_it_with_its_weight():
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(2, 5, 8, generator=g), 100.0 * torch.randn(2, 5, 8, generator=g))
+    s = (t[0] + 0.1 * torch.randn(2, 5, 8, generator=g), t[1] * 1.5)
+    assert float(hidden_distance(t, t)) == 0.0
+    rel0 = ((s[0] - t[0]) ** 2).sum(-1) / (t[0] ** 2).sum(-1)  # (b, t)
+    assert float(hidden_distance(s, t)) == pytest.approx(float((rel0.mean() + 0.25) / 2), rel=1e-5)  # scale-free
+    teacher = _sharp_llama()
+    student = _svd(copy.deepcopy(teacher))
+    with torch.no_grad():
+        kl = float(heal_loss(student, teacher, IDS, HealConfig(source="tiny")))
+        both = float(heal_loss(student, teacher, IDS, HealConfig(source="tiny", hidden=2.0)))
+        want, got = (m(input_ids=IDS, output_hidden_states=True) for m in (teacher, student))
+    assert kl == pytest.approx(float(distill_kl(got.logits, want.logits, 1.0)), rel=1e-5)
+    dist = float(hidden_distance(got.hidden_states[1:], want.hidden_states[1:]))
+    assert dist > 0 and both == pytest.approx(kl + 2.0 * dist, rel=1e-5)
+
+
+def test_the_hidden_term_pulls_hidden_states_closer_than_the_logits_alone():
+    teacher = _sharp_llama()
+    ids, dist = _held_out(), {}
+    for w in (0.0, 10.0):
+        student = _svd(copy.deepcopy(teacher))
+        heal(student, teacher, ByteTokenizer(), HealConfig(steps=20, batch_size=2, seq_len=32, lr=3e-3, source="tiny",
+                                                           hidden=w), progress=False)
+        with torch.no_grad():
+            want, got = (m(input_ids=ids, output_hidden_states=True) for m in (teacher, student))
+        dist[w] = float(hidden_distance(got.hidden_states[1:], want.hidden_states[1:]))
+    assert dist[10.0] < 0.8 * dist[0.0], dist
 
 
 def test_changed_parameters_are_the_new_factors_and_all_excludes_the_embedding():
@@ -90,6 +121,11 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
     assert healed.heal is not None and healed.heal["steps"] == 30 and healed.heal["params"] == "changed"
     assert fingerprint(healed) != fingerprint(plain)
     assert recipe_from_dict(recipe_to_dict(healed)) == healed
+    # a setting added later is left out at its default: recipes written before it keep their fingerprint
+    assert "hidden" not in healed.heal
+    assert fingerprint(apply_overrides(healed, ["heal.hidden=0"])) == fingerprint(healed)
+    deep = apply_overrides(healed, ["heal.hidden=10"])
+    assert deep.heal is not None and deep.heal["hidden"] == 10 and fingerprint(deep) != fingerprint(healed)
     teacher, unhealed, model = _sharp_llama(), _sharp_llama(), _sharp_llama()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -109,7 +145,8 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
     ("heal_args", "match"),
     [({"steps": 0}, "heal.steps=0"), ({"lr": -1}, "heal.lr=-1"), ({"params": "some"}, "changed | all"),
      ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature"),
-     ({"source": "wikii"}, "heal.source must be one of"), ({"source": "wiki+"}, "'wiki\\+'")],
+     ({"source": "wikii"}, "heal.source must be one of"), ({"source": "wiki+"}, "'wiki\\+'"),
+     ({"hidden": -1}, "heal.hidden=-1")],
 )
 def test_bad_heal_settings_name_the_key(heal_args, match):
     d = recipe_to_dict(one_step("svd", {"ratio": 0.5}))
@@ -146,3 +183,4 @@ def test_heal_on_smollm2_lowers_held_out_kl():
                   progress=False)
     assert report["tensors"] == 4 * 4 * 2  # A and B of q, k, v, o in 4 layers
     assert kl() < 0.9 * before
+

@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,7 @@ class Recipe:
         if not isinstance(self.name, str) or not self.name:
             raise AttnslimError(f"name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
         if self.heal is not None:
-            object.__setattr__(self, "heal", asdict(HealConfig.from_dict(self.heal)))
+            object.__setattr__(self, "heal", HealConfig.from_dict(self.heal).to_dict())
         if not isinstance(self.description, str):
             raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
         object.__setattr__(self, "steps", tuple(self.steps))

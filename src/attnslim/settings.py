@@ -4,7 +4,7 @@ and the valid range. Plain data: nothing here trains."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from attnslim.data import check_source
@@ -41,6 +41,9 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
 PARAMS = ("changed", "all")
 
 
+_LATER = {"hidden": 0.0}  # HealConfig settings added later, with their defaults
+
+
 @dataclass(frozen=True)
 class HealConfig:
     steps: int = 100
@@ -53,6 +56,7 @@ class HealConfig:
     params: str = "changed"
     source: str = "wiki"
     seed: int = 0
+    hidden: float = 0.0  # weight of the hidden-state term (train/heal.py); 0: logits only
 
     def __post_init__(self) -> None:
         check_source("heal.source", self.source)
@@ -60,8 +64,14 @@ class HealConfig:
         check_ranges("heal", self, {
             "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
             "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
-            "params": (self.params in PARAMS, " | ".join(PARAMS))})
+            "hidden": (self.hidden >= 0, ">= 0"), "params": (self.params in PARAMS, " | ".join(PARAMS))})
 
     @classmethod
     def from_dict(cls, d: Any) -> HealConfig:
         return config_from_mapping(cls, "heal", d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, except those added after recipes were fingerprinted (`hidden`) while at their default:
+        a recipe written before them keeps its fingerprint, and stored benchmark rows stay current."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if not (k in _LATER and v == _LATER[k])}

@@ -1,6 +1,16 @@
 """Healing: a short logit distillation of a compressed model against the model it was compressed from.
 
     loss = T² · mean_tokens KL(softmax(z_teacher / T) ‖ softmax(z_student / T))        (every position)
+         + hidden · mean_layers mean_tokens ‖h_S − h_T‖² / ‖h_T‖²       (`hidden` > 0: every decoder layer's output)
+
+The hidden-state term (off by default) gives every layer's output a target at every position, b·t·L·d numbers
+per batch against b·t distributions for the logits alone; the student runs on its own converted upstream, so
+errors that compound through the converted layers are trained against (unlike layer-local matching).
+Measured on SmolLM2 at MLA KV 0.25 (BENCHMARKS.md, section MLA: rows mla-kv25-heal40-all-lr3e-4-*, four draws
+of the heal data each): with every parameter training, hidden = 10 lowers ptb and c4 in 3 of 4 draws and leaves
+wiki unchanged on the median; with only the changed tensors it does not help, and on recipes/mla.yaml's heal at
+KV 0.5 it trades ptb for wiki and c4. Off by default. The same rows show that the draw alone moves a 40-step
+heal's wiki ratio by more than any setting does.
 
 Which parameters train (`params`):
   changed   the tensors compression created or reshaped: a student parameter whose name is missing from the
@@ -50,6 +60,26 @@ def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return F.kl_div(s, q, log_target=True, reduction="batchmean") * t * t
 
 
+def hidden_distance(got: tuple[torch.Tensor, ...], target: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over layers and positions of ‖h_S − h_T‖² / ‖h_T‖²; got and target: per layer (b, t, d). Relative
+    per position, so massive-activation tokens do not dominate."""
+    per_layer = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).clamp_min(1e-12)  # (b, t)
+                 for s, t in zip(got, target, strict=True)]
+    return torch.stack([e.mean() for e in per_layer]).mean()
+
+
+def heal_loss(student: Any, teacher: Any, ids: torch.Tensor, cfg: HealConfig) -> torch.Tensor:
+    """The loss of one batch ids (b, l): logit KL, plus the hidden-state term when cfg.hidden > 0."""
+    states = cfg.hidden > 0
+    with torch.no_grad():
+        want = teacher(input_ids=ids, use_cache=False, output_hidden_states=states)
+    got = student(input_ids=ids, use_cache=False, output_hidden_states=states)
+    loss = distill_kl(got.logits, want.logits, cfg.temperature)
+    if states:  # hidden_states[0] is the (shared, frozen) embedding output
+        loss = loss + cfg.hidden * hidden_distance(got.hidden_states[1:], want.hidden_states[1:])
+    return loss
+
+
 def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: bool = True) -> dict[str, Any]:
     """Train the selected parameters of `student` towards `teacher`'s logits; returns a JSON-ready report."""
     params = healing_parameters(student, teacher, cfg.params)
@@ -73,9 +103,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
             ids = windows.ids[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
             for group in opt.param_groups:
                 group["lr"] = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
-            with torch.no_grad():
-                target = teacher(input_ids=ids, use_cache=False).logits  # (b, l, vocab)
-            loss = distill_kl(student(input_ids=ids, use_cache=False).logits, target, cfg.temperature)
+            loss = heal_loss(student, teacher, ids, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)

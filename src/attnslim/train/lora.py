@@ -63,6 +63,7 @@ from attnslim.adapters import get_adapter
 from attnslim.data import token_ids
 from attnslim.errors import AttnslimError
 from attnslim.eval.choice import ChoiceItems, choice_items
+from attnslim.train.heal import hidden_distance
 from attnslim.train.layer_match import layer_match_loss
 
 LOSSES = ("last_token", "last_kd", "kd", "hidden", "layer", "choice")
@@ -141,10 +142,8 @@ def hidden_loss(model: Any, teacher: Any, prompts: torch.Tensor) -> torch.Tensor
     dominate; leak-free for the same reason as `kd_loss` (h_T at t depends on tokens ≤ t only)."""
     with torch.no_grad():
         target = teacher(input_ids=prompts, use_cache=False, output_hidden_states=True).hidden_states[1:]
-    got = model(input_ids=prompts, use_cache=False, output_hidden_states=True).hidden_states[1:]
-    per_layer = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).clamp_min(1e-12)  # (b, t)
-                 for s, t in zip(got, target, strict=True)]
-    return torch.stack([e.mean() for e in per_layer]).mean()
+    return hidden_distance(model(input_ids=prompts, use_cache=False, output_hidden_states=True).hidden_states[1:],
+                           target)
 
 
 def last_kd_loss(model: Any, teacher: Any, prompts: torch.Tensor) -> torch.Tensor:
