@@ -10,7 +10,7 @@ Groups (--groups, comma-separated; default oneshot,speed):
   heal     `mla` and `transmla` at every KV point followed by the standard 40-step heal (recipes/default.yaml's);
            at 0.5 and 0.25 also `mla` healed with larger learning rates, with every parameter trained,
            and with the hidden-state term (heal.hidden; at 0.25 also on
-           three more draws of the heal's data, with and without it)
+           three more draws of the heal's data, with and without it; recipes/mla.yaml's heal at 0.5 on two more)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them
 
@@ -44,7 +44,8 @@ HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3},
                   # other draws of the heal's data (seeds 1-3): how much of a difference is the draw
                   **{f"all-lr3e-4{tag}-seed{seed}": {"lr": 3.0e-4, "params": "all", "hidden": w, "seed": seed}
                      for tag, w in (("", 0.0), ("-hidden10", 10.0)) for seed in (1, 2, 3)},
-                  "lr3e-4-hidden10": {"lr": 3.0e-4, "hidden": 10.0}}
+                  "lr3e-4-hidden10": {"lr": 3.0e-4, "hidden": 10.0},
+                  **{f"lr3e-4-seed{seed}": {"lr": 3.0e-4, "seed": seed} for seed in (1, 2)}}  # recipes/mla.yaml's
 
 
 def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
