@@ -183,4 +183,3 @@ def test_heal_on_smollm2_lowers_held_out_kl():
                   progress=False)
     assert report["tensors"] == 4 * 4 * 2  # A and B of q, k, v, o in 4 layers
     assert kl() < 0.9 * before
-

@@ -41,7 +41,7 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
 PARAMS = ("changed", "all")
 
 
-_LATER = {"hidden": 0.0}  # HealConfig settings added later, with their defaults
+_LATER = ("hidden",)  # HealConfig settings added after recipes were fingerprinted
 
 
 @dataclass(frozen=True)
@@ -73,5 +73,5 @@ class HealConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every setting, except those added after recipes were fingerprinted (`hidden`) while at their default:
         a recipe written before them keeps its fingerprint, and stored benchmark rows stay current."""
-        d = asdict(self)
-        return {k: v for k, v in d.items() if not (k in _LATER and v == _LATER[k])}
+        default = {f.name: f.default for f in fields(self) if f.name in _LATER}
+        return {k: v for k, v in asdict(self).items() if not (k in default and v == default[k])}

@@ -8,9 +8,9 @@ per batch against b·t distributions for the logits alone; the student runs on i
 errors that compound through the converted layers are trained against (unlike layer-local matching).
 Measured on SmolLM2 at MLA KV 0.25 (BENCHMARKS.md, section MLA: rows mla-kv25-heal40-all-lr3e-4-*, four draws
 of the heal data each): with every parameter training, hidden = 10 lowers ptb and c4 in 3 of 4 draws and leaves
-wiki unchanged on the median; with only the changed tensors it does not help, and on recipes/mla.yaml's heal at
-KV 0.5 it trades ptb for wiki and c4. Off by default. The same rows show that the draw alone moves a 40-step
-heal's wiki ratio by more than any setting does.
+wiki unchanged on the median; in single draws it did not help with only the changed tensors training, and on
+recipes/mla.yaml's heal at KV 0.5 it traded ptb for wiki and c4. Off by default. The same rows show that the
+draw alone moves a 40-step heal's wiki ratio by more than any setting does.
 
 Which parameters train (`params`):
   changed   the tensors compression created or reshaped: a student parameter whose name is missing from the
