@@ -44,7 +44,8 @@ ABLATIONS = {"align-only": {"compensate": False}, "diff-only": {"align": False, 
 
 
 def key_cache_bytes(model: Any, tokens: int = 64) -> list[float]:
-    """Bytes per token of the *keys* each layer's cache holds (K, K_LR, or the 1-byte DS marker)."""
+    """Bytes per token of the *keys* each layer's cache holds (K, K_LR, or DS's position marker:
+    one value per KV head; 1 byte per token in the rows measured before static caches were supported)."""
     ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
     cache = _compat.new_cache(model.config)
     with torch.no_grad():

@@ -69,3 +69,14 @@ def one_step(method: str, args: dict[str, Any], layers: Any = "all", windows: in
         "calibration": {"source": "tiny", "windows": windows, "seq_len": seq_len, "seed": 0, "batch_size": 2},
         "steps": [{"method": method, "layers": layers, "args": args}],
     })
+
+
+def assert_static_cache_generates_alike(model: Any, prompt: Any, new_tokens: int = 8) -> None:
+    """Greedy generation with HF's static cache (one preallocated buffer per layer, returned whole with its
+    unfilled rows) gives the tokens of the default dynamic cache."""
+    import torch
+
+    dynamic = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    static = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            cache_implementation="static")
+    assert torch.equal(static, dynamic), (static, dynamic)

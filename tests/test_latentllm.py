@@ -20,7 +20,7 @@ from attnslim.io import load, save
 from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, SavingTokenizer, one_step
+from helpers import ByteTokenizer, SavingTokenizer, assert_static_cache_generates_alike, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
@@ -253,7 +253,9 @@ def test_values_cache_keeps_rotated_keys_and_value_latents(family):
     cache = _compat.new_cache(model.config)
     model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
     layer, module = cache.layers[0], get_adapter(model).attention(0)
-    assert (layer.keys.shape[1], layer.keys.shape[3]) == (spec.n_kv_heads, spec.head_dim)
+    # dense rotated keys beside a value latent: every KV head's key in one row, so both slots have one head
+    # (a static cache allocates both slots alike)
+    assert (layer.keys.shape[1], layer.keys.shape[3]) == (1, spec.n_kv_heads * spec.head_dim)
     assert (layer.values.shape[1], layer.values.shape[3]) == (1, module.ranks()["v"])
     assert module.kv_cache_bytes_per_token() == (full + module.ranks()["v"]) * 4
     if spec.sliding_window is None:  # a sliding layer's measured bytes/token are capped by its window
@@ -350,8 +352,9 @@ def test_real_smollm2_latentllm_beats_svdllm_at_the_same_budget():
         })
         reports[method] = compress(model, tokenizer, recipe, progress=False)
         ppl[method] = perplexity(model, windows, progress=False).ppl
-        if method == "latentllm":
+        if method == "latentllm":  # latent keys decompressed at their positions, from a static cache too
             assert kv_bytes_per_token(model)["total"] < dense_kv
+            assert_static_cache_generates_alike(model, windows.ids[:1, :32])
     loss = {m: ppl[m] / dense_ppl - 1 for m in ppl}
     assert loss["latentllm"] < 0.5 * loss["svdllm"], (ppl, dense_ppl)
     kept = {m: r.params_after["attention"] / r.params_before["attention"] for m, r in reports.items()}

@@ -21,7 +21,7 @@ from attnslim.modules.shared import SharedAttention, SharingConfig
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
 from conftest import tiny_llama, tiny_mistral
-from helpers import ByteTokenizer, one_step
+from helpers import ByteTokenizer, assert_static_cache_generates_alike, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 LAYERS = [1, 2, 3]  # a chain 0 -> 1 -> 2 -> 3 in the 4-layer tiny Llama (head_dim 16, rank 2 by default)
@@ -178,9 +178,10 @@ def test_cache_holds_low_rank_keys_and_v_only_for_ds():
     model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
     r, g, d, t = default_rank(16), 2, 16, 16
     assert tuple(cache.layers[1].keys.shape) == (1, g, t, r) and tuple(cache.layers[1].values.shape) == (1, g, t, d)
-    assert cache.layers[3].keys.dtype == torch.int8 and tuple(cache.layers[3].keys.shape) == (1, 1, t, 1)
+    # ds: a position marker as keys, one value per KV head in V's dtype (what a static cache can hold beside V)
+    assert cache.layers[3].keys.dtype == torch.float32 and tuple(cache.layers[3].keys.shape) == (1, g, t, 1)
     per_token = [b / t for b in _compat.cache_bytes_per_layer(cache)]
-    assert per_token == [2 * g * d * 4, g * (r + d) * 4, 2 * g * d * 4, 1 + g * d * 4]
+    assert per_token == [2 * g * d * 4, g * (r + d) * 4, 2 * g * d * 4, g * 4 + g * d * 4]
     assert [m.kv_cache_bytes_per_token() for m in _shared(model).values()] == [per_token[1], per_token[3]]
 
 
@@ -426,6 +427,7 @@ def test_real_smollm2_lisa_beats_direct_sharing_on_the_same_layers():
         compress(ds, tokenizer, one_step("ds", {}, layers=layers), progress=False)
         compress(model, tokenizer, one_step("lisa", {}, layers=layers), progress=False)
     ds_ppl = perplexity(ds, windows).ppl
+    assert_static_cache_generates_alike(ds, windows.ids[:1, :32])  # ds layers cache V and a position marker
     assert perplexity(model, windows).ppl == pytest.approx(ds_ppl, rel=1e-4)
     distill(model, teacher, tokenizer, DistillConfig(steps=8, batch_size=2, seq_len=128, lr=1e-3), progress=False)
     lisa_ppl = perplexity(model, windows).ppl

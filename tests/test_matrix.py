@@ -1,6 +1,7 @@
 """One matrix of every method on the tiny families: save -> load gives the compressed model's logits with both
 loaders (attnslim.io.load and transformers' trust_remote_code entry), and the reloaded model generates the same
-greedy tokens with and without its KV cache. Per-method files test what is specific to a method."""
+greedy tokens with and without its KV cache, dynamic or static (`cache_implementation="static"`: one preallocated
+buffer per layer, returned whole, its unfilled rows masked). Per-method files test what is specific to a method."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ MATRIX = [  # (family, method, args)
     ("qwen2", "latentllm", {"ratio": 0.7, "mlp": "joint_ud"}),
     ("opt", "latentllm", {"ratio": 0.7, "vo": "joint"}),
     ("gemma3", "latentllm", {"ratio": None, "ranks": GEMMA_RANKS, "mlp": "local"}),
+    # one slot a latent, the other per KV head (keys latent, values dense; keys dense, values latent)
+    ("llama", "latentllm", {"ratio": None, "ranks": {"q": 64, "k": 16, "v": 32, "o": 64}}),
+    ("llama", "latentllm", {"ratio": None, "ranks": {"q": 64, "k": 32, "v": 16, "o": 64}, "cache": "values"}),
     ("qwen2", "mla", {"kv_ratio": 0.5}),
     ("llama", "transmla", {"kv_ratio": 0.5}),
     ("opt", "mla", {"kv_ratio": 0.5, "rope_dims": 0}),
@@ -45,3 +49,6 @@ def test_save_load_identical_logits_and_cached_generation(family, method, args, 
     cached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False)
     uncached = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
+    static = loaded.generate(IDS[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             cache_implementation="static")
+    assert torch.equal(static, uncached)

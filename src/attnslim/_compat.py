@@ -58,16 +58,26 @@ def hidden_states_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     return args[0] if args else kwargs["hidden_states"]
 
 
+def first_query_row(past: int, t: int, rows: int) -> int:
+    """The row of the first of t new tokens (after `past` cached ones) among the `rows` an HF cache layer's
+    update returned. Dynamic and sliding-window layers return the last positions (rows <= past + t): row
+    rows − t. Static layers return their whole preallocated buffer, position j at row j, the rows after the new
+    tokens unfilled (rows > past + t): row `past`."""
+    return past - max(past + t - rows, 0)
+
+
 def keep_mask(
-    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device, first_row: int | None = None
 ) -> torch.Tensor:
     """Boolean (b|1, 1, q_len, kv_len) mask, True = attend, from whatever HF passed.
 
-    HF passes None (SDPA's causal fast path), a boolean mask, or an additive float mask. With None,
-    queries are the last q_len of kv_len positions (causal with offset).
+    HF passes None (SDPA's causal fast path), a boolean mask, or an additive float mask. With None, query s
+    sits at row first_row + s (`first_query_row`; default kv_len − q_len: the last q_len rows) and attends to
+    every row up to its own: HF skips the mask for a static cache's first prefill, whose buffer extends past it.
     """
     if attention_mask is None:
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        first = kv_len - q_len if first_row is None else first_row
+        q_pos = torch.arange(first, first + q_len, device=device)[:, None]
         k_pos = torch.arange(kv_len, device=device)[None, :]
         return (k_pos <= q_pos)[None, None]
     mask = attention_mask[..., -q_len:, -kv_len:]

@@ -144,31 +144,33 @@ class LatentAttention(ReplacementAttention):
             q = self.q_norm(q)
         q = self._rope(q, past)
         c_k = self.k_proj.latent(x)  # (b, t, r_k)
-        if self.cache in ("dense", "values"):
-            lv = self._latent_v()
-            v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
-            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, self._keys(c_k, past), v_new)
-        else:
-            lv = self._latent_v()
-            v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
-            k_store, v_store = _compat.cache_update(past_key_values, self.layer_idx, c_k[:, None], v_new)
+        k_new = self._keys(c_k, past) if self.cache in ("dense", "values") else c_k[:, None]
+        lv = self._latent_v()
+        v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
+        k_store, v_store = self._cache_update(past_key_values, k_new, v_new)
         kv = k_store.shape[-2]
-        keep = self._keep(attention_mask, t, kv, x.device)
+        keep = attention_keep(attention_mask, t, kv, past, x.device, self.sliding_window, self.softcap)
         key_path, value_path = self._paths(t, kv)
         if key_path == "absorb":  # (b, h, t, r_k) queries against (b, 1, kv, r_k) latents
             bk = self.k_proj.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
             q = (q.view(b, n_kv, h // n_kv, t, self.head_dim) @ bk[:, None]).reshape(b, h, t, -1)
             k = k_store.expand(b, n_kv, kv, k_store.shape[-1])
         elif key_path == "decompress":
-            k = self._keys(k_store[:, 0], past + t - kv)  # (b, n_kv, kv, d_h)
+            k = self._keys(k_store[:, 0], past - _compat.first_query_row(past, t, kv))  # (b, n_kv, kv, d_h)
         else:
             k = k_store
         out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
         out = out.transpose(1, 2).reshape(b, t, h * self.head_dim)  # (b, t, h·d_h)
         return self.o_proj(out)
 
-    def _keep(self, attention_mask: Any, t: int, kv: int, device: torch.device) -> torch.Tensor | None:
-        return attention_keep(attention_mask, t, kv, device, self.sliding_window, self.softcap)
+    def _cache_update(self, cache: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both slots into the HF cache, every row so far back. A static cache allocates both slots with the first
+        update's head count, so where one slot is a latent (b, 1, t, r) and the other per KV head
+        (b, n_kv, t, d_h), the per-head one is stored as one row (b, 1, t, n_kv·d_h) and read back as a view."""
+        if k.shape[1] == v.shape[1]:
+            return _compat.cache_update(cache, self.layer_idx, k, v)
+        k_rows, v_rows = _compat.cache_update(cache, self.layer_idx, _one_row(k), _one_row(v))
+        return _heads_back(k_rows, k.shape[1], self.head_dim), _heads_back(v_rows, v.shape[1], self.head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor | None, path: str
                 ) -> torch.Tensor:
@@ -225,14 +227,26 @@ class LatentAttention(ReplacementAttention):
                 f"cache={self.cache} ({self.kv_cache_bytes_per_token()} B/token)")
 
 
-def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, sliding_window: int | None,
-                   softcap: float | None) -> torch.Tensor | None:
-    """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
-    padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
+def _one_row(z: torch.Tensor) -> torch.Tensor:
+    """(b, n, t, d) -> (b, 1, t, n·d): every head of a token in one cache row (n = 1: unchanged)."""
+    return z if z.shape[1] == 1 else z.transpose(1, 2).reshape(z.shape[0], 1, z.shape[2], -1)
+
+
+def _heads_back(rows: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
+    """`_one_row`'s inverse on what the cache returned: (b, 1, kv, n·d_h) -> (b, n, kv, d_h), a view."""
+    return rows if n == 1 else heads(rows[:, 0], head_dim)
+
+
+def attention_keep(attention_mask: Any, t: int, kv: int, past: int, device: torch.device,
+                   sliding_window: int | None, softcap: float | None) -> torch.Tensor | None:
+    """Boolean (b|1, 1, t, kv) keep-mask for t new tokens after `past` cached ones over the kv rows the cache
+    returned; None when plain causal attention over those rows is all that is needed (no padding, window not
+    binding, no unfilled static-cache rows): SDPA's unmasked and is_causal kernels are several times faster."""
+    first = _compat.first_query_row(past, t, kv)
     window_free = sliding_window is None or kv <= sliding_window
-    if attention_mask is None and window_free and softcap is None and t in (1, kv):
+    if attention_mask is None and window_free and softcap is None and first == kv - t and t in (1, kv):
         return None
-    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
+    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device, first), sliding_window, first)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scaling: float,

@@ -16,11 +16,11 @@ SharedAttention computes (shapes per head h, KV head g, head dim d, rank r)
 The causal / padding / sliding mask is applied only right before the softmax, so the aligner never sees the
 masked fill value (finfo.min would overflow the FFN to inf/NaN).
 
-Cache (HF DynamicCache, via _compat): a receiver with a compensator stores K_LR (b, g, t, r) as keys and
+Cache (any HF cache, via _compat): a receiver with a compensator stores K_LR (b, g, t, r) as keys and
 V (b, g, t, d) as values (DynamicLayer concatenates keys and values separately, so the last dims may differ);
-without a compensator it stores V and a 1-byte/token position marker as keys. NF mode (`nf_min_len`) keeps
-the original W_q/W_k: a prefill of >= nf_min_len tokens into an empty cache runs the original attention and
-writes K_LR/V, later tokens run LISA against that cache.
+without a compensator it stores V and a position marker as keys (one value per KV head and token). NF mode
+(`nf_min_len`) keeps the original W_q/W_k: a prefill of >= nf_min_len tokens into an empty cache runs the
+original attention and writes K_LR/V, later tokens run LISA against that cache.
 """
 
 from __future__ import annotations
@@ -111,8 +111,10 @@ def _qk(owner: Any, x: torch.Tensor, position_embeddings: Any) -> tuple[torch.Te
     return q, k
 
 
-def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    return sliding_keep(_compat.keep_mask(attention_mask, q_len, kv_len, device), s.sliding_window)
+def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, past: int, device: torch.device
+          ) -> torch.Tensor:
+    first = _compat.first_query_row(past, q_len, kv_len)  # static caches return their whole buffer
+    return sliding_keep(_compat.keep_mask(attention_mask, q_len, kv_len, device, first), s.sliding_window, first)
 
 
 @register_module
@@ -138,11 +140,12 @@ class DonorAttention(ReplacementAttention):
         x = hidden_states  # (b, l, hidden)
         q, k = _qk(self, x, position_embeddings)
         v = heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
+        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
         k, v = _compat.cache_update(past_key_values, self.layer_idx, k, v)  # (b, g, t, d)
         scores = qk_scores(q, k, self.shape.scaling, self.shape.softcap)  # (b, h, l, t)
         if self.export is not None:
             self.export.put(scores)
-        keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], x.device)
+        keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], past, x.device)
         return self.o_proj(attend(scores, v, keep))
 
     def kv_cache_bytes_per_token(self) -> int:
@@ -268,7 +271,7 @@ class SharedAttention(ReplacementAttention):
             self.export.put(scores)
         if self.score_sink is not None:
             self.score_sink(self.layer_idx, scores)
-        keep = _keep(s, attention_mask, l, t, x.device)
+        keep = _keep(s, attention_mask, l, t, past, x.device)
         return self.o_proj(attend(scores, v, keep))
 
     def _k_lr(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
@@ -283,8 +286,9 @@ class SharedAttention(ReplacementAttention):
             return k_lr, v
         if k_lr is not None:
             return _compat.cache_update(cache, self.layer_idx, k_lr, v)
-        marker = torch.zeros(x.shape[0], 1, x.shape[1], 1, dtype=torch.int8, device=x.device)  # V-only layer
-        _, v = _compat.cache_update(cache, self.layer_idx, marker, v)
+        # V-only layer: a position marker as keys (HF counts a layer's tokens there), one value per KV head in V's
+        # dtype: a static cache allocates both slots with the first update's heads and dtype
+        _, v = _compat.cache_update(cache, self.layer_idx, v[..., :1].new_zeros(v.shape[:-1] + (1,)), v)
         return None, v
 
     def _integrate(
@@ -317,7 +321,7 @@ class SharedAttention(ReplacementAttention):
 
     def kv_cache_bytes_per_token(self) -> int:
         s, size = self.shape, next(self.v_proj.parameters()).element_size()
-        keys = s.n_kv_heads * self.cfg.rank * size if self.cfg.rank else 1  # K_LR, or the 1-byte marker
+        keys = s.n_kv_heads * (self.cfg.rank or 1) * size  # K_LR, or the position marker (V-only layer)
         return keys + s.n_kv_heads * s.head_dim * size
 
     def kind(self) -> str:
