@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -96,12 +96,11 @@ def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
 def _probe(model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
            batch_size: int, progress: bool, res: Residency) -> None:
     """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
-    mean NLL over the probe windows recorded as stats[i].scores["probe"]. Runs inside `res.streamed()`; with
-    offloaded weights the candidate is read in for its trial, whose replacement module then stays in memory
-    through the forwards while the rest of the layer comes and goes with them (offload/store.py)."""
+    mean NLL over the probe windows recorded as stats[i].scores["probe"]. Runs inside `res.streamed()`, each
+    trial inside `res.layer_in_stream(i)` (offloaded weights: the candidate is read in for its trial)."""
     base = _mean_nll(model, ids, batch_size)
     for i in tqdm(layers, desc=f"{method.name} probe", disable=not progress, leave=False):
-        with res.layer(i) if res.offloaded else nullcontext(), method.trial(adapter, i, stats[i]):
+        with res.layer_in_stream(i), method.trial(adapter, i, stats[i]):
             stats[i].scores["probe"] = _mean_nll(model, ids, batch_size) - base
 
 

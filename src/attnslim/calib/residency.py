@@ -3,7 +3,8 @@
 The pipeline brackets every piece of work on decoder layer i with `residency.layer(i)`, calls
 `residency.converted(i)` after a method replaced something in it (the other layers a conversion rewires,
 `Method.rewires`, are opened with `layer(j)` inside `layer(i)` and marked the same way), and runs whole-model
-forwards (the runner's capture of layer 0's inputs, the KV-bytes measurement) inside `residency.streamed()`. Two
+forwards (the runner's capture of layer 0's inputs, the KV-bytes measurement) inside `residency.streamed()`; work
+on layer i's own weights during such a forward (a probe's trial conversion) goes inside `layer_in_stream(i)`. Two
 implementations:
 
 - `InMemoryLayers` (here): the whole model is in memory; on CPU every verb is a no-op, on another device the layer
@@ -17,7 +18,7 @@ Both run the same pipeline code on CPU and GPU.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -33,6 +34,8 @@ class Residency(Protocol):
     def converted(self, i: int) -> None: ...
 
     def streamed(self) -> AbstractContextManager[None]: ...
+
+    def layer_in_stream(self, i: int) -> AbstractContextManager[None]: ...
 
 
 class InMemoryLayers:
@@ -73,3 +76,7 @@ class InMemoryLayers:
             yield
         finally:
             self.model.to("cpu")
+
+    def layer_in_stream(self, i: int) -> AbstractContextManager[None]:
+        """Nothing to do: inside `streamed()` every layer is already where the forward runs."""
+        return nullcontext()

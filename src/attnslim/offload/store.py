@@ -17,7 +17,7 @@ and are written once, under the first of their names in sorted order, as `attnsl
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -90,6 +90,11 @@ class OffloadedLayers:
                 self._release_layer(i)
             for group in self.outside:
                 self._assign(group, _meta_like(self.model.get_parameter(group[0])))
+
+    def layer_in_stream(self, i: int) -> AbstractContextManager[None]:
+        """Layer i read in for work on its own weights inside `streamed()` (a probe's trial conversion): a module
+        the work puts in stays in memory through the forwards, the rest of the layer comes and goes with them."""
+        return self.layer(i)
 
     # --- output ----------------------------------------------------------------------------------------------
     def finish(self) -> list[str]:
