@@ -2,16 +2,19 @@
 
 Each variant = one recipe applied to a fresh copy of the model; results are appended to a JSON file under
 benchmarks/results/ as soon as they exist, so an interrupted run resumes where it stopped (variants whose
-recipe fingerprint is already recorded are skipped).
+recipe is already recorded are skipped: same recipe fingerprint, and the same method defaults where the row
+recorded them, `resolved_fingerprint`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,26 @@ from attnslim.api import compress, library_versions
 from attnslim.bench import kv_bytes_per_token
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
+from attnslim.methods import lookup_method
 from attnslim.models import load_model
-from attnslim.recipe import Recipe, fingerprint, recipe_from_dict
+from attnslim.recipe import Recipe, fingerprint, recipe_from_dict, recipe_to_dict
+from attnslim.settings import HealConfig
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def resolved_fingerprint(recipe: Recipe) -> str:
+    """16 hex chars of the sha256 of the recipe with every method argument and heal setting it leaves out written
+    in at today's default. A stored row whose run used a default that has changed since is measured again: the
+    recipe's own fingerprint cannot see that. Defaults a method derives while compressing (a rule of the model's
+    shapes, e.g. mla's rope_dims=None) stay invisible to both."""
+    d = recipe_to_dict(recipe)
+    for step, out in zip(recipe.steps, d["steps"], strict=True):
+        out["args"] = lookup_method(step.method).from_args(dict(step.args)).args()
+    if recipe.heal is not None:
+        d["heal"] = asdict(HealConfig.from_dict(recipe.heal))
+    canon = json.dumps(d, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
 
 
 def environment() -> dict[str, Any]:
@@ -70,7 +89,9 @@ class Harness:
     def run(self, key: str, recipe: Recipe | dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
         recipe = recipe if isinstance(recipe, Recipe) else recipe_from_dict(recipe)
         done = self.data["variants"].get(key)
-        if done and done.get("recipe_fingerprint") == fingerprint(recipe):
+        resolved = resolved_fingerprint(recipe)  # rows stored before it was recorded are judged by the recipe's
+        if (done and done.get("recipe_fingerprint") == fingerprint(recipe)
+                and done.get("resolved_fingerprint", resolved) == resolved):
             print(f"[skip] {key}: already measured", flush=True)
             return dict(done)
         dense = self.dense()
@@ -80,6 +101,7 @@ class Harness:
         result = self.evaluate(model, tokenizer, key)
         result.update({
             "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,
+            "resolved_fingerprint": resolved,
             "plans": [{"method": s["method"], "plan": s["plan"]} for s in report.steps],
             "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
             "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),

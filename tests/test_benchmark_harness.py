@@ -1,0 +1,45 @@
+"""benchmarks/common.py's resume rule: a stored row is reused only while the defaults it ran under still hold."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from attnslim.methods.mla import MLA
+from attnslim.recipe import Recipe, fingerprint, recipe_from_dict
+from attnslim.registry import METHODS
+
+COMMON = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+
+
+def _common() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmarks_common", COMMON)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recipe(args: dict[str, object]) -> Recipe:
+    return recipe_from_dict({"name": "r", "calibration": {"source": "tiny", "windows": 4, "seq_len": 32},
+                             "steps": [{"method": "mla", "layers": "all", "args": args}]})
+
+
+def test_resolved_fingerprint_sees_defaults_the_recipe_fingerprint_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    resolved = _common().resolved_fingerprint
+    short, spelled = _recipe({"kv_ratio": 0.5}), _recipe({"kv_ratio": 0.5, "rope_select": "query"})
+    assert fingerprint(short) != fingerprint(spelled)  # the same run, written two ways
+    assert resolved(short) == resolved(spelled)
+    before = resolved(short)
+
+    @dataclass(frozen=True)
+    class ChangedDefault(MLA):
+        rope_select: str = "pca"
+
+    monkeypatch.setitem(METHODS, "mla", ChangedDefault)
+    assert fingerprint(_recipe({"kv_ratio": 0.5})) == fingerprint(short)  # blind to the change
+    assert resolved(_recipe({"kv_ratio": 0.5})) != before
