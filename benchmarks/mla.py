@@ -68,6 +68,7 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
             f"mla-rootcov-kv{p}": step("mla", {**old, "kv_weight": "rootcov"}),
             f"mla-uncentred-kv{p}": step("mla", {**old, "center": False}),
             f"mla-global-kv{p}": step("mla", {**old, "alloc": "global"}),
+            f"mla-global-fold-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),  # on today's split
             f"mla-rorope-kv{p}": step("mla", {**old, "rope_select": "pca"}),
             # FreqFold (4 neighbouring frequencies share one change of basis) under either rotary choice
             f"mla-fold4-kv{p}": step("mla", {**old, "rope_fold": 4}),
@@ -87,7 +88,7 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
 
 
 def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
-          repeats: int) -> None:
+          repeats: int, cache_kind: str) -> None:
     """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them."""
     dense, tokenizer = load_model(h.model_name)
     models: dict[str, Any] = {"dense": dense.eval()}
@@ -97,11 +98,12 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
             warnings.simplefilter("ignore")
             compress(model, tokenizer, recipe_from_dict(recipes[key]), progress=False)
         models[key] = model.eval()
-    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
+    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
     costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
                     **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
     h.data["speed"], h.data["costs"] = result, costs
-    lines = ["Decode and prefill against dense (greedy, HF DynamicCache, float32, medians of interleaved repetitions; "
+    cache_name = {"dynamic": "HF DynamicCache", "static": "HF StaticCache"}[cache_kind]
+    lines = [f"Decode and prefill against dense (greedy, {cache_name}, float32, medians of interleaved repetitions; "
              "FLOPs per new token of the attention core / of the whole model, from attnslim.bench.flops):", "",
              "| model | KV B/token | " + " | ".join(
                  f"decode tok/s @{c} (×dense) | prefill ms @{c} | attn-core MFLOPs @{c} | total MFLOPs @{c}"
@@ -134,6 +136,8 @@ def main() -> None:
     parser.add_argument("--speed-variants", default="mla-kv50,latentllm-kvonly-kv50")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                        help="the speed group's KV cache: generate()'s default, or cache_implementation='static'")
     args = parser.parse_args()
     h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
@@ -163,7 +167,7 @@ def main() -> None:
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)
     if "speed" in groups:
         speed(h, recipes, args.speed_variants.split(","), [int(c) for c in args.contexts.split(",")],
-              args.new_tokens, args.repeats)
+              args.new_tokens, args.repeats, args.cache)
 
 
 if __name__ == "__main__":

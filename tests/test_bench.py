@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from transformers import BatchEncoding
 
 from attnslim.bench.report import bench_models, format_bench
@@ -45,3 +46,18 @@ def test_bench_reports_sizes_kv_flops_and_ratios_against_the_reference():
 def test_bench_refuses_models_with_different_tokenizers():
     with pytest.raises(AttnslimError, match="different tokenizers"):
         bench_models({"a": (tiny_llama(), _Tok()), "b": (tiny_llama(), _Tok(shift=3))}, [16], repeats=1)
+
+
+def test_speed_runs_on_a_static_cache_sized_for_prompt_and_new_tokens():
+    from attnslim import _compat
+    from attnslim.bench import interleaved
+
+    model = tiny_llama()
+    result = interleaved({"dense": model}, [16], new_tokens=3, repeats=1, progress=False, cache_kind="static")
+    assert result["cache"] == "static" and result["models"]["dense"]["16"]["decode_tok_s"] > 0
+    cache = _compat.new_cache(model.config, "static", 20)
+    model(input_ids=torch.zeros(1, 16, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[-2] == 20 and cache.get_seq_length() == 16  # one buffer, written in place
+    for kind, length in (("paged", 20), ("static", None)):
+        with pytest.raises(AttnslimError, match="valid kinds.*max_length > 0"):
+            _compat.new_cache(model.config, kind, length)

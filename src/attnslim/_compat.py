@@ -125,11 +125,21 @@ def cache_bytes_per_layer(cache: Any) -> list[int]:
     return out
 
 
-def new_cache(config: Any) -> Any:
-    """A fresh dynamic cache for `config` (what generate() would create)."""
-    from transformers import DynamicCache
+CACHE_KINDS = ("dynamic", "static")
 
-    return DynamicCache(config=config)
+
+def new_cache(config: Any, kind: str = "dynamic", max_length: int | None = None) -> Any:
+    """A fresh cache for `config`: dynamic (what generate() creates by default: each step appends a copy) or
+    static (generate's cache_implementation="static": one buffer of max_length positions per layer, written in
+    place)."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=config)
+    if kind == "static" and max_length is not None and max_length > 0:
+        return StaticCache(config=config, max_cache_len=max_length)
+    raise AttnslimError(f"cache kind {kind!r} with max_length {max_length!r}: valid kinds {CACHE_KINDS}; "
+                     "a static cache needs max_length > 0 (prompt + new tokens)")
 
 
 def rotary_cos_sin(

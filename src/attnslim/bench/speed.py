@@ -23,11 +23,13 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds per token) for one prompt ids (1, L)."""
+def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int, cache_kind: str = "dynamic"
+                        ) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) for one prompt ids (1, L), with a fresh HF cache of
+    `cache_kind` (_compat.CACHE_KINDS; static: sized for the prompt and the new tokens)."""
     device = next(model.parameters()).device
     ids = ids.to(device)
-    cache = _compat.new_cache(model.config)
+    cache = _compat.new_cache(model.config, cache_kind, ids.shape[1] + new_tokens + 1)
     _sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, **_compat.LAST_LOGITS_ONLY)
@@ -44,7 +46,7 @@ def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple
 
 def interleaved(
     models: dict[str, Any], contexts: list[int], new_tokens: int = 32, repeats: int = 5, warmup: int = 1,
-    prompt: Callable[[int], torch.Tensor] | None = None, progress: bool = True,
+    prompt: Callable[[int], torch.Tensor] | None = None, progress: bool = True, cache_kind: str = "dynamic",
 ) -> dict[str, Any]:
     """Median prefill latency / decode tokens per second per model and context, plus ratios to the first model."""
     names = list(models)
@@ -54,13 +56,14 @@ def interleaved(
     for name, model in models.items():
         _compat.check_positions(model.config, max(contexts) + new_tokens, f"bench {name}: context + new tokens")
     result: dict[str, Any] = {"device": str(device), "contexts": contexts, "new_tokens": new_tokens,
-                              "repeats": repeats, "reference": names[0], "models": {n: {} for n in names}}
+                              "cache": cache_kind, "repeats": repeats, "reference": names[0],
+                              "models": {n: {} for n in names}}
     for ctx in contexts:
         ids = make(ctx)
         samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
         for rep in range(warmup + repeats):
             for name in names:
-                t = time_prefill_decode(models[name], ids, new_tokens)
+                t = time_prefill_decode(models[name], ids, new_tokens, cache_kind)
                 if rep >= warmup:
                     samples[name].append(t)
             if progress:
