@@ -58,13 +58,16 @@ SECTIONS = {
                        "64), 2 threads", "benchmarks/mla.py"),
     "mla-speed-2t": ("MLA: decode and prefill speed against dense on 2 threads (quiet machine)",
                      "benchmarks/mla.py"),
+    "mla-speed-static": ("MLA: decode and prefill speed against dense on a static KV cache "
+                         "(generate's cache_implementation=\"static\"), 2 threads", "benchmarks/mla.py"),
 }
 
 
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
-         "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "nbl", "nbl-calib",
+         "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
+         "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)

@@ -71,12 +71,26 @@ def one_step(method: str, args: dict[str, Any], layers: Any = "all", windows: in
     })
 
 
-def assert_static_cache_generates_alike(model: Any, prompt: Any, new_tokens: int = 8) -> None:
-    """Greedy generation with HF's static cache (one preallocated buffer per layer, returned whole with its
-    unfilled rows) gives the tokens of the default dynamic cache."""
+def assert_static_cache_matches(model: Any, ids: Any, mask: Any = None, steps: int = 3) -> None:
+    """A prefill of ids (b, t) (left padding where mask is 0), then `steps` greedy steps, decoded with HF's
+    static cache (generate's cache_implementation="static": one preallocated buffer per layer, returned whole
+    with its unfilled rows, HF's mask spanning it) give the logits of the default dynamic cache."""
     import torch
 
-    dynamic = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    static = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                            cache_implementation="static")
-    assert torch.equal(static, dynamic), (static, dynamic)
+    from attnslim import _compat
+
+    logits = {}
+    for kind in _compat.CACHE_KINDS:
+        cache = _compat.new_cache(model.config, kind, ids.shape[1] + steps)
+        keep = torch.ones_like(ids) if mask is None else mask
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=keep, past_key_values=cache, use_cache=True)
+            rows = [out.logits[:, -1]]
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                keep = torch.cat([keep, torch.ones_like(token)], dim=1)
+                out = model(input_ids=token, attention_mask=keep, past_key_values=cache, use_cache=True)
+                rows.append(out.logits[:, -1])
+        logits[kind] = torch.stack(rows)  # (steps + 1, b, vocab)
+    gap = (logits["static"] - logits["dynamic"]).abs().max() / logits["dynamic"].abs().max()
+    assert gap < 1e-5, gap

@@ -58,29 +58,22 @@ def hidden_states_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     return args[0] if args else kwargs["hidden_states"]
 
 
-def first_query_row(past: int, t: int, rows: int) -> int:
-    """The row of the first of t new tokens (after `past` cached ones) among the `rows` an HF cache layer's
-    update returned. Dynamic and sliding-window layers return the last positions (rows <= past + t): row
-    rows − t. Static layers return their whole preallocated buffer, position j at row j, the rows after the new
-    tokens unfilled (rows > past + t): row `past`."""
-    return past - max(past + t - rows, 0)
-
-
 def keep_mask(
-    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device, first_row: int | None = None
+    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
 ) -> torch.Tensor:
-    """Boolean (b|1, 1, q_len, kv_len) mask, True = attend, from whatever HF passed.
+    """Boolean (b|1, 1, q_len, kv_len) mask, True = attend, from whatever HF passed, for the kv_len rows
+    `cache_update` returned.
 
-    HF passes None (SDPA's causal fast path), a boolean mask, or an additive float mask. With None, query s
-    sits at row first_row + s (`first_query_row`; default kv_len − q_len: the last q_len rows) and attends to
-    every row up to its own: HF skips the mask for a static cache's first prefill, whose buffer extends past it.
+    HF passes None (SDPA's causal fast path), a boolean mask, or an additive float mask. With None,
+    queries are the last q_len of kv_len positions (causal with offset). HF's mask has a column per row its
+    cache layer returned; for a static layer (its whole buffer, unfilled rows last) `cache_update` kept the
+    first kv_len rows, so the mask's first kv_len columns are theirs.
     """
     if attention_mask is None:
-        first = kv_len - q_len if first_row is None else first_row
-        q_pos = torch.arange(first, first + q_len, device=device)[:, None]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
         k_pos = torch.arange(kv_len, device=device)[None, :]
         return (k_pos <= q_pos)[None, None]
-    mask = attention_mask[..., -q_len:, -kv_len:]
+    mask = attention_mask[..., -q_len:, :kv_len]
     if mask.dtype == torch.bool:
         return mask
     return mask == 0
@@ -89,10 +82,17 @@ def keep_mask(
 def cache_update(
     cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append (b, h, t, d) keys/values (any h, d: latent caches store (b, 1, t, r)); returns all so far."""
+    """Append (b, h, t, d) keys/values (any h, d: latent caches store (b, 1, t, r)); returns every row that holds
+    a token so far, the new ones last, as a dynamic cache returns them. A static layer (generate's
+    cache_implementation="static") returns its whole preallocated buffer, position j at row j, the rows after the
+    tokens seen so far unfilled: those are cut off here, so that attention neither reads nor masks them."""
     if cache is None:
         return keys, values
-    return cache.update(keys, values, layer_idx)
+    k, v = cache.update(keys, values, layer_idx)
+    seen = int(cache.layers[layer_idx].get_seq_length())
+    if k.shape[-2] > seen:
+        return k[..., :seen, :], v[..., :seen, :]
+    return k, v
 
 
 def cache_mark_tokens(cache: Any, layer_idx: int, hidden_states: torch.Tensor) -> None:

@@ -14,14 +14,12 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
-def sliding_keep(keep: torch.Tensor, window: int | None, first_row: int | None = None) -> torch.Tensor:
-    """Restrict a (.., q, kv) causal keep-mask to the last `window` keys of each query; query s sits at key row
-    first_row + s (default: the queries are the last q rows)."""
+def sliding_keep(keep: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Restrict a (.., q, kv) causal keep-mask to the last `window` keys of each query."""
     if window is None:
         return keep
     q_len, kv_len = keep.shape[-2:]
-    first = kv_len - q_len if first_row is None else first_row
-    q_pos = torch.arange(first, first + q_len, device=keep.device)[:, None]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=keep.device)[:, None]
     k_pos = torch.arange(kv_len, device=keep.device)[None, :]
     return keep & (q_pos - k_pos < window)
 

@@ -149,14 +149,14 @@ class LatentAttention(ReplacementAttention):
         v_new = heads(self.v_proj(x), self.head_dim) if lv is None else lv.latent(x)[:, None]
         k_store, v_store = self._cache_update(past_key_values, k_new, v_new)
         kv = k_store.shape[-2]
-        keep = attention_keep(attention_mask, t, kv, past, x.device, self.sliding_window, self.softcap)
+        keep = attention_keep(attention_mask, t, kv, x.device, self.sliding_window, self.softcap)
         key_path, value_path = self._paths(t, kv)
         if key_path == "absorb":  # (b, h, t, r_k) queries against (b, 1, kv, r_k) latents
             bk = self.k_proj.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
             q = (q.view(b, n_kv, h // n_kv, t, self.head_dim) @ bk[:, None]).reshape(b, h, t, -1)
             k = k_store.expand(b, n_kv, kv, k_store.shape[-1])
         elif key_path == "decompress":
-            k = self._keys(k_store[:, 0], past - _compat.first_query_row(past, t, kv))  # (b, n_kv, kv, d_h)
+            k = self._keys(k_store[:, 0], past + t - kv)  # (b, n_kv, kv, d_h)
         else:
             k = k_store
         out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
@@ -237,16 +237,14 @@ def _heads_back(rows: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
     return rows if n == 1 else heads(rows[:, 0], head_dim)
 
 
-def attention_keep(attention_mask: Any, t: int, kv: int, past: int, device: torch.device,
-                   sliding_window: int | None, softcap: float | None) -> torch.Tensor | None:
-    """Boolean (b|1, 1, t, kv) keep-mask for t new tokens after `past` cached ones over the kv rows the cache
-    returned; None when plain causal attention over those rows is all that is needed (no padding, window not
-    binding, no unfilled static-cache rows): SDPA's unmasked and is_causal kernels are several times faster."""
-    first = _compat.first_query_row(past, t, kv)
+def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, sliding_window: int | None,
+                   softcap: float | None) -> torch.Tensor | None:
+    """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
+    padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
     window_free = sliding_window is None or kv <= sliding_window
-    if attention_mask is None and window_free and softcap is None and first == kv - t and t in (1, kv):
+    if attention_mask is None and window_free and softcap is None and t in (1, kv):
         return None
-    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device, first), sliding_window, first)
+    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scaling: float,

@@ -140,8 +140,7 @@ class MLAAttention(ReplacementAttention):
         if fused is not None:  # inference decode: one input GEMM, one query-map GEMM (same values, fewer ops)
             new, q_cat = self._decode_inputs(x, fused, past)
             store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
-            keep = attention_keep(attention_mask, t, store.shape[-2], past, x.device, self.sliding_window,
-                                  self.softcap)
+            keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             out = self._attend_latent(q_cat, store, keep, 1.0, fused.value_t)  # `scaling` is in the fused maps
         else:
             q = heads(self.q_proj(x), self.head_dim)  # (b, h, t, d_h)
@@ -153,8 +152,7 @@ class MLAAttention(ReplacementAttention):
             if self.k_rope is not None:
                 new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
             store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
-            keep = attention_keep(attention_mask, t, store.shape[-2], past, x.device, self.sliding_window,
-                                  self.softcap)
+            keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             if path == "absorb":
                 out = self._absorb(q, q_r, store, keep)
             else:

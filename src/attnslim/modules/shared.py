@@ -111,10 +111,8 @@ def _qk(owner: Any, x: torch.Tensor, position_embeddings: Any) -> tuple[torch.Te
     return q, k
 
 
-def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, past: int, device: torch.device
-          ) -> torch.Tensor:
-    first = _compat.first_query_row(past, q_len, kv_len)  # static caches return their whole buffer
-    return sliding_keep(_compat.keep_mask(attention_mask, q_len, kv_len, device, first), s.sliding_window, first)
+def _keep(s: AttnShape, attention_mask: Any, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    return sliding_keep(_compat.keep_mask(attention_mask, q_len, kv_len, device), s.sliding_window)
 
 
 @register_module
@@ -140,12 +138,11 @@ class DonorAttention(ReplacementAttention):
         x = hidden_states  # (b, l, hidden)
         q, k = _qk(self, x, position_embeddings)
         v = heads(self.v_proj(x), self.shape.head_dim)  # (b, g, l, d)
-        past = _compat.cache_seq_length(past_key_values, self.layer_idx)
         k, v = _compat.cache_update(past_key_values, self.layer_idx, k, v)  # (b, g, t, d)
         scores = qk_scores(q, k, self.shape.scaling, self.shape.softcap)  # (b, h, l, t)
         if self.export is not None:
             self.export.put(scores)
-        keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], past, x.device)
+        keep = _keep(self.shape, attention_mask, x.shape[1], k.shape[-2], x.device)
         return self.o_proj(attend(scores, v, keep))
 
     def kv_cache_bytes_per_token(self) -> int:
@@ -271,7 +268,7 @@ class SharedAttention(ReplacementAttention):
             self.export.put(scores)
         if self.score_sink is not None:
             self.score_sink(self.layer_idx, scores)
-        keep = _keep(s, attention_mask, l, t, past, x.device)
+        keep = _keep(s, attention_mask, l, t, x.device)
         return self.o_proj(attend(scores, v, keep))
 
     def _k_lr(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
