@@ -45,8 +45,8 @@ SECTIONS = {
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
     "mla-kv375-ablations": ("MLA at KV 0.375: the ablations, FreqFold and the rope_dims sweep that set today's "
                             "default (8192 evaluation tokens)", "benchmarks/mla.py"),
-    "mla-kv25-ablations": ("MLA at KV 0.25: FreqFold against one pair per frequency, and d_rope under FreqFold "
-                           "(8192 evaluation tokens)", "benchmarks/mla.py"),
+    "mla-kv25-ablations": ("MLA at KV 0.25: FreqFold against one pair per frequency, d_rope under FreqFold, and the "
+                           "global rank allocation (8192 evaluation tokens)", "benchmarks/mla.py"),
     "mla-small": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA (small run: 2048 evaluation "
                   "tokens, 16 calibration windows; `mla` rows are of the previous default split, no FreqFold and "
                   "d_rope E²/1.5D)", "benchmarks/mla.py"),

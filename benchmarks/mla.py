@@ -149,10 +149,12 @@ def main() -> None:
         variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
-             for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv"))}
+             for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv", "mla-global-fold-kv"))}
     # heal ablations: larger steps, every parameter trained (mla-legacy-kv50-heal40-lr3e-4 is recipes/mla.yaml's
-    # compression on the previous split; at KV 0.25 transmla gets the best setting of mla too)
-    for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50", "mla-kv25", "transmla-kv25"):
+    # compression on the previous split; at KV 0.25 transmla gets the best setting of mla too, and so does
+    # alloc=global on today's split)
+    for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50", "mla-kv25", "transmla-kv25",
+                 "mla-global-fold-kv25"):
         if base in recipes:
             for tag, change in HEAL_ABLATIONS.items():
                 heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",
