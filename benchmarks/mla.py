@@ -152,9 +152,9 @@ def main() -> None:
              for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv", "mla-global-fold-kv"))}
     # heal ablations: larger steps, every parameter trained (mla-legacy-kv50-heal40-lr3e-4 is recipes/mla.yaml's
     # compression on the previous split; at KV 0.25 transmla gets the best setting of mla too, and so does
-    # alloc=global on today's split)
+    # alloc=global on today's split, which at KV 0.5 also gets recipes/mla.yaml's heal)
     for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50", "mla-kv25", "transmla-kv25",
-                 "mla-global-fold-kv25"):
+                 "mla-global-fold-kv25", "mla-global-fold-kv50"):
         if base in recipes:
             for tag, change in HEAL_ABLATIONS.items():
                 heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",

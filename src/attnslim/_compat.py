@@ -139,7 +139,7 @@ def new_cache(config: Any, kind: str = "dynamic", max_length: int | None = None)
     if kind == "static" and max_length is not None and max_length > 0:
         return StaticCache(config=config, max_cache_len=max_length)
     raise AttnslimError(f"cache kind {kind!r} with max_length {max_length!r}: valid kinds {CACHE_KINDS}; "
-                     "a static cache needs max_length > 0 (prompt + new tokens)")
+                        "a static cache needs max_length > 0 (prompt + new tokens)")
 
 
 def rotary_cos_sin(
