@@ -8,7 +8,6 @@ recorded them, `resolved_fingerprint`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import shlex
@@ -27,14 +26,14 @@ from attnslim.data import eval_windows
 from attnslim.eval import perplexity
 from attnslim.methods import lookup_method
 from attnslim.models import load_model
-from attnslim.recipe import Recipe, fingerprint, recipe_from_dict, recipe_to_dict
+from attnslim.recipe import Recipe, digest, fingerprint, recipe_from_dict, recipe_to_dict
 from attnslim.settings import HealConfig
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def resolved_fingerprint(recipe: Recipe) -> str:
-    """16 hex chars of the sha256 of the recipe with every method argument and heal setting it leaves out written
+    """`digest` of the recipe with every method argument and heal setting it leaves out written
     in at today's default. A stored row whose run used a default that has changed since is measured again: the
     recipe's own fingerprint cannot see that. Defaults a method derives while compressing (a rule of the model's
     shapes, e.g. mla's rope_dims=None) stay invisible to both."""
@@ -43,8 +42,7 @@ def resolved_fingerprint(recipe: Recipe) -> str:
         out["args"] = lookup_method(step.method).from_args(dict(step.args)).args()
     if recipe.heal is not None:
         d["heal"] = asdict(HealConfig.from_dict(recipe.heal))
-    canon = json.dumps(d, sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
+    return digest(d)
 
 
 def environment() -> dict[str, Any]:

@@ -302,6 +302,11 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
 
 
 def fingerprint(recipe: Recipe) -> str:
-    """First 16 hex chars of the sha256 of the recipe's canonical JSON (sorted keys, no spaces)."""
-    canon = json.dumps(recipe_to_dict(recipe), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    """First 16 hex chars of the sha256 of the recipe's canonical JSON (`digest`)."""
+    return digest(recipe_to_dict(recipe))
+
+
+def digest(data: Mapping[str, Any]) -> str:
+    """First 16 hex chars of the sha256 of data's canonical JSON (sorted keys, no spaces)."""
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]

@@ -29,7 +29,7 @@ def time_prefill_decode(model: Any, ids: torch.Tensor, new_tokens: int, cache_ki
     `cache_kind` (_compat.CACHE_KINDS; static: sized for the prompt and the new tokens)."""
     device = next(model.parameters()).device
     ids = ids.to(device)
-    cache = _compat.new_cache(model.config, cache_kind, ids.shape[1] + new_tokens + 1)
+    cache = _compat.new_cache(model.config, cache_kind, ids.shape[1] + new_tokens)
     _sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, **_compat.LAST_LOGITS_ONLY)

@@ -285,7 +285,7 @@ class SharedAttention(ReplacementAttention):
             return _compat.cache_update(cache, self.layer_idx, k_lr, v)
         # V-only layer: a position marker as keys (HF counts a layer's tokens there), one value per KV head in V's
         # dtype: a static cache allocates both slots with the first update's heads and dtype
-        _, v = _compat.cache_update(cache, self.layer_idx, v[..., :1].new_zeros(v.shape[:-1] + (1,)), v)
+        _, v = _compat.cache_update(cache, self.layer_idx, v.new_zeros(*v.shape[:-1], 1), v)
         return None, v
 
     def _integrate(
