@@ -60,6 +60,8 @@ SECTIONS = {
                      "benchmarks/mla.py"),
     "mla-speed-static": ("MLA: decode and prefill speed against dense on a static KV cache "
                          "(generate's cache_implementation=\"static\"), 2 threads", "benchmarks/mla.py"),
+    "mla-speed-reserved": ("MLA: decode and prefill speed against dense when every layer of both appends to its "
+                           "KV cache in place (cache kind `reserved`), 2 threads", "benchmarks/mla.py"),
 }
 
 
@@ -67,6 +69,7 @@ SECTIONS = {
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
+         "mla-speed-reserved",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")

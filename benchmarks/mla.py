@@ -28,6 +28,7 @@ from typing import Any
 
 from common import Harness, calibration
 
+from attnslim._compat import CACHE_KINDS
 from attnslim.api import compress
 from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
@@ -102,7 +103,10 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
     costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
                     **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
     h.data["speed"], h.data["costs"] = result, costs
-    cache_name = {"dynamic": "HF DynamicCache", "static": "HF StaticCache"}[cache_kind]
+    cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, MLA's layers append in place "
+                             "(ReservedRowsLayer)",
+                  "static": "HF StaticCache",
+                  "reserved": "HF DynamicCache with every layer a ReservedRowsLayer, dense included"}[cache_kind]
     lines = [f"Decode and prefill against dense (greedy, {cache_name}, float32, medians of interleaved repetitions; "
              "FLOPs per new token of the attention core / of the whole model, from attnslim.bench.flops):", "",
              "| model | KV B/token | " + " | ".join(
@@ -136,8 +140,9 @@ def main() -> None:
     parser.add_argument("--speed-variants", default="mla-kv50,latentllm-kvonly-kv50")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
-                        help="the speed group's KV cache: generate()'s default, or cache_implementation='static'")
+    parser.add_argument("--cache", default="dynamic", choices=list(CACHE_KINDS),
+                        help="the speed group's KV cache: generate()'s default, cache_implementation='static', or "
+                             "a dynamic cache whose every layer appends in place (dense too)")
     args = parser.parse_args()
     h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)

@@ -71,10 +71,11 @@ def one_step(method: str, args: dict[str, Any], layers: Any = "all", windows: in
     })
 
 
-def assert_static_cache_matches(model: Any, ids: Any, mask: Any = None, steps: int = 3) -> None:
-    """A prefill of ids (b, t) (left padding where mask is 0), then `steps` greedy steps, decoded with HF's
-    static cache (generate's cache_implementation="static": one preallocated buffer per layer, returned whole
-    with its unfilled rows, HF's mask spanning it) give the logits of the default dynamic cache."""
+def assert_cache_kinds_match(model: Any, ids: Any, mask: Any = None, steps: int = 3) -> None:
+    """A prefill of ids (b, t) (left padding where mask is 0), then `steps` greedy steps, decoded with every
+    cache kind of _compat.new_cache give the logits of the default dynamic cache: HF's static cache
+    (generate's cache_implementation="static": one preallocated buffer per layer, returned whole with its
+    unfilled rows, HF's mask spanning it) and the reserved-rows cache (appends in place)."""
     import torch
 
     from attnslim import _compat
@@ -92,5 +93,6 @@ def assert_static_cache_matches(model: Any, ids: Any, mask: Any = None, steps: i
                 out = model(input_ids=token, attention_mask=keep, past_key_values=cache, use_cache=True)
                 rows.append(out.logits[:, -1])
         logits[kind] = torch.stack(rows)  # (steps + 1, b, vocab)
-    gap = (logits["static"] - logits["dynamic"]).abs().max() / logits["dynamic"].abs().max()
-    assert gap < 1e-5, gap
+    for kind in _compat.CACHE_KINDS:
+        gap = (logits[kind] - logits["dynamic"]).abs().max() / logits["dynamic"].abs().max()
+        assert gap < 1e-5, (kind, gap)

@@ -26,7 +26,7 @@ from attnslim.modules.principal_serving import (
     pivot_tokens,
 )
 from conftest import tiny_gemma3, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, assert_static_cache_matches, convert_atp, one_step
+from helpers import ByteTokenizer, assert_cache_kinds_match, convert_atp, one_step
 
 IDS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
 COMPRESSORS = ["principal", "principal-mix", "recent", "sink"]
@@ -103,7 +103,7 @@ def test_serving_left_padding_finite_and_full_rank_exact():
     with compression_point(model, 30):
         assert torch.isfinite(model(input_ids=IDS, attention_mask=mask, use_cache=False).logits).all()
     # the serving cache replaces HF's layer in a static cache too: same logits as in a dynamic one
-    assert_static_cache_matches(model, IDS[:, :30], mask[:, :30])
+    assert_cache_kinds_match(model, IDS[:, :30], mask[:, :30])
 
 
 def test_serving_half_precision_generates():

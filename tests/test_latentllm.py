@@ -20,7 +20,7 @@ from attnslim.io import load, save
 from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, SavingTokenizer, assert_static_cache_matches, one_step
+from helpers import ByteTokenizer, SavingTokenizer, assert_cache_kinds_match, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
@@ -107,7 +107,7 @@ def test_cache_bytes_match_module_report_and_padding():
     full = model(input_ids=IDS, attention_mask=mask).logits
     row = model(input_ids=IDS[1:, 5:]).logits
     assert torch.allclose(full[1, 5:], row[0], atol=1e-5)
-    assert_static_cache_matches(model, IDS, mask)
+    assert_cache_kinds_match(model, IDS, mask)
 
 
 def test_module_reports_ranks_flops_and_absorbs_without_rope():
@@ -355,7 +355,7 @@ def test_real_smollm2_latentllm_beats_svdllm_at_the_same_budget():
         ppl[method] = perplexity(model, windows, progress=False).ppl
         if method == "latentllm":  # latent keys decompressed at their positions, from a static cache too
             assert kv_bytes_per_token(model)["total"] < dense_kv
-            assert_static_cache_matches(model, windows.ids[:1, :32])
+            assert_cache_kinds_match(model, windows.ids[:1, :32])
     loss = {m: ppl[m] / dense_ppl - 1 for m in ppl}
     assert loss["latentllm"] < 0.5 * loss["svdllm"], (ppl, dense_ppl)
     kept = {m: r.params_after["attention"] / r.params_before["attention"] for m, r in reports.items()}

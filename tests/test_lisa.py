@@ -21,7 +21,7 @@ from attnslim.modules.shared import SharedAttention, SharingConfig
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
 from conftest import tiny_llama, tiny_mistral
-from helpers import ByteTokenizer, assert_static_cache_matches, one_step
+from helpers import ByteTokenizer, assert_cache_kinds_match, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 LAYERS = [1, 2, 3]  # a chain 0 -> 1 -> 2 -> 3 in the 4-layer tiny Llama (head_dim 16, rank 2 by default)
@@ -427,7 +427,7 @@ def test_real_smollm2_lisa_beats_direct_sharing_on_the_same_layers():
         compress(ds, tokenizer, one_step("ds", {}, layers=layers), progress=False)
         compress(model, tokenizer, one_step("lisa", {}, layers=layers), progress=False)
     ds_ppl = perplexity(ds, windows).ppl
-    assert_static_cache_matches(ds, windows.ids[:1, :32])  # ds layers cache V and a position marker
+    assert_cache_kinds_match(ds, windows.ids[:1, :32])  # ds layers cache V and a position marker
     assert perplexity(model, windows).ppl == pytest.approx(ds_ppl, rel=1e-4)
     distill(model, teacher, tokenizer, DistillConfig(steps=8, batch_size=2, seq_len=128, lr=1e-3), progress=False)
     lisa_ppl = perplexity(model, windows).ppl

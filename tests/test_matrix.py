@@ -12,7 +12,7 @@ import torch
 
 from attnslim.api import compress
 from conftest import TINY_BUILDERS
-from helpers import ByteTokenizer, assert_static_cache_matches, one_step, reloaded_with_both_loaders
+from helpers import ByteTokenizer, assert_cache_kinds_match, one_step, reloaded_with_both_loaders
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 GEMMA_RANKS = {"q": 24, "k": 16, "v": 12, "o": 24, "gate": 40, "up": 40, "down": 40}  # MQA: k is 16 = head_dim
@@ -51,4 +51,4 @@ def test_save_load_identical_logits_and_cached_generation(family, method, args, 
     assert torch.equal(cached, uncached)
     mask = torch.ones_like(IDS)
     mask[1, :5] = 0  # left padding in the second row
-    assert_static_cache_matches(loaded, IDS, mask)
+    assert_cache_kinds_match(loaded, IDS, mask)

@@ -17,7 +17,7 @@ from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
-from helpers import ByteTokenizer, assert_static_cache_matches, one_step
+from helpers import ByteTokenizer, assert_cache_kinds_match, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 ROPE_FAMILIES = ("llama", "qwen2", "mistral")
@@ -237,7 +237,7 @@ def test_left_padding_changes_nothing():
     out = model.generate(IDS, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     alone = model.generate(IDS[1:, 5:], max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(out[1, 16:], alone[0, 11:])
-    assert_static_cache_matches(model, IDS, mask)
+    assert_cache_kinds_match(model, IDS, mask)
 
 
 def test_error_falls_as_the_kv_budget_grows_and_module_reports():
@@ -377,6 +377,6 @@ def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
         ppl[name] = perplexity(model, windows, progress=False).ppl / dense_ppl
         if name == "mla":  # on real weights: the fused absorbed decode == the decompressed path, prefill and step
             _real_paths_agree(model, windows.ids[:1, :65])
-            assert_static_cache_matches(model, windows.ids[:1, :32])
+            assert_cache_kinds_match(model, windows.ids[:1, :32])
     assert ppl["mla"] < ppl["transmla"] and ppl["mla"] < ppl["svd"], ppl
     assert ppl["mla"] < 1.2, ppl

@@ -80,14 +80,17 @@ def keep_mask(
 
 
 def cache_update(
-    cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, reserve: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append (b, h, t, d) keys/values (any h, d: latent caches store (b, 1, t, r)); returns every row that holds
     a token so far, the new ones last, as a dynamic cache returns them. A static layer (generate's
     cache_implementation="static") returns its whole preallocated buffer, position j at row j, the rows after the
-    tokens seen so far unfilled: those are cut off here, so that attention neither reads nor masks them."""
+    tokens seen so far unfilled: those are cut off here, so that attention neither reads nor masks them.
+    reserve: a plain dynamic layer still empty becomes a `ReservedRowsLayer` (appends in place)."""
     if cache is None:
         return keys, values
+    if reserve:
+        reserve_rows(cache, layer_idx)
     k, v = cache.update(keys, values, layer_idx)
     seen = int(cache.layers[layer_idx].get_seq_length())
     if k.shape[-2] > seen:
@@ -113,29 +116,93 @@ def cache_seq_length(cache: Any, layer_idx: int) -> int:
 
 
 def cache_bytes_per_layer(cache: Any) -> list[int]:
-    """Bytes each cache layer really holds (keys + values tensors)."""
+    """Bytes each cache layer really holds: its keys and values tensors, with the rows a `ReservedRowsLayer`
+    has reserved beyond them."""
     out = []
     for layer in cache.layers:
-        total = 0
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-        out.append(total)
+        if isinstance(layer, ReservedRowsLayer):
+            out.append(layer.reserved_bytes())
+            continue
+        tensors = [getattr(layer, name, None) for name in ("keys", "values")]
+        out.append(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
     return out
 
 
-CACHE_KINDS = ("dynamic", "static")
+class ReservedRowsLayer(DynamicLayer):
+    """A dynamic cache layer that appends into rows reserved ahead, instead of copying every row at every step.
+
+    HF's DynamicLayer concatenates: each decode step copies the whole cache of the layer (T rows read and
+    written per new token). Here keys/values are views of the first T rows of a buffer; new rows are written
+    in place, and only when the buffer is full is it replaced by one with T/8 (at least 64) more rows, a copy
+    every T/8 steps. The first update (prefill) reserves exactly its rows, so a cache measured after a prefill
+    holds no spare row; during decode at most max(64, T/8) rows are spare (`reserved_bytes` counts them).
+    HF's own methods that replace keys/values (reorder, batch select, offload) leave tensors that are no view
+    of the buffer: the next update copies them into a new one. `crop` leaves a view, whose cut rows are then
+    overwritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reserve: list[torch.Tensor | None] = [None, None]  # (b, h, capacity, d) behind keys and values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._append(0, self.keys, key_states)
+        self.values = self._append(1, self.values, value_states)
+        return self.keys, self.values
+
+    def _append(self, slot: int, filled: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """filled (b, h, T, d) (or HF's empty start) and new (b, h, t, d) -> the first T + t rows of the buffer."""
+        buf = self._reserve[slot]
+        rows = filled.shape[-2] if filled is not None and filled.dim() == new.dim() else 0
+        need = rows + new.shape[-2]
+        if not (rows and buf is not None and filled is not None and filled.data_ptr() == buf.data_ptr()
+                and filled.stride() == buf.stride() and buf.shape[:-2] == new.shape[:-2]
+                and buf.shape[-1] == new.shape[-1] and need <= buf.shape[-2]):
+            buf = new.new_empty(*new.shape[:-2], need + (max(64, need // 8) if rows else 0), new.shape[-1])
+            if rows and filled is not None:
+                buf[..., :rows, :] = filled
+            self._reserve[slot] = buf
+        buf[..., rows:need, :] = new
+        return buf[..., :need, :]
+
+    def reserved_bytes(self) -> int:
+        """Bytes of both buffers, spare rows included (0 before the first update)."""
+        return sum(b.numel() * b.element_size() for b in self._reserve if b is not None)
+
+    def reset(self) -> None:
+        self._reserve = [None, None]
+        super().reset()
+
+
+def reserve_rows(cache: Any, layer_idx: int) -> None:
+    """Make layer `layer_idx` of a dynamic HF cache a `ReservedRowsLayer` while it is a plain DynamicLayer that
+    holds nothing yet; every other layer (static, sliding-window, offloaded, quantized, already filled) is left."""
+    layers = cache.layers
+    if layer_idx < len(layers):
+        if type(layers[layer_idx]) is DynamicLayer and not layers[layer_idx].is_initialized:
+            layers[layer_idx] = ReservedRowsLayer()
+    elif getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        install_cache_layer(cache, layer_idx, ReservedRowsLayer())
+
+
+CACHE_KINDS = ("dynamic", "static", "reserved")
 
 
 def new_cache(config: Any, kind: str = "dynamic", max_length: int | None = None) -> Any:
-    """A fresh cache for `config`: dynamic (what generate() creates by default: each step appends a copy) or
-    static (generate's cache_implementation="static": one buffer of max_length positions per layer, written in
-    place)."""
+    """A fresh cache for `config`: dynamic (what generate() creates by default: each step appends a copy; the MLA
+    module turns its layers into `ReservedRowsLayer`s), static (generate's cache_implementation="static": one
+    buffer of max_length positions per layer, written in place) or reserved (dynamic, with every full-attention
+    layer a `ReservedRowsLayer` from the start, whatever module uses it: e.g. the dense model in the speed
+    benchmarks)."""
     from transformers import DynamicCache, StaticCache
 
-    if kind == "dynamic":
-        return DynamicCache(config=config)
+    if kind in ("dynamic", "reserved"):
+        cache = DynamicCache(config=config)
+        for i in range(len(cache.layers)) if kind == "reserved" else ():
+            reserve_rows(cache, i)
+        return cache
     if kind == "static" and max_length is not None and max_length > 0:
         return StaticCache(config=config, max_cache_len=max_length)
     raise AttnslimError(f"cache kind {kind!r} with max_length {max_length!r}: valid kinds {CACHE_KINDS}; "

@@ -8,7 +8,9 @@
     y = o_proj(concat_i softmax(logit_i) v_g(i))
 
 The cache holds [c, k_r] (b, 1, t, r + d_rope) in the key slot and nothing (b, 1, t, 0) in the value slot:
-r + d_rope values per token and layer. Two paths give the same output (tested):
+r + d_rope values per token and layer. In a dynamic cache (generate()'s default) the layer becomes a
+`_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
+Two paths give the same output (tested):
   absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
@@ -136,10 +138,12 @@ class MLAAttention(ReplacementAttention):
         if path not in PATHS[1:]:
             raise AttnslimError(f"layer {self.layer_idx}: MLAAttention path = {self.path!r}; valid: {PATHS}")
         past = _compat.cache_seq_length(past_key_values, self.layer_idx)
+        if past == 0:  # a sequence starts: the one point where derived decode weights are checked (`fused`)
+            self._forget_stale()
         fused = self.fused() if path == "absorb" and not torch.is_grad_enabled() else None
         if fused is not None:  # inference decode: one input GEMM, one query-map GEMM (same values, fewer ops)
             new, q_cat = self._decode_inputs(x, fused, past)
-            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
+            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0], reserve=True)
             keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             out = self._attend_latent(q_cat, store, keep, 1.0, fused.value_t)  # `scaling` is in the fused maps
         else:
@@ -151,7 +155,7 @@ class MLAAttention(ReplacementAttention):
             new = self.kv.latent(x)[:, None]  # (b, 1, t, r)
             if self.k_rope is not None:
                 new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
-            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0])
+            store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0], reserve=True)
             keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             if path == "absorb":
                 out = self._absorb(q, q_r, store, keep)
@@ -183,20 +187,21 @@ class MLAAttention(ReplacementAttention):
 
     # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
     def fused(self) -> _Fused | None:
-        """Derived weights for decode outside autograd, rebuilt when a parameter changes (None where q_proj is
-        not a plain Linear, e.g. factorised by another step: the unfused path then runs, with the same values):
+        """Derived weights for decode outside autograd (None where q_proj is not a plain Linear, e.g. factorised
+        by another step: the unfused path then runs, with the same values):
           w_in (h·d_h + r + 2·d_rope, d)  [W_q; A; W_kr; P W_kr]  (A dense: the block identity written out)
           maps (h, d_h, r + 2·d_rope)     scaling · [B_kᵀ N_q,i; R_q,i; P R_q,i]ᵀ per head: q -> [absorbed query;
                                           rotary query; its rotate-half], the softmax scale folded in.
         P is RoPE's rotate-half ([x1, x2] -> [−x2, x1]), a fixed linear map: with P·y computed by the same GEMM,
-        RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`_rotate_in_place`)."""
+        RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`_rotate_in_place`).
+        Built on first use and checked against the parameters when a sequence starts (`attend` at an empty
+        cache, or without one: `_forget_stale`), not at every decode step, where reading every source tensor's
+        version and address was a visible part of a small model's step (BENCHMARKS.md, section "MLA: decode
+        speed"). So parameters changed in the middle of a cached sequence are seen from the next sequence on; the
+        sequence's cached rows were computed with the old weights anyway."""
         if not isinstance(self.q_proj, nn.Linear):
             return None
-        # the parameters and buffers it derives from, read from the modules' own dicts: this runs per layer and step
-        owners = (self.q_proj, self.kv, self.k_rope, self)
-        key = tuple((p._version, p.data_ptr()) for m in owners if m is not None
-                    for d in (m._parameters, m._buffers) for p in d.values() if p is not None)
-        if self._fused is not None and self._fused[0] == key:
+        if self._fused is not None:
             return self._fused[1]
         with torch.no_grad():  # A as (r, d): its block identity written out
             rows = [self.q_proj.weight, self.kv.dense_latent()]
@@ -214,8 +219,20 @@ class MLAAttention(ReplacementAttention):
                            (torch.cat(maps, dim=1).transpose(1, 2) * self.scaling).contiguous().detach(),
                            self._value_map().contiguous().detach())
         assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
-        self._fused = (key, value)
+        self._fused = (self._source_key(), value)
         return value
+
+    def _source_key(self) -> tuple[tuple[int, int], ...]:
+        """Version and address of every parameter and buffer `fused` derives from, read from the modules' own
+        dicts."""
+        owners = (self.q_proj, self.kv, self.k_rope, self)
+        return tuple((p._version, p.data_ptr()) for m in owners if m is not None
+                     for d in (m._parameters, m._buffers) for p in d.values() if p is not None)
+
+    def _forget_stale(self) -> None:
+        """Drop the derived decode weights if a tensor they derive from changed since they were built."""
+        if self._fused is not None and self._fused[0] != self._source_key():
+            self._fused = None
 
     def release_derived(self) -> None:
         """Forget the weights derived from the parameters (offloaded runs take the parameters away after each
