@@ -92,7 +92,10 @@ def cache_update(
     if reserve:
         reserve_rows(cache, layer_idx)
     k, v = cache.update(keys, values, layer_idx)
-    seen = int(cache.layers[layer_idx].get_seq_length())
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, DynamicLayer):  # dynamic layers hold the filled rows only
+        return k, v
+    seen = int(layer.get_seq_length())
     if k.shape[-2] > seen:
         return k[..., :seen, :], v[..., :seen, :]
     return k, v
@@ -143,6 +146,7 @@ class ReservedRowsLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self._reserve: list[torch.Tensor | None] = [None, None]  # (b, h, capacity, d) behind keys and values
+        self._views: list[torch.Tensor | None] = [None, None]  # the filled rows last handed out (keys, values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,22 +161,26 @@ class ReservedRowsLayer(DynamicLayer):
         buf = self._reserve[slot]
         rows = filled.shape[-2] if filled is not None and filled.dim() == new.dim() else 0
         need = rows + new.shape[-2]
-        if not (rows and buf is not None and filled is not None and filled.data_ptr() == buf.data_ptr()
-                and filled.stride() == buf.stride() and buf.shape[:-2] == new.shape[:-2]
-                and buf.shape[-1] == new.shape[-1] and need <= buf.shape[-2]):
+        # `filled` is the view this layer returned last (the decode step's case), or, after one of HF's methods,
+        # a view of the same buffer (crop) or a tensor of its own (reorder, batch select, offload)
+        ours = buf is not None and (filled is self._views[slot] or (
+            filled is not None and filled.data_ptr() == buf.data_ptr() and filled.stride() == buf.stride()))
+        if not (ours and rows and buf is not None and need <= buf.shape[-2] and buf.shape[:-2] == new.shape[:-2]
+                and buf.shape[-1] == new.shape[-1]):
             buf = new.new_empty(*new.shape[:-2], need + (max(64, need // 8) if rows else 0), new.shape[-1])
             if rows and filled is not None:
                 buf[..., :rows, :] = filled
             self._reserve[slot] = buf
         buf[..., rows:need, :] = new
-        return buf[..., :need, :]
+        view = self._views[slot] = buf[..., :need, :]
+        return view
 
     def reserved_bytes(self) -> int:
         """Bytes of both buffers, spare rows included (0 before the first update)."""
         return sum(b.numel() * b.element_size() for b in self._reserve if b is not None)
 
     def reset(self) -> None:
-        self._reserve = [None, None]
+        self._reserve, self._views = [None, None], [None, None]
         super().reset()
 
 
