@@ -195,10 +195,10 @@ class MLAAttention(ReplacementAttention):
         P is RoPE's rotate-half ([x1, x2] -> [−x2, x1]), a fixed linear map: with P·y computed by the same GEMM,
         RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`_rotate_in_place`).
         Built on first use and checked against the parameters when a sequence starts (`attend` at an empty
-        cache, or without one: `_forget_stale`), not at every decode step, where reading every source tensor's
-        version and address was a visible part of a small model's step (BENCHMARKS.md, section "MLA: decode
-        speed"). So parameters changed in the middle of a cached sequence are seen from the next sequence on; the
-        sequence's cached rows were computed with the old weights anyway."""
+        cache, or without one: `_forget_stale`), not at every decode step: reading every source tensor's
+        version and address in every layer showed in profiles of a small model's decode step. So parameters
+        changed in the middle of a cached sequence are seen from the next sequence on; the sequence's cached
+        rows were computed with the old weights anyway."""
         if not isinstance(self.q_proj, nn.Linear):
             return None
         if self._fused is not None:
