@@ -61,10 +61,15 @@ def test_reserved_cache_kind_and_the_mla_module_install_it_on_full_attention_lay
     cache = _compat.new_cache(model.config, "reserved")
     assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 2 + [
         "DynamicSlidingWindowLayer"] * 2
-    dense = tiny_llama()
-    _compress(dense, "mla", {"kv_ratio": 0.5})
-    cache = _compat.new_cache(dense.config)  # generate()'s default: plain DynamicLayers
+    _compress(model, "mla", {"kv_ratio": 0.5})
+    cache = _compat.new_cache(model.config)  # generate()'s default: plain dynamic and sliding-window layers
     with torch.no_grad():
-        dense(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
-    assert all(type(layer) is _compat.ReservedRowsLayer for layer in cache.layers)
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 2 + [
+        "DynamicSlidingWindowLayer"] * 2
     assert _compat.cache_bytes_per_layer(cache)[0] == 6 * cache.layers[0].keys[0, 0, 0].nbytes
+    plain = tiny_llama()  # a dense model keeps HF's layers in the default cache
+    cache = _compat.new_cache(plain.config)
+    with torch.no_grad():
+        plain(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert all(type(layer) is DynamicLayer for layer in cache.layers)
