@@ -5,7 +5,7 @@ copy rows only when its buffer is full, and count its spare rows as cache bytes.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from attnslim import _compat
 from conftest import tiny_llama, tiny_qwen2
@@ -68,6 +68,10 @@ def test_reserved_cache_kind_and_the_mla_module_install_it_on_full_attention_lay
     assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 2 + [
         "DynamicSlidingWindowLayer"] * 2
     assert _compat.cache_bytes_per_layer(cache)[0] == 6 * cache.layers[0].keys[0, 0, 0].nbytes
+    cache = DynamicCache()  # built without a config (HF's documented form): its layers appear as they are used
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 4
     plain = tiny_llama()  # a dense model keeps HF's layers in the default cache
     cache = _compat.new_cache(plain.config)
     with torch.no_grad():

@@ -163,10 +163,10 @@ class ReservedRowsLayer(DynamicLayer):
         need = rows + new.shape[-2]
         # `filled` is the view this layer returned last (the decode step's case), or, after one of HF's methods,
         # a view of the same buffer (crop) or a tensor of its own (reorder, batch select, offload)
-        ours = buf is not None and (filled is self._views[slot] or (
-            filled is not None and filled.data_ptr() == buf.data_ptr() and filled.stride() == buf.stride()))
-        if not (ours and rows and buf is not None and need <= buf.shape[-2] and buf.shape[:-2] == new.shape[:-2]
-                and buf.shape[-1] == new.shape[-1]):
+        fits = (buf is not None and rows > 0 and need <= buf.shape[-2] and buf.shape[:-2] == new.shape[:-2]
+                and buf.shape[-1] == new.shape[-1] and (filled is self._views[slot] or (
+                    filled is not None and filled.data_ptr() == buf.data_ptr() and filled.stride() == buf.stride())))
+        if buf is None or not fits:
             buf = new.new_empty(*new.shape[:-2], need + (max(64, need // 8) if rows else 0), new.shape[-1])
             if rows and filled is not None:
                 buf[..., :rows, :] = filled
@@ -208,8 +208,9 @@ def new_cache(config: Any, kind: str = "dynamic", max_length: int | None = None)
 
     if kind in ("dynamic", "reserved"):
         cache = DynamicCache(config=config)
-        for i in range(len(cache.layers)) if kind == "reserved" else ():
-            reserve_rows(cache, i)
+        if kind == "reserved":
+            for i in range(len(cache.layers)):
+                reserve_rows(cache, i)
         return cache
     if kind == "static" and max_length is not None and max_length > 0:
         return StaticCache(config=config, max_cache_len=max_length)
