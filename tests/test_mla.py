@@ -13,7 +13,9 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.errors import AttnslimError
+from attnslim.linalg.mla import fit_latent
 from attnslim.linalg.mla_rope import phase_mean, split_rotary
+from attnslim.linalg.precond import root_pair
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
@@ -252,6 +254,22 @@ def test_error_falls_as_the_kv_budget_grows_and_module_reports():
     # default d_rope = E/6 rounded to even: 10 of the 64 cached values at kv_ratio 1 (fold 4: 5 pairs < 8 frequencies)
     assert "r_kv=54" in repr(attn) and "d_rope=10" in repr(attn) and attn.describe()["kind"] == "MLAAttention"
     assert attn.attention_flops(512) == 2 * (4 * 512 * (64 + 54) + 4 * 16 * (64 + 54) - 54 * 54)  # B: 54 x 54
+
+
+def test_fit_is_silent_on_a_rank_deficient_output_weight_and_still_fits_the_weighted_problem():
+    """Key directions no query reads make the output weight rank-deficient; that is expected (errors there do
+    not reach the output), so the fit does not warn, unlike a rank-deficient input covariance."""
+    gen = torch.Generator().manual_seed(0)
+    w_kv, x = torch.randn(6, 8, generator=gen, dtype=torch.float64), torch.randn(8, 64, generator=gen)
+    cov = (x @ x.T / 64).double()  # full rank
+    basis = torch.randn(4, 2, generator=gen, dtype=torch.float64)
+    weights = [basis @ basis.T, torch.eye(2, dtype=torch.float64)]  # key block (4, 4) of rank 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        full = fit_latent(w_kv, cov, 6, weights, 1e-2, "layer 3")
+    assert torch.allclose(full.B @ full.A, w_kv, atol=1e-8)  # full rank: the weighting is undone exactly
+    with pytest.warns(UserWarning, match="layer 3 input.*rank-deficient"):  # the covariance check still warns
+        root_pair(weights[0], 1e-2, label="layer 3 input")
 
 
 def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():

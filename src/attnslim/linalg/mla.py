@@ -102,9 +102,10 @@ def _weighted(w_kv: torch.Tensor, cov: torch.Tensor, weights: list[torch.Tensor]
         start = 0
         for blk in weights:
             n = blk.shape[0]
-            if n:
+            if n:  # no warning: a rank-deficient output weight (key directions no query reads) is expected, and
+                # errors in its null space do not reach the output, so λ deciding those directions is harmless
                 s[start : start + n, start : start + n], s_inv[start : start + n, start : start + n] = root_pair(
-                    blk, damp, label=f"{label} output weight")
+                    blk, damp, label=f"{label} output weight", warn=False)
             start += n
     sw = s @ w_kv.to(_F64)  # (D, d)
     c = cov.to(_F64)  # damped like every LatentLLM covariance: directions calibration never saw keep their weight

@@ -67,14 +67,15 @@ class Precond:
 
 
 def damped_eigh(
-    c: torch.Tensor, damp: float, *, label: str = "layer", n: int | None = None
+    c: torch.Tensor, damp: float, *, label: str = "layer", n: int | None = None, warn: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Eigen-decomposition of a PSD matrix with relative damping.
 
     c: (d, d) symmetric PSD. Returns (e (d,) ascending, q (d, d) eigenvectors as columns, λ) with
-    e = max(eig(c), 0) + λ and λ = damp · mean(diag(c)). Warns (naming `label`) when c is
-    rank-deficient, because then λ alone decides the factors in the null space; raises if it is
-    rank-deficient and undamped (P⁻¹ would not exist).
+    e = max(eig(c), 0) + λ and λ = damp · mean(diag(c)). Warns (naming `label`) when c is a rank-deficient
+    input covariance, because then λ alone decides the factors in directions the calibration never saw;
+    `warn=False` for weights whose null space is expected and carries no error (the caller says why). Raises
+    if c is rank-deficient and undamped (P⁻¹ would not exist).
     """
     if damp < 0:
         raise AttnslimError(f"{label}: damp = {damp} must be >= 0 (relative damping, typical 1e-4..1e-2)")
@@ -93,19 +94,20 @@ def damped_eigh(
                 f"{label}: input covariance is rank-deficient (numerical rank {num_rank} of {d}{tokens}) "
                 f"and damp = {damp}; use damp > 0 (e.g. 1e-2) or collect more calibration tokens"
             )
-        warnings.warn(
-            f"{label}: input covariance is rank-deficient (numerical rank {num_rank} of {d}{tokens}); "
-            f"damping λ = {lam:.3g} (damp = {damp}) decides the factors in the null space",
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(
+                f"{label}: input covariance is rank-deficient (numerical rank {num_rank} of {d}{tokens}); "
+                f"damping λ = {lam:.3g} (damp = {damp}) decides the factors in the null space",
+                stacklevel=3,
+            )
     return e + lam, q, lam
 
 
 def root_pair(
-    c: torch.Tensor, damp: float, *, label: str = "layer", n: int | None = None
+    c: torch.Tensor, damp: float, *, label: str = "layer", n: int | None = None, warn: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d, d) PSD c -> ((c + λI)^{1/2}, (c + λI)^{-1/2}), both (d, d) symmetric, via one eigh."""
-    e, q, _ = damped_eigh(c, damp, label=label, n=n)
+    """(d, d) PSD c -> ((c + λI)^{1/2}, (c + λI)^{-1/2}), both (d, d) symmetric, via one eigh (`damped_eigh`)."""
+    e, q, _ = damped_eigh(c, damp, label=label, n=n, warn=warn)
     s = e.sqrt()
     return (q * s) @ q.T, (q / s) @ q.T
 
