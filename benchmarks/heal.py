@@ -37,8 +37,9 @@ def nbl_then_latent(m: int, latent: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 BASES = {
-    "latentllm-kv50": [{"method": "latentllm", "layers": "all", "args": {"ratio": 1.0, "kv_ratio": 0.5}}],  # default
-    "mla-kv50": [{"method": "mla", "layers": "all", "args": {"kv_ratio": 0.5}}],  # recipes/mla.yaml's compression
+    # recipes/latentllm-kv50.yaml's compression (the default before MLA)
+    "latentllm-kv50": [{"method": "latentllm", "layers": "all", "args": {"ratio": 1.0, "kv_ratio": 0.5}}],
+    "mla-kv50": [{"method": "mla", "layers": "all", "args": {"kv_ratio": 0.5}}],  # default.yaml's, mla.yaml's
     # the parameter target by attention alone: embeddings + MLP are 80% of the model, so attention must keep <= 25%
     "latentllm-a20": [{"method": "latentllm", "layers": "all", "args": {"ratio": 0.2}}],
     "nbl12-val-kv80": nbl_then_latent(12, {**VALUES, "kv_ratio": 0.8}),

@@ -40,7 +40,8 @@ SECTIONS = {
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model", "benchmarks/heal.py"),
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression", "benchmarks/heal.py"),
-    "heal-default": ("Healing the default recipe's compression: which text to heal on, and the MLA recipe beside it",
+    "heal-default": ("Healing the default recipe's compression: MLA (the default) beside LatentLLM's latent caches "
+                     "(the previous default), and which text to heal on",
                      "benchmarks/heal.py"),
     "mla": ("MLA: multi-head latent attention with decoupled RoPE beside TransMLA", "benchmarks/mla.py"),
     "mla-kv375-ablations": ("MLA at KV 0.375: the ablations, FreqFold and the rope_dims sweep that set today's "
@@ -77,7 +78,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
     ("latentllm", "latentllm", "latentllm-80", "svdllm-attn-80", "--recipe latentllm"),
-    ("mla (+ 40-step heal)", "mla", "mla-kv50-heal40", "transmla-kv50-heal40", "--recipe mla"),
+    ("mla (+ 40-step heal)", "mla", "mla-kv50-heal40", "transmla-kv50-heal40", "--recipe default"),
     ("nbl", "nbl", "nbl-similarity-m6", "drop-similarity-layers-m6", "--recipe nbl"),
     ("lisa", "lisa", "lisa-50", "ds-50", "--recipe lisa"),
     ("atp (serving cache)", "atp", "hybrid r=1/4", "recent r=1/4", "--recipe atp"),

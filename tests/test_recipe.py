@@ -46,10 +46,13 @@ def test_packaged_recipes_present_and_load():
         first = [5, 6, 7, 8, 9, 10, 11, 12, 14, 17, 22, 25, 26, 28, 29] if name == "atp-paper" else list(range(30))
         assert r.resolve(30, METHODS)[0][1] == first
     default = load_recipe("default")
-    assert default.name == "default" and [s.method for s in default.steps] == ["latentllm"]
-    assert default.steps[0].args == {"ratio": 1.0, "kv_ratio": 0.5}  # latentllm-kvonly-50 of latentllm.py
+    assert default.name == "default" and [s.method for s in default.steps] == ["mla"]
+    assert default.steps[0].args == {"kv_ratio": 0.5, "rope_select": "query", "kv_weight": "attention"}
     assert default.heal is not None and default.heal["steps"] == 40  # what the demo's ten minutes allow
     assert default.heal["source"] == "wiki+c4+tiny"  # heal-default.json: tiny acc -2.5 pts (wiki+c4: -4.3)
+    assert default.heal["lr"] == 1e-4  # heal-default.json: lr 3e-4 drops wiki_nextsent past the 3-point target
+    previous = load_recipe("latentllm-kv50")  # the default before MLA, kept under its own name
+    assert [s.method for s in previous.steps] == ["latentllm"] and previous.heal == default.heal
     assert load_recipe("asvd").steps[0].args == {"ratio": 0.8, "alpha": 0.5, "linears": ["q", "k", "v", "o"]}
     assert load_recipe("drop").steps[0].args == {"count": 6, "select": "similarity"}
 
