@@ -41,11 +41,28 @@ def test_bench_reports_sizes_kv_flops_and_ratios_against_the_reference():
         assert result["speed"]["models"]["dropped"][ctx]["decode_tok_s"] > 0
     text = format_bench(result)
     assert "device: cpu (cpu)" in text and "context    32" in text and "ratios vs dense" in text
+    low, high = result["speed"]["models"]["dropped"]["32"]["decode_ratio_span"]
+    assert low == high == pytest.approx(result["speed"]["models"]["dropped"]["32"]["decode_ratio"])  # one repetition
+    assert f"repetitions {low:.2f}-{high:.2f}x" in text
 
 
 def test_bench_refuses_models_with_different_tokenizers():
     with pytest.raises(AttnslimError, match="different tokenizers"):
         bench_models({"a": (tiny_llama(), _Tok()), "b": (tiny_llama(), _Tok(shift=3))}, [16], repeats=1)
+
+
+def test_speed_reports_the_span_of_paired_per_repetition_decode_ratios(monkeypatch):
+    """Each repetition's ratio pairs the two models' timings of that repetition; the median ratio is checked
+    against the span, which shows whether a ratio near 1 is a margin or parity."""
+    from attnslim.bench import speed
+
+    ref, new = tiny_llama(), tiny_llama()
+    per_token = {id(ref): iter([0.5, 0.10, 0.10, 0.10]), id(new): iter([0.5, 0.08, 0.125, 0.10])}  # warm-up first
+    monkeypatch.setattr(speed, "time_prefill_decode", lambda model, ids, n, kind: (0.01, next(per_token[id(model)])))
+    result = speed.interleaved({"ref": ref, "new": new}, [16], repeats=3, progress=False)
+    assert result["models"]["ref"]["16"]["decode_ratio_span"] == [1.0, 1.0]
+    assert result["models"]["new"]["16"]["decode_ratio_span"] == pytest.approx([0.8, 1.25])  # 0.1/0.125, 0.1/0.08
+    assert result["models"]["new"]["16"]["decode_ratio"] == pytest.approx(1.0)  # medians 0.10 and 0.10
 
 
 def test_speed_runs_on_a_static_cache_sized_for_prompt_and_new_tokens():

@@ -35,9 +35,11 @@ def test_demo_target_lines_give_reasons_for_structural_misses():
 
     before, after = side(dense, 10.0, 0.60), side(model, 11.0, 0.55)
     after["kv"] = 50.0
-    lines = target_lines(before, after, {"dense": 20.0, "compressed": 15.0}, dense, model)
+    lines = target_lines(before, after, {"dense": 20.0, "compressed": 15.0, "ratio_low": 0.7, "ratio_high": 0.8},
+                         dense, model)
     text = "\n".join(lines)
     assert "[met] KV bytes/token" in text and "0.500×" in text and "[met] wiki perplexity" in text
     assert "[MISSED] zero-shot accuracy" in text and "tiny_nextsent -5.0 points" in text
     assert "[MISSED] total parameters" in text and "why: dense parameters are embedding" in text
-    assert "[MISSED] decode tokens/s" in text and "0.75×" in text and "why: FLOPs per new token at 512" in text
+    assert "[MISSED] decode tokens/s" in text and "0.75× (repetitions 0.70–0.80×)" in text
+    assert "why: FLOPs per new token at 512" in text

@@ -38,11 +38,15 @@ def measure(model: Any, tokenizer: Any, tokens: int, task_limit: int | None) -> 
 
 
 def decode_speed(dense: Any, compressed: Any) -> dict[str, float]:
-    """Median decode tokens/s of both models, interleaved in this run, at SPEED's context."""
+    """Median decode tokens/s of both models, interleaved in this run, at SPEED's context, and the lowest and
+    highest per-repetition ratio (ratio_low, ratio_high)."""
     ctx = SPEED["context"]
     res = interleaved({"dense": dense, "compressed": compressed}, [ctx], new_tokens=SPEED["new_tokens"],
                       repeats=SPEED["repeats"], progress=False)
-    return {name: res["models"][name][str(ctx)]["decode_tok_s"] for name in ("dense", "compressed")}
+    rows = {name: res["models"][name][str(ctx)] for name in ("dense", "compressed")}
+    low, high = rows["compressed"]["decode_ratio_span"]
+    return {"dense": rows["dense"]["decode_tok_s"], "compressed": rows["compressed"]["decode_tok_s"],
+            "ratio_low": low, "ratio_high": high}
 
 
 def table_rows(before: dict[str, Any], after: dict[str, Any], speed: dict[str, float], tokens: int
@@ -71,7 +75,8 @@ def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str,
         kv=after["kv"] / before["kv"], total=after["params"]["total"] / before["params"]["total"],
         wiki=after["ppl"]["wiki"] / before["ppl"]["wiki"],
         acc_drop={t.removeprefix("attnslim_"): 100 * (before["acc"][t] - after["acc"][t]) for t in TASKS},
-        decode=speed["compressed"] / speed["dense"])
+        decode=speed["compressed"] / speed["dense"],
+        decode_span=(speed["ratio_low"], speed["ratio_high"]) if "ratio_low" in speed else None)
     ctx = SPEED["context"]
     reasons = miss_reasons(before["params"], after["params"], flops_per_token(dense, ctx),
                            flops_per_token(compressed, ctx), ctx)

@@ -67,9 +67,11 @@ def format_bench(result: dict[str, Any]) -> str:
         lines.append(f"{name}: params total {p['total']:,} (attention {p['attention']:,}, mlp {p['mlp']:,}); "
                      f"KV {size['kv_bytes_per_token']:,.0f} B/token")
         for ctx, row in speed["models"][name].items():
+            low, high = row["decode_ratio_span"]
+            span = f", repetitions {low:.2f}-{high:.2f}x" if name != speed["reference"] else ""
             lines.append(
                 f"  context {ctx:>5}: prefill {row['prefill_s'] * 1000:8.1f} ms ({row['prefill_ratio']:.2f}x)  "
-                f"decode {row['decode_tok_s']:7.1f} tok/s ({row['decode_ratio']:.2f}x)  "
+                f"decode {row['decode_tok_s']:7.1f} tok/s ({row['decode_ratio']:.2f}x{span})  "
                 f"FLOPs/token {size['flops_per_token'][ctx]:.3g}"
             )
     lines.append(f"peak RSS {result['peak_rss_mb']:.0f} MB")

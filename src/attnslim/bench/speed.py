@@ -1,7 +1,9 @@
 """Prefill latency and decode speed, measured for several models interleaved in one run (medians, ratios).
 
 Timing discipline (gpt-fast style): warm-up runs first; each repetition times every model once, in turn,
-so machine noise hits all models alike; we report medians and the ratio to the first (reference) model.
+so machine noise hits all models alike; we report medians and the ratio to the first (reference) model, and the
+span (min, max) of the per-repetition decode ratios (each model against the reference in the same repetition):
+a median at 1.00x whose span straddles 1 is parity, not a margin.
 Decode is a manual greedy loop over the model's KV cache (what generate() does, minus sampling logic).
 """
 
@@ -72,7 +74,10 @@ def interleaved(
         for name in names:
             prefill = statistics.median(s[0] for s in samples[name])
             per_token = statistics.median(s[1] for s in samples[name])
-            result["models"][name][str(ctx)] = {"prefill_s": prefill, "decode_tok_s": 1.0 / per_token}
+            # decode ratio of each repetition: the reference's seconds per token over this model's, same repetition
+            paired = [ref[1] / own[1] for ref, own in zip(samples[names[0]], samples[name], strict=True)]
+            result["models"][name][str(ctx)] = {"prefill_s": prefill, "decode_tok_s": 1.0 / per_token,
+                                                "decode_ratio_span": [min(paired), max(paired)]}
     ref = result["models"][names[0]]
     for name in names:
         for ctx in contexts:
