@@ -89,14 +89,17 @@ def _run_cache(model):
 
 
 @pytest.mark.parametrize("method,args", [("svdllm", {"ratio": 0.5}), ("drop", {"count": 2})])
-def test_save_load_identical_and_cached_generation(llama, tmp_path, method, args):
-    from transformers import AutoModelForCausalLM
+def test_save_load_identical_and_cached_generation(llama, tmp_path, monkeypatch, method, args):
+    from transformers import AutoModelForCausalLM, configuration_utils
 
     report = _compress(llama, method, args)
     ref = llama(input_ids=IDS).logits
     tok = SavingTokenizer()
     out = save(llama, tok, tmp_path / "m", report.to_json())
+    warned: list[str] = []  # transformers' config warnings (its logger does not propagate to pytest's caplog)
+    monkeypatch.setattr(configuration_utils.logger, "warning", lambda msg, *a, **k: warned.append(str(msg)))
     loaded, _ = load(out)
+    assert not [w for w in warned if "to instantiate a model of type" in w], warned  # config.json read once, right
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
     auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert torch.equal(auto(input_ids=IDS).logits, ref)

@@ -191,7 +191,9 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bo
         _load_shards(model, directory, sorted(info["weights_shards"]))
     else:
         load_model(model, str(weights), strict=True)
-    tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
+    # the base model's config: without it AutoTokenizer reads config.json as a bare config and warns that model
+    # type "attnslim" is being instantiated as another type, at every load
+    tokenizer = AutoTokenizer.from_pretrained(directory, config=model.config, **_compat.SAFE_LOADING)
     return model.eval(), tokenizer
 
 
