@@ -4,6 +4,7 @@ copy rows only when its buffer is full, and count its spare rows as cache bytes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -56,18 +57,21 @@ def test_appends_in_place_and_counts_its_spare_rows():
     assert layer.keys.data_ptr() != buffer and layer.get_seq_length() == 166
 
 
-def test_reserved_cache_kind_and_the_mla_module_install_it_on_full_attention_layers_only():
+@pytest.mark.parametrize("method,args", [("mla", {"kv_ratio": 0.5}), ("latentllm", {"ratio": 1.0, "kv_ratio": 0.5}),
+                                         ("latentllm", {"ratio": 1.0, "kv_ratio": 0.75, "cache": "values"})])
+def test_reserved_cache_kind_and_latent_modules_install_it_on_full_attention_layers_only(method, args):
     model = tiny_qwen2()  # full and sliding-window layers: HF's sliding layer keeps only the window, left as it is
     cache = _compat.new_cache(model.config, "reserved")
     assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 2 + [
         "DynamicSlidingWindowLayer"] * 2
-    _compress(model, "mla", {"kv_ratio": 0.5})
+    _compress(model, method, args)
     cache = _compat.new_cache(model.config)  # generate()'s default: plain dynamic and sliding-window layers
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
     assert [type(layer).__name__ for layer in cache.layers] == ["ReservedRowsLayer"] * 2 + [
         "DynamicSlidingWindowLayer"] * 2
-    assert _compat.cache_bytes_per_layer(cache)[0] == 6 * cache.layers[0].keys[0, 0, 0].nbytes
+    layer = cache.layers[0]  # a prefill reserves exactly its rows
+    assert _compat.cache_bytes_per_layer(cache)[0] == layer.keys.nbytes + layer.values.nbytes
     cache = DynamicCache()  # built without a config (HF's documented form): its layers appear as they are used
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 6, dtype=torch.long), past_key_values=cache, use_cache=True)

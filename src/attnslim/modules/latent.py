@@ -167,9 +167,9 @@ class LatentAttention(ReplacementAttention):
         """Both slots into the HF cache, every row so far back. A static cache allocates both slots with the first
         update's head count, so where one slot is a latent (b, 1, t, r) and the other per KV head
         (b, n_kv, t, d_h), the per-head one is stored as one row (b, 1, t, n_kv·d_h) and read back as a view."""
-        if k.shape[1] == v.shape[1]:
-            return _compat.cache_update(cache, self.layer_idx, k, v)
-        k_rows, v_rows = _compat.cache_update(cache, self.layer_idx, _one_row(k), _one_row(v))
+        if k.shape[1] == v.shape[1]:  # reserve: a dynamic layer appends in place (`_compat.ReservedRowsLayer`)
+            return _compat.cache_update(cache, self.layer_idx, k, v, reserve=True)
+        k_rows, v_rows = _compat.cache_update(cache, self.layer_idx, _one_row(k), _one_row(v), reserve=True)
         return _heads_back(k_rows, k.shape[1], self.head_dim), _heads_back(v_rows, v.shape[1], self.head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v_store: torch.Tensor, keep: torch.Tensor | None, path: str
