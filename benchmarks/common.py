@@ -45,10 +45,22 @@ def resolved_fingerprint(recipe: Recipe) -> str:
     return digest(d)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows: speed results from different
+    machines differ (a shared runner's host can change between runs), so every result names its CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, Any]:
     return {
         **library_versions(), "python": platform.python_version(), "device": "cpu",
-        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "threads": torch.get_num_threads(),
         "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
     }
 

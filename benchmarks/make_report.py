@@ -67,6 +67,12 @@ SECTIONS = {
 
 
 # sections in this order (by method), then any other result file in name order
+def cpu_name(env: dict[str, Any]) -> str:
+    """", AMD EPYC" where the run recorded a CPU model; older runs recorded only the architecture (x86_64)."""
+    cpu = env.get("cpu", "")
+    return f", {cpu}" if cpu and cpu not in ("x86_64", "aarch64", "arm64", "i386") else ""
+
+
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
@@ -157,7 +163,7 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     if cal:
         out.append(f"Calibration: {cal.get('description')} ({cal.get('tokens')} tokens).  ")
     out.append(
-        f"Device {env['device']} ({env['threads']} threads); torch {env['torch']}, transformers "
+        f"Device {env['device']}{cpu_name(env)} ({env['threads']} threads); torch {env['torch']}, transformers "
         f"{env['transformers']}, attnslim {env['attnslim']}."
     )
     out.append("")

@@ -103,8 +103,8 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
     costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
                     **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
     h.data["speed"], h.data["costs"] = result, costs
-    cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, MLA's layers append in place "
-                             "(ReservedRowsLayer)",
+    cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, the latent modules' layers (mla, "
+                             "latentllm) append in place (ReservedRowsLayer)",
                   "static": "HF StaticCache",
                   "reserved": "HF DynamicCache with every layer a ReservedRowsLayer, dense included"}[cache_kind]
     lines = [f"Decode and prefill against dense (greedy, {cache_name}, float32, medians of interleaved repetitions; "
