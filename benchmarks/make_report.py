@@ -66,13 +66,13 @@ SECTIONS = {
 }
 
 
-# sections in this order (by method), then any other result file in name order
 def cpu_name(env: dict[str, Any]) -> str:
     """", AMD EPYC" where the run recorded a CPU model; older runs recorded only the architecture (x86_64)."""
     cpu = env.get("cpu", "")
     return f", {cpu}" if cpu and cpu not in ("x86_64", "aarch64", "arm64", "i386") else ""
 
 
+# sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",

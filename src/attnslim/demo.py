@@ -76,7 +76,7 @@ def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str,
         wiki=after["ppl"]["wiki"] / before["ppl"]["wiki"],
         acc_drop={t.removeprefix("attnslim_"): 100 * (before["acc"][t] - after["acc"][t]) for t in TASKS},
         decode=speed["compressed"] / speed["dense"],
-        decode_span=(speed["ratio_low"], speed["ratio_high"]) if "ratio_low" in speed else None)
+        decode_span=(speed["ratio_low"], speed["ratio_high"]))
     ctx = SPEED["context"]
     reasons = miss_reasons(before["params"], after["params"], flops_per_token(dense, ctx),
                            flops_per_token(compressed, ctx), ctx)

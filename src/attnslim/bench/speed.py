@@ -3,7 +3,7 @@
 Timing discipline (gpt-fast style): warm-up runs first; each repetition times every model once, in turn,
 so machine noise hits all models alike; we report medians and the ratio to the first (reference) model, and the
 span (min, max) of the per-repetition decode ratios (each model against the reference in the same repetition):
-a median at 1.00x whose span straddles 1 is parity, not a margin.
+a median at the reference's speed whose span straddles it is parity, not a margin.
 Decode is a manual greedy loop over the model's KV cache (what generate() does, minus sampling logic).
 """
 
