@@ -9,6 +9,7 @@ recorded them, `resolved_fingerprint`).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import sys
@@ -48,21 +49,34 @@ def resolved_fingerprint(recipe: Recipe) -> str:
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows: speed results from different
     machines differ (a shared runner's host can change between runs), so every result names its CPU."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo(field: str) -> str:
+    """A field of /proc/cpuinfo's first processor ('' where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
 
 
 def environment() -> dict[str, Any]:
-    return {
+    """Versions, CPU and threads, and the BLAS torch calls with the CPU's vendor: torch's x86 wheels use MKL,
+    which runs its generic code on non-Intel CPUs (BENCHMARKS "MLA: decode core kernels"), so the vendor
+    changes what is fast. A preloaded library (LD_PRELOAD) is recorded too: it can change that dispatch."""
+    blas = next((part.split("=", 1)[1] for part in torch.__config__.show().replace(",", " ").split()
+                 if part.startswith("BLAS_INFO=")), "unknown")
+    env = {
         **library_versions(), "python": platform.python_version(), "device": "cpu",
-        "cpu": cpu_model(), "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "cpu_vendor": _cpuinfo("vendor_id"), "blas": blas, "threads": torch.get_num_threads(),
         "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
     }
+    if os.environ.get("LD_PRELOAD"):
+        env["ld_preload"] = os.environ["LD_PRELOAD"]
+    return env
 
 
 class Harness:

@@ -63,20 +63,35 @@ SECTIONS = {
                          "(generate's cache_implementation=\"static\"), 2 threads", "benchmarks/mla.py"),
     "mla-speed-reserved": ("MLA: decode and prefill speed against dense when every layer of both appends to its "
                            "KV cache in place (cache kind `reserved`), 2 threads", "benchmarks/mla.py"),
+    "mla-kernels": ("MLA: decode core kernels (grouped GEMMs against the split flash kernel) beside dense's core",
+                    "benchmarks/mla_kernels.py"),
+    "mla-kernels-mkl-intel": ("MLA: decode core kernels with MKL's Intel code paths forced (diagnosis: why hosts "
+                              "differ)", "benchmarks/mla_kernels.py"),
+    "mla-speed-kernels": ("MLA: whole-model decode with the split and the grouped decode core, 2 threads",
+                          "benchmarks/mla.py"),
+    "mla-speed-kernels-mkl-intel": ("MLA: whole-model decode with the split and the grouped decode core, MKL's "
+                                    "Intel code paths forced (diagnosis), 2 threads", "benchmarks/mla.py"),
 }
 
 
 def cpu_name(env: dict[str, Any]) -> str:
-    """", AMD EPYC" where the run recorded a CPU model; older runs recorded only the architecture (x86_64)."""
+    """", AMD EPYC" where the run recorded a CPU model (older runs recorded only the architecture, x86_64), with
+    the BLAS torch used where recorded, and a preloaded library (with_mkl_intel_paths.sh) where there was one."""
     cpu = env.get("cpu", "")
-    return f", {cpu}" if cpu and cpu not in ("x86_64", "aarch64", "arm64", "i386") else ""
+    name = f", {cpu}" if cpu and cpu not in ("x86_64", "aarch64", "arm64", "i386") else ""
+    if env.get("blas"):
+        name += f", BLAS {env['blas']}"
+    if env.get("ld_preload"):
+        name += " with MKL's Intel code paths forced (LD_PRELOAD: benchmarks/with_mkl_intel_paths.sh)"
+    return name
 
 
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
-         "mla-speed-reserved",
+         "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
+         "mla-kernels-mkl-intel",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
@@ -148,18 +163,20 @@ def ppl_table(data: dict[str, Any]) -> list[str]:
 def section(name: str, data: dict[str, Any]) -> list[str]:
     title, script = SECTIONS.get(name, (name, f"benchmarks/{name}.py"))
     env = data["environment"]
-    ev = data["eval"]
-    cal = next(iter(data["variants"].values()), {}).get("calibration", {})
+    ev = data.get("eval")  # absent from kernel micro-benchmarks, which evaluate no model
+    cal = next(iter(data.get("variants", {}).values()), {}).get("calibration", {})
     out = [f"## {title}", ""]
     command = env.get("command", script)
     command = command if command.startswith("benchmarks/") else f"benchmarks/{command}"
-    out.append(f"Command (latest run): `OMP_NUM_THREADS={env['threads']} .venv/bin/python {command}` → "
+    runner = "benchmarks/with_mkl_intel_paths.sh" if env.get("ld_preload") else ".venv/bin/python"
+    out.append(f"Command (latest run): `OMP_NUM_THREADS={env['threads']} {runner} {command}` → "
                f"`benchmarks/results/{name}.json`; variants measured by earlier runs of the script record their own "
                "`command` in the JSON.  ")
-    out.append(
-        f"Model `{data['model']}` (float32), evaluation: {', '.join(ev.get('descriptions', {}).values())} "
-        f"({ev['tokens']} tokens, {ev['seq_len']}-token windows per set).  "
-    )
+    if ev is not None:
+        out.append(
+            f"Model `{data['model']}` (float32), evaluation: {', '.join(ev.get('descriptions', {}).values())} "
+            f"({ev['tokens']} tokens, {ev['seq_len']}-token windows per set).  "
+        )
     if cal:
         out.append(f"Calibration: {cal.get('description')} ({cal.get('tokens')} tokens).  ")
     out.append(
@@ -171,7 +188,7 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
         out.extend(ppl_table(data))
     notes = data.get("notes")
     if notes:
-        out += ["", *notes]
+        out += ["", *notes] if out[-1] else notes
     return out + [""]
 
 

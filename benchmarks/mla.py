@@ -12,7 +12,8 @@ Groups (--groups, comma-separated; default oneshot,speed):
            and with the hidden-state term (heal.hidden; at 0.25 also on
            three more draws of the heal's data, with and without it; recipes/mla.yaml's heal at 0.5 on two more)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
-           attention-core FLOPs per new token and the KV bytes per token of each model beside them
+           attention-core FLOPs per new token and the KV bytes per token of each model beside them (--kernels:
+           each mla variant also with the grouped decode core, as KEY-grouped, against the split one)
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py                                  # 8192 tokens per set
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --name mla-small --tokens 2048 --windows 16 --kv 0.5
@@ -22,6 +23,7 @@ Groups (--groups, comma-separated; default oneshot,speed):
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 import warnings
 from typing import Any
@@ -34,6 +36,7 @@ from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
 from attnslim.methods.mla_base import default_rope_dims
 from attnslim.models import load_model
+from attnslim.modules.mla import MLAAttention
 from attnslim.recipe import recipe_from_dict
 
 HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
@@ -89,8 +92,10 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
 
 
 def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
-          repeats: int, cache_kind: str) -> None:
-    """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them."""
+          repeats: int, cache_kind: str, kernels: bool = False) -> None:
+    """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them.
+    kernels: each mla variant also runs as KEY-grouped, a copy whose decode core never splits the cache
+    (MLAAttention.decode_kernel = "grouped"), so the split kernel is measured against it in the same run."""
     dense, tokenizer = load_model(h.model_name)
     models: dict[str, Any] = {"dense": dense.eval()}
     for key in keys:
@@ -99,6 +104,11 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
             warnings.simplefilter("ignore")
             compress(model, tokenizer, recipe_from_dict(recipes[key]), progress=False)
         models[key] = model.eval()
+        if kernels and any(isinstance(m, MLAAttention) for m in model.modules()):
+            models[f"{key}-grouped"] = copy.deepcopy(model)
+            for m in models[f"{key}-grouped"].modules():
+                if isinstance(m, MLAAttention):
+                    m.decode_kernel = "grouped"
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
     costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
                     **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
@@ -143,6 +153,8 @@ def main() -> None:
     parser.add_argument("--cache", default="dynamic", choices=list(CACHE_KINDS),
                         help="the speed group's KV cache: generate()'s default, cache_implementation='static', or "
                              "a dynamic cache whose every layer appends in place (dense too)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="speed: also run each mla variant with the grouped decode core (KEY-grouped)")
     args = parser.parse_args()
     h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
@@ -174,7 +186,7 @@ def main() -> None:
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)
     if "speed" in groups:
         speed(h, recipes, args.speed_variants.split(","), [int(c) for c in args.contexts.split(",")],
-              args.new_tokens, args.repeats, args.cache)
+              args.new_tokens, args.repeats, args.cache, args.kernels)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Shared attention math: the grouped decode path against the reference, and dense layers at full rank."""
+"""Shared attention math: the grouped and split decode paths against the reference, and dense layers at full
+rank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from attnslim.linalg import split_attention as split
 from attnslim.linalg.attention import grouped_attention, repeat_kv, softmax_attention
 from attnslim.linalg.lowrank import LowRankFactors
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
@@ -30,6 +32,41 @@ def test_grouped_attention_fully_masked_rows_are_zero_not_nan() -> None:
     keep = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
     out = grouped_attention(q, k, v, keep, 1.0)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("b, t, rows, splits", [(1, 1, 1100, 2), (2, 1, 1001, 3), (3, 4, 40, 4), (1, 2, 3, 8)])
+@pytest.mark.parametrize("mask", ["none", "padding", "batch-shared", "empty-rows"])
+def test_split_attention_merges_pieces_into_one_softmax(b: int, t: int, rows: int, splits: int, mask: str) -> None:
+    """Pieces (with rows left over when `splits` does not divide them) merged by their log-sum-exps give the one
+    softmax of `grouped_attention` over the same rows as keys and values; rows with no allowed key give zeros."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(b, 9, t, 24, generator=g)
+    cache = torch.randn(b, 1, rows + 7, 24, generator=g)[:, :, :rows]  # a view into spare capacity, as in decode
+    keep: torch.Tensor | None = None
+    if mask != "none":
+        keep = torch.rand(1 if mask == "batch-shared" else b, 1, t, rows, generator=g) > 0.4
+        if mask == "empty-rows":
+            keep[0, 0, 0] = False  # query 0 of batch row 0: nothing to attend to
+            keep[..., -1] = True  # the rest: at least one key, in the last piece only
+            keep[0, 0, 0, -1] = False
+    out = split.split_attention(q, cache, keep, 0.3, splits)
+    torch.testing.assert_close(out, grouped_attention(q, cache, cache, keep, 0.3))
+    if mask == "empty-rows":
+        assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+
+
+def test_split_count_uses_threads_only_where_each_piece_has_a_kernel_block() -> None:
+    q = torch.zeros(1, 9, 1, 24)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert [split.split_count(q, n) for n in (511, 1023, 1024, 8192)] == [1, 1, 2, 2]
+        assert split.split_count(q.double(), 8192) == 1  # the kernel takes float32 / bfloat16 only
+        assert split.split_count(torch.zeros(1, 9, 1, 24, device="meta"), 8192) == 1
+        torch.set_num_threads(1)
+        assert split.split_count(q, 8192) == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rank, dense", [(6, True), (4, False)])

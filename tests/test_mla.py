@@ -13,6 +13,7 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.errors import AttnslimError
+from attnslim.linalg import split_attention
 from attnslim.linalg.mla import fit_latent
 from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.precond import root_pair
@@ -207,6 +208,33 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
     assert not torch.allclose(decode(False), fused, atol=1e-3)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_split_decode_kernel_generates_what_the_grouped_one_does(family, monkeypatch):
+    """Decode with the cache split into pieces (`split_attention`, merged by log-sum-exps) gives the grouped
+    kernel's logits, with left padding and past mistral's sliding window (4), where whole pieces are masked."""
+    model = TINY_BUILDERS[family]()
+    _compress(model, "mla", {"kv_ratio": 0.5})
+    modules = [get_adapter(model).attention(i) for i in range(4)]
+    calls = []
+    real = split_attention.split_attention
+    monkeypatch.setattr(split_attention, "split_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    mask = torch.ones_like(IDS)
+    mask[1, :5] = 0
+    logits = {}
+    for kernel in ("grouped", "split"):
+        for m in modules:
+            m.decode_kernel = kernel
+        out = model.generate(IDS, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        logits[kernel] = torch.stack(out.logits)
+        # 4 layers × (the 16-token prompt, ≤ FEW_QUERIES, and 7 steps): every absorbed call, in two pieces
+        assert len(calls) == (0 if kernel == "grouped" else 4 * 8) and all(n == 2 for n in calls)
+    torch.testing.assert_close(logits["split"], logits["grouped"], atol=1e-5, rtol=1e-5)
+    modules[2].decode_kernel = "fastest"
+    with pytest.raises(AttnslimError, match=r"layer 2: .*decode_kernel = 'fastest'.*valid"):
+        model.generate(IDS, max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt"])
 def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
     model = TINY_BUILDERS[family]()
@@ -347,23 +375,25 @@ def test_opt_refuses_rotary_dims_without_rope():
 
 @torch.no_grad()
 def _real_paths_agree(model, ids: torch.Tensor) -> None:
-    """Prefill ids[:, :-1], then one decode step, once forced through `absorb` (outside autograd: the fused
-    decode weights) and once through `decompress`; the logits must agree to float32 rounding."""
+    """Prefill ids[:, :-1], then one decode step, forced through `absorb` (outside autograd: the fused decode
+    weights) with each decode core (`grouped_attention`, and `split_attention` in two pieces), and through
+    `decompress`; the logits must agree to float32 rounding."""
     modules = [m for m in model.modules() if isinstance(m, MLAAttention)]
     out = {}
-    for path in ("absorb", "decompress"):
+    for path, kernel in (("absorb", "grouped"), ("absorb", "split"), ("decompress", "auto")):
         for m in modules:
-            m.path = path
+            m.path, m.decode_kernel = path, kernel
         cache = _compat.new_cache(model.config)
         prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
         step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
-        out[path] = torch.cat([prefill, step], dim=1)  # (1, t, vocab)
+        out[kernel] = torch.cat([prefill, step], dim=1)  # (1, t, vocab)
     for m in modules:
-        m.path = "auto"
+        m.path, m.decode_kernel = "auto", "auto"
     assert modules and modules[0]._fused is not None  # the absorbed run used the fused decode weights
-    diff = (out["absorb"] - out["decompress"]).abs().max() / out["decompress"].abs().max()
-    assert diff < 1e-4, diff
-    assert torch.equal(out["absorb"].argmax(-1), out["decompress"].argmax(-1))
+    for kernel in ("grouped", "split"):
+        diff = (out[kernel] - out["auto"]).abs().max() / out["auto"].abs().max()
+        assert diff < 1e-4, (kernel, diff)
+        assert torch.equal(out[kernel].argmax(-1), out["auto"].argmax(-1))
 
 
 @pytest.mark.real

@@ -14,7 +14,11 @@ Two paths give the same output (tested):
   absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
-             d_h (r + d_rope) + r d_h for the absorbed projections.
+             d_h (r + d_rope) + r d_h for the absorbed projections. The core (scores, softmax, weighted rows)
+             runs as `grouped_attention`, two skinny GEMMs over the whole cache, or, on the CPU with two or
+             more threads and long caches, as `linalg.split_attention`: one piece of the cache per thread
+             through torch's fused flash kernel, merged by log-sum-exps. Same values; `decode_kernel` picks
+             (BENCHMARKS "MLA: decode core kernels" and "MLA: whole-model decode with the split ...").
   decompress (prefill): every cached token's key per query head [M_iᵀ c; k_r] with M_i = B_kᵀ N_q,i, and its
              value B_v c, then attention at width d_h + d_rope per head (N_q,i q_i · B_k c = q_i · M_iᵀ c).
 B_kᵀ N_q,i is a product of two parameters; outside autograd it is computed once per parameter version.
@@ -34,6 +38,7 @@ from torch import nn
 from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
+from attnslim.linalg import split_attention
 from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope, rotate_half
 from attnslim.linalg.scores import heads
@@ -43,6 +48,9 @@ from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
+# the absorbed core for few queries: "auto" splits the cache where `split_attention.split_count` advises,
+# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two)
+DECODE_KERNELS = ("auto", "split", "grouped")
 
 
 class _Fused(NamedTuple):
@@ -81,6 +89,7 @@ class MLAAttention(ReplacementAttention):
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
         self.layer_type = layer_type
         self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
+        self.decode_kernel = "auto"  # see DECODE_KERNELS
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._fused: tuple[tuple[tuple[int, int], ...], _Fused] | None = None
@@ -177,13 +186,32 @@ class MLAAttention(ReplacementAttention):
         b, h, t, _ = q_cat.shape
         n_kv, r = self.n_kv_heads, self.rank
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
-        # over the whole cached row there and keep the latent columns
+        # over the whole cached row there and keep the latent columns. Few queries on the CPU: the same rows, split
+        # over the cache and attended in parallel (`split_attention`: BLAS runs the grouped form's skinny GEMMs on
+        # about one core)
         if t > FEW_QUERIES:
             lat = attend(q_cat, store, store, keep, scaling, self.softcap)[..., :r]
+        elif self.softcap is None and (splits := self._splits(q_cat, store.shape[-2])) > 1:
+            lat = split_attention.split_attention(q_cat, store, keep, scaling, splits)[..., :r]
         else:
             lat = attend(q_cat, store, store[..., :r], keep, scaling, self.softcap)  # (b, h, t, r)
         lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
         return (lat @ b_v_t).view(b, h, t, self.head_dim)  # no copy of B_v per group
+
+    def _splits(self, q: torch.Tensor, rows: int) -> int:
+        """Pieces of the cache for `split_attention` (1: `grouped_attention`), as `decode_kernel` says."""
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise AttnslimError(f"layer {self.layer_idx}: MLAAttention decode_kernel = {self.decode_kernel!r}; "
+                                f"valid: {DECODE_KERNELS}")
+        if self.decode_kernel == "grouped":
+            return 1
+        advised = split_attention.split_count(q, rows)
+        if self.decode_kernel == "auto":
+            return advised
+        if not split_attention.runs_on(q):
+            raise AttnslimError(f"layer {self.layer_idx}: MLAAttention decode_kernel = 'split' needs torch's CPU "
+                                f"flash kernel, which cannot run on {q.device.type} {q.dtype}; use 'auto'")
+        return max(2, advised)
 
     # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
     def fused(self) -> _Fused | None:
