@@ -221,15 +221,18 @@ def test_split_decode_kernel_generates_what_the_grouped_one_does(family, monkeyp
     mask = torch.ones_like(IDS)
     mask[1, :5] = 0
     logits = {}
-    for kernel in ("grouped", "split"):
+    for kernel, cache in (("grouped", "dynamic"), ("split", "dynamic"), ("split", "static")):
         for m in modules:
             m.decode_kernel = kernel
+        calls.clear()
         out = model.generate(IDS, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
-        logits[kernel] = torch.stack(out.logits)
-        # 4 layers × (the 16-token prompt, ≤ FEW_QUERIES, and 7 steps): every absorbed call, in two pieces
+                             return_dict_in_generate=True, output_logits=True, cache_implementation=cache)
+        logits[kernel, cache] = torch.stack(out.logits)
+        # 4 layers × (the 16-token prompt, ≤ FEW_QUERIES, and 7 steps): every absorbed call, in two pieces (a
+        # static cache's rows past the sequence are masked: whole pieces of it can be)
         assert len(calls) == (0 if kernel == "grouped" else 4 * 8) and all(n == 2 for n in calls)
-    torch.testing.assert_close(logits["split"], logits["grouped"], atol=1e-5, rtol=1e-5)
+    for run in (("split", "dynamic"), ("split", "static")):
+        torch.testing.assert_close(logits[run], logits["grouped", "dynamic"], atol=1e-5, rtol=1e-5)
     modules[2].decode_kernel = "fastest"
     with pytest.raises(AttnslimError, match=r"layer 2: .*decode_kernel = 'fastest'.*valid"):
         model.generate(IDS, max_new_tokens=2, do_sample=False)
