@@ -74,7 +74,7 @@ SECTIONS = {
 }
 
 
-def cpu_name(env: dict[str, Any]) -> str:
+def device_details(env: dict[str, Any]) -> str:
     """", AMD EPYC" where the run recorded a CPU model (older runs recorded only the architecture, x86_64), with
     the BLAS torch used where recorded, and a preloaded library (with_mkl_intel_paths.sh) where there was one."""
     cpu = env.get("cpu", "")
@@ -180,7 +180,7 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     if cal:
         out.append(f"Calibration: {cal.get('description')} ({cal.get('tokens')} tokens).  ")
     out.append(
-        f"Device {env['device']}{cpu_name(env)} ({env['threads']} threads); torch {env['torch']}, transformers "
+        f"Device {env['device']}{device_details(env)} ({env['threads']} threads); torch {env['torch']}, transformers "
         f"{env['transformers']}, attnslim {env['attnslim']}."
     )
     out.append("")

@@ -55,6 +55,17 @@ def test_split_attention_merges_pieces_into_one_softmax(b: int, t: int, rows: in
         assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
 
 
+def test_split_attention_in_bfloat16_stays_within_its_rounding() -> None:
+    """bfloat16 is a dtype `split_count` admits: the kernel's pieces and the float32 merge of their log-sum-exps
+    stay within bfloat16 rounding of the float32 softmax."""
+    g = torch.Generator().manual_seed(5)
+    q, cache = torch.randn(1, 9, 1, 24, generator=g), torch.randn(1, 1, 1500, 24, generator=g)
+    ref = grouped_attention(q, cache, cache, None, 0.3)
+    out = split.split_attention(q.bfloat16(), cache.bfloat16(), None, 0.3, 3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_split_count_uses_threads_only_where_each_piece_has_a_kernel_block() -> None:
     q = torch.zeros(1, 9, 1, 24)
     before = torch.get_num_threads()

@@ -188,7 +188,7 @@ class MLAAttention(ReplacementAttention):
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
         # over the whole cached row there and keep the latent columns. Few queries on the CPU: the same rows, split
         # over the cache and attended in parallel (`split_attention`: BLAS runs the grouped form's skinny GEMMs on
-        # about one core)
+        # little more than one core)
         if t > FEW_QUERIES:
             lat = attend(q_cat, store, store, keep, scaling, self.softcap)[..., :r]
         elif self.softcap is None and (splits := self._splits(q_cat, store.shape[-2])) > 1:
