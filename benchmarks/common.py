@@ -86,10 +86,11 @@ class Harness:
         self.model_name, self.sources, self.tokens, self.seq_len = model, sources, tokens, seq_len
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.data.setdefault("variants", {})
-        self.data.update({
-            "model": model, "eval": {"sources": list(sources), "tokens": tokens, "seq_len": seq_len},
-            "environment": environment(),
-        })
+        evaluation: dict[str, Any] = {"sources": list(sources), "tokens": tokens, "seq_len": seq_len}
+        previous = self.data.get("eval", {})
+        if "descriptions" in previous and all(previous.get(k) == v for k, v in evaluation.items()):
+            evaluation["descriptions"] = previous["descriptions"]  # a run that reuses the stored dense rows
+        self.data.update({"model": model, "eval": evaluation, "environment": environment()})
         self._windows: dict[str, Any] = {}
 
     def windows(self, tokenizer: Any) -> dict[str, Any]:

@@ -71,6 +71,8 @@ SECTIONS = {
                           "benchmarks/mla.py"),
     "mla-speed-kernels-mkl-intel": ("MLA: whole-model decode with the split and the grouped decode core, MKL's "
                                     "Intel code paths forced (diagnosis), 2 threads", "benchmarks/mla.py"),
+    "mla-speed-onednn": ("MLA: whole-model decode with every linear layer on oneDNN (`--cpu-linear onednn`, dense "
+                         "included), 2 threads", "benchmarks/mla.py"),
 }
 
 
@@ -91,7 +93,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
-         "mla-kernels-mkl-intel",
+         "mla-kernels-mkl-intel", "mla-speed-onednn",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")

@@ -13,7 +13,8 @@ Groups (--groups, comma-separated; default oneshot,speed):
            three more draws of the heal's data, with and without it; recipes/mla.yaml's heal at 0.5 on two more)
   speed    decode tok/s and prefill ms against dense at --contexts (512,2048,4096), interleaved medians, with the
            attention-core FLOPs per new token and the KV bytes per token of each model beside them (--kernels:
-           each mla variant also with the grouped decode core, as KEY-grouped, against the split one)
+           each mla variant also with the grouped decode core, as KEY-grouped, against the split one;
+           --cpu-linear onednn: every model's float32 linear layers on oneDNN, dense included)
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py                                  # 8192 tokens per set
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --name mla-small --tokens 2048 --windows 16 --kv 0.5
@@ -36,6 +37,8 @@ from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
 from attnslim.methods.mla_base import default_rope_dims
 from attnslim.models import load_model
+from attnslim.modules.cpu_linear import KERNELS as CPU_LINEAR_KERNELS
+from attnslim.modules.cpu_linear import set_cpu_linear
 from attnslim.modules.mla import MLAAttention
 from attnslim.recipe import recipe_from_dict
 
@@ -92,10 +95,11 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
 
 
 def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
-          repeats: int, cache_kind: str, kernels: bool = False) -> None:
+          repeats: int, cache_kind: str, kernels: bool = False, cpu_linear: str = "torch") -> None:
     """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them.
     kernels: each mla variant also runs as KEY-grouped, a copy whose decode core never splits the cache
-    (MLAAttention.decode_kernel = "grouped"), so the split kernel is measured against it in the same run."""
+    (MLAAttention.decode_kernel = "grouped"), so the split kernel is measured against it in the same run.
+    cpu_linear: every model's linear layers on this kernel (`set_cpu_linear`), dense included."""
     dense, tokenizer = load_model(h.model_name)
     models: dict[str, Any] = {"dense": dense.eval()}
     for key in keys:
@@ -109,7 +113,10 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
             for m in models[f"{key}-grouped"].modules():
                 if isinstance(m, MLAAttention):
                     m.decode_kernel = "grouped"
+    for model in models.values():
+        set_cpu_linear(model, cpu_linear)
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
+    result["cpu_linear"] = cpu_linear
     costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
                     **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
     h.data["speed"], h.data["costs"] = result, costs
@@ -117,7 +124,9 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
                              "latentllm) append in place (ReservedRowsLayer)",
                   "static": "HF StaticCache",
                   "reserved": "HF DynamicCache with every layer a ReservedRowsLayer, dense included"}[cache_kind]
-    lines = [f"Decode and prefill against dense (greedy, {cache_name}, float32, medians of interleaved repetitions; "
+    linear_name = {"torch": "", "onednn": ", every model's linear layers on oneDNN (--cpu-linear onednn)"}[cpu_linear]
+    lines = [f"Decode and prefill against dense (greedy, {cache_name}{linear_name}, float32, medians of interleaved "
+             "repetitions; "
              "FLOPs per new token of the attention core / of the whole model, from attnslim.bench.flops):", "",
              "| model | KV B/token | " + " | ".join(
                  f"decode tok/s @{c} (×dense) | prefill ms @{c} | attn-core MFLOPs @{c} | total MFLOPs @{c}"
@@ -155,6 +164,9 @@ def main() -> None:
                              "a dynamic cache whose every layer appends in place (dense too)")
     parser.add_argument("--kernels", action="store_true",
                         help="speed: also run each mla variant with the grouped decode core (KEY-grouped)")
+    parser.add_argument("--cpu-linear", default="torch", choices=list(CPU_LINEAR_KERNELS),
+                        help="speed: every model's float32 linear layers on this kernel, dense included "
+                             "(modules/cpu_linear.py)")
     args = parser.parse_args()
     h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
@@ -186,7 +198,7 @@ def main() -> None:
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)
     if "speed" in groups:
         speed(h, recipes, args.speed_variants.split(","), [int(c) for c in args.contexts.split(",")],
-              args.new_tokens, args.repeats, args.cache, args.kernels)
+              args.new_tokens, args.repeats, args.cache, args.kernels, args.cpu_linear)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def no_model_loading(monkeypatch):
     (["analyze", "--what", "conversion", "--arg", "rank=["], "--arg rank=[: the value '[' is not valid YAML"),
     (["bench", "--contexts", "512,abc"], "--contexts '512,abc': expected comma-separated integers"),
     (["bench", "--repeats", "0"], "need --repeats ≥ 1"),
+    (["generate", "--prompt", "A", "--offload", "--cpu-linear", "onednn"], "--cpu-linear onednn with --offload is not"),
     (["eval", "--batch-size", "0"], "need --batch-size ≥ 1"),
     (["eval", "--choice", "0"], "--choice ≥ 1"),
     (["compress", "--out", "{tmp}/data", "--overwrite"], "not a model saved by attnslim"),

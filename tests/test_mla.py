@@ -399,6 +399,31 @@ def _real_paths_agree(model, ids: torch.Tensor) -> None:
         assert torch.equal(out[kernel].argmax(-1), out["auto"].argmax(-1))
 
 
+@torch.no_grad()
+def _real_onednn_agrees(model, ids: torch.Tensor) -> None:
+    """Prefill and one decode step with the linear layers on oneDNN (modules/cpu_linear.py) give the logits of
+    F.linear to float32 rounding, and the fused decode projection really ran on it."""
+    from attnslim.modules.cpu_linear import set_cpu_linear
+
+    out, weights, real = {}, [], _compat.onednn_linear
+    _compat.onednn_linear = lambda x, w, b: weights.append(tuple(w.shape)) or real(x, w, b)
+    try:
+        for kernel in ("torch", "onednn"):
+            set_cpu_linear(model, kernel)
+            cache = _compat.new_cache(model.config)
+            prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
+            step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+            out[kernel] = torch.cat([prefill, step], dim=1)
+    finally:
+        _compat.onednn_linear = real
+        set_cpu_linear(model, "torch")
+    fused = next(m for m in model.modules() if isinstance(m, MLAAttention)).fused()
+    assert fused is not None and tuple(fused.w_in.shape) in weights
+    diff = (out["onednn"] - out["torch"]).abs().max() / out["torch"].abs().max()
+    assert diff < 1e-4, diff
+    assert torch.equal(out["onednn"].argmax(-1), out["torch"].argmax(-1))
+
+
 @pytest.mark.real
 def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
     """SmolLM2-135M, layers 0-5 at half the dense KV cache (measured from the cache): the default `mla` must beat
@@ -428,6 +453,7 @@ def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
         ppl[name] = perplexity(model, windows, progress=False).ppl / dense_ppl
         if name == "mla":  # on real weights: the fused absorbed decode == the decompressed path, prefill and step
             _real_paths_agree(model, windows.ids[:1, :65])
+            _real_onednn_agrees(model, windows.ids[:1, :65])
             assert_cache_kinds_match(model, windows.ids[:1, :32])
     assert ppl["mla"] < ppl["transmla"] and ppl["mla"] < ppl["svd"], ppl
     assert ppl["mla"] < 1.2, ppl

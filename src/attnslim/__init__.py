@@ -8,6 +8,7 @@ The public API (everything else is internal and may change):
     report = compress(model, tokenizer, load_recipe("svdllm"))   # in place
     save(model, tokenizer, "out/svdllm", report.to_json())
     model, tokenizer = load("out/svdllm")
+    set_cpu_linear(model, "onednn")   # float32 linear layers on oneDNN for CPU inference (modules/cpu_linear.py)
 
 Names are imported on first use, so `import attnslim` (and the CLI's start-up) does not pay for torch and
 transformers until they are needed.
@@ -31,15 +32,17 @@ _PUBLIC = {
     "Step": "attnslim.recipe",
     "Calibration": "attnslim.recipe",
     "AttnslimError": "attnslim.errors",
+    "set_cpu_linear": "attnslim.modules.cpu_linear",
 }
 __all__ = ["AttnslimError", "Calibration", "CompressionReport", "Recipe", "Step", "__version__", "compress", "load",
-           "load_model", "load_recipe", "save"]
+           "load_model", "load_recipe", "save", "set_cpu_linear"]
 
 if TYPE_CHECKING:
     from attnslim.api import CompressionReport, compress
     from attnslim.errors import AttnslimError
     from attnslim.io import load, save
     from attnslim.models import load_model
+    from attnslim.modules.cpu_linear import set_cpu_linear
     from attnslim.recipe import Calibration, Recipe, Step, load_recipe
 
 

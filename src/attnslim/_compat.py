@@ -1,4 +1,5 @@
-"""The only module that knows transformers-version details: masks, caches, attention call signature.
+"""The only module that knows transformers-version details: masks, caches, attention call signature (and the one
+private torch op attnslim calls: oneDNN's linear, `onednn_linear`).
 
 Decoder layers of transformers 5.x call their attention as
     self_attn(hidden_states=..., position_embeddings=(cos, sin) | absent, attention_mask=..., past_key_values=...,
@@ -333,3 +334,19 @@ def input_device(model: Any) -> torch.device:
     """Where a model's input ids go: its input embedding's device (an offloaded model's first parameter may be on
     the meta device, or on another device than the embedding)."""
     return model.get_input_embeddings().weight.device
+
+
+# torch's bundled oneDNN linear (the op inductor's CPU backend emits for frozen linears): a private op whose
+# schema is (input, weight, bias, attr, scalars, algorithm); absent from builds without oneDNN
+_ONEDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's linear op (modules/cpu_linear.py)."""
+    return _ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available()
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through oneDNN: x (..., d_in), weight (d_out, d_in) contiguous -> (..., d_out)."""
+    assert _ONEDNN_LINEAR is not None, "check onednn_linear_available() first"
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")

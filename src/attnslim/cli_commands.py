@@ -44,16 +44,24 @@ def parse_ints(flag: str, text: str) -> list[int]:
 
 
 def load_placed(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    """A model on --device (whole, or one decoder layer at a time with --offload)."""
+    """A model on --device (whole, or one decoder layer at a time with --offload), its linear layers on
+    --cpu-linear."""
     from attnslim.bench.report import default_device
     from attnslim.models import load_model
+    from attnslim.modules.cpu_linear import set_cpu_linear
     from attnslim.offload import resolve_device
 
     device = resolve_device(args.device or default_device())
     if args.offload:
+        if args.cpu_linear != "torch":
+            raise AttnslimError(f"--cpu-linear {args.cpu_linear} with --offload is not supported: the offloaded "
+                                "layers' weights arrive per call; drop one of the two")
         return load_model(name, offload=True, device=device)
     model, tokenizer = load_model(name)
-    return model.to(device), tokenizer
+    model = model.to(device)
+    if args.cpu_linear != "torch":
+        set_cpu_linear(model, args.cpu_linear)
+    return model, tokenizer
 
 
 @command("eval")

@@ -12,6 +12,9 @@ def add_placement(p: Any, what: str) -> None:
     p.add_argument("--offload", action="store_true", help=f"keep each decoder layer's weights on disk and read them "
                    f"while the layer runs: {what} a model larger than memory (local safetensors directories)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present, else cpu)")
+    p.add_argument("--cpu-linear", default="torch", choices=("torch", "onednn"),
+                   help="float32 linear layers on the CPU: torch's default (MKL), or oneDNN, faster on CPUs where MKL "
+                   "runs generic code (AMD); every model of the command alike (modules/cpu_linear.py)")
 
 
 def add_parsers(sub: Any) -> None:

@@ -12,6 +12,7 @@ from attnslim.bench.flops import flops_per_token
 from attnslim.bench.kv import kv_bytes_per_token
 from attnslim.bench.speed import interleaved
 from attnslim.errors import AttnslimError
+from attnslim.modules.cpu_linear import cpu_linear_of
 
 PROBE = "The quick brown fox jumps over the lazy dog. 1234 résumé naïve"
 
@@ -46,7 +47,8 @@ def bench_models(models: dict[str, tuple[Any, Any]], contexts: list[int], new_to
     for model, _ in models.values():
         model.eval()
     out: dict[str, Any] = {"device": f"{device} ({device_name(device)})",
-                           "threads": torch.get_num_threads(), "sizes": {}}
+                           "threads": torch.get_num_threads(), "sizes": {},
+                           "cpu_linear": ",".join(sorted({cpu_linear_of(m) for m, _ in models.values()}))}
     for name, (model, _) in models.items():
         out["sizes"][name] = {
             "params": get_adapter(model).param_groups(),
@@ -60,7 +62,8 @@ def bench_models(models: dict[str, tuple[Any, Any]], contexts: list[int], new_to
 
 def format_bench(result: dict[str, Any]) -> str:
     speed = result["speed"]
-    lines = [f"device: {result['device']} ({result['threads']} threads); medians of {speed['repeats']} "
+    linears = "" if result.get("cpu_linear", "torch") == "torch" else f"; linear layers on {result['cpu_linear']}"
+    lines = [f"device: {result['device']} ({result['threads']} threads{linears}); medians of {speed['repeats']} "
              f"interleaved repetitions; ratios vs {speed['reference']}"]
     for name, size in result["sizes"].items():
         p = size["params"]

@@ -51,23 +51,22 @@ def split_attention(q: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | No
     size = total // n
     q_rows = q.reshape(b, 1, h * t, e)  # row i·t + s: query s of head i
     mask = None if keep is None else keep.expand(keep.shape[0], 1, t, total).repeat(1, 1, h, 1)  # (b|1, 1, h·t, T)
-    outs: list[torch.Tensor] = []
-    lses: list[torch.Tensor] = []
     # n equal pieces as the kernel's head dimension (b, n, size, e): a view, and one kernel call run in parallel
     pieces = rows[:, 0, : n * size].unflatten(1, (n, size))
     piece_mask = None if mask is None else mask[..., : n * size].unflatten(-1, (n, size)).movedim(-2, 1)[:, :, 0]
-    _attend_piece(q_rows.expand(b, n, h * t, e), pieces, piece_mask, scaling, outs, lses)
-    if n * size < total:  # the few rows left over (fewer than n)
-        tail_mask = None if mask is None else mask[..., n * size :]
-        _attend_piece(q_rows, rows[:, :, n * size :], tail_mask, scaling, outs, lses)
-    out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # (b, n', h·t, e), (b, n', h·t)
-    weight = torch.softmax(lse, dim=1).nan_to_num_(0.0)  # a row with no allowed key in any piece: all −inf
-    return (out * weight[..., None].to(out.dtype)).sum(dim=1).view(b, h, t, e)
+    out, lse = _attend_piece(q_rows.expand(b, n, h * t, e), pieces, piece_mask, scaling)  # (b, n, h·t, e|)
+    if n * size < total:  # the few rows left over (fewer than n): a second, small kernel call
+        tail = _attend_piece(q_rows, rows[:, :, n * size :], None if mask is None else mask[..., n * size :], scaling)
+        out, lse = torch.cat([out, tail[0]], dim=1), torch.cat([lse, tail[1]], dim=1)
+    weight = torch.softmax(lse, dim=1)  # (b, n', h·t)
+    if keep is not None:  # a row with no allowed key in any piece: every lse −inf, NaN weights
+        weight = weight.nan_to_num_(0.0)
+    return (out * weight.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(b, h, t, e)
 
 
-def _attend_piece(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None, scaling: float,
-                  outs: list[torch.Tensor], lses: list[torch.Tensor]) -> None:
-    """q (b, n, m, e) against k (b, n, s, e) as keys and values, keep (b|1, n, m, s) or None: appends the output
+def _attend_piece(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (b, n, m, e) against k (b, n, s, e) as keys and values, keep (b|1, n, m, s) or None -> the output
     (b, n, m, e) and log-sum-exp (b, n, m) in float32, −inf where a row has no allowed key."""
     assert _FLASH_CPU is not None
     bias = None
@@ -76,5 +75,5 @@ def _attend_piece(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None, s
     out, lse = _FLASH_CPU(q, k, k, scale=scaling, attn_mask=bias)[:2]
     if keep is not None:  # the kernel reports a finite lse for fully masked rows: make them weigh nothing
         lse = lse.masked_fill(~keep.any(dim=-1), float("-inf"))
-    outs.append(out)
-    lses.append(lse.float())
+    return out, lse.float()
+

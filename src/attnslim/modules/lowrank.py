@@ -9,16 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnslim.errors import AttnslimError
+from attnslim.modules.cpu_linear import linear
 from attnslim.registry import register_module
 
 
 @register_module
 class LowRankLinear(nn.Module):
     perm: torch.Tensor  # (d_in,) long; only meaningful with block_identity
+    linear_kernel = "torch"  # or "onednn": modules/cpu_linear.set_cpu_linear
 
     def __init__(
         self, in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
@@ -57,12 +58,13 @@ class LowRankLinear(nn.Module):
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., r) = A x."""
         if not self.block_identity:
-            return F.linear(x, self.a)
+            return linear(x, self.a, None, self.linear_kernel)
         r = self.rank
-        return x.index_select(-1, self.perm[:r]) + F.linear(x.index_select(-1, self.perm[r:]), self.a)
+        return x.index_select(-1, self.perm[:r]) + linear(x.index_select(-1, self.perm[r:]), self.a, None,
+                                                          self.linear_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.latent(x), self.b, self.bias)
+        return linear(self.latent(x), self.b, self.bias, self.linear_kernel)
 
     def dense_latent(self) -> torch.Tensor:
         """(r, d_in) A as one matrix, the block identity written out."""

@@ -43,6 +43,7 @@ from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope, rotate_half
 from attnslim.linalg.scores import heads
 from attnslim.modules.base import ReplacementAttention
+from attnslim.modules.cpu_linear import linear
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
@@ -63,6 +64,7 @@ class _Fused(NamedTuple):
 @register_module
 class MLAAttention(ReplacementAttention):
     rope_freq: torch.Tensor | None  # (d_rope/2,) long: model frequency index of each rotary pair
+    linear_kernel = "torch"  # or "onednn" for the fused decode projection: modules/cpu_linear.set_cpu_linear
 
     def __init__(
         self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *, hidden_size: int,
@@ -272,7 +274,7 @@ class MLAAttention(ReplacementAttention):
         q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], both views of fresh GEMM outputs."""
         t = x.shape[1]
         hd, e = self.n_heads * self.head_dim, self.rank + self.rope_dims
-        y = F.linear(x, fused.w_in, fused.b_in)  # (b, t, h·d_h + r + 2·d_rope): [q, c, k_r, P k_r]
+        y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, h·d_h + r + 2·d_rope): [q, c, k_r, P k_r]
         q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
