@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress, library_versions
 from attnslim.bench import kv_bytes_per_token
@@ -49,29 +50,17 @@ def resolved_fingerprint(recipe: Recipe) -> str:
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows: speed results from different
     machines differ (a shared runner's host can change between runs), so every result names its CPU."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-def _cpuinfo(field: str) -> str:
-    """A field of /proc/cpuinfo's first processor ('' where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _compat.cpu_info("model name") or platform.processor() or platform.machine()
 
 
 def environment() -> dict[str, Any]:
     """Versions, CPU and threads, and the BLAS torch calls with the CPU's vendor: torch's x86 wheels use MKL,
     which runs its generic code on non-Intel CPUs (BENCHMARKS "MLA: decode core kernels"), so the vendor
     changes what is fast. A preloaded library (LD_PRELOAD) is recorded too: it can change that dispatch."""
-    blas = next((part.split("=", 1)[1] for part in torch.__config__.show().replace(",", " ").split()
-                 if part.startswith("BLAS_INFO=")), "unknown")
     env = {
         **library_versions(), "python": platform.python_version(), "device": "cpu",
-        "cpu": cpu_model(), "cpu_vendor": _cpuinfo("vendor_id"), "blas": blas, "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "cpu_vendor": _compat.cpu_info("vendor_id"), "blas": _compat.blas_name(),
+        "threads": torch.get_num_threads(),
         "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
     }
     if os.environ.get("LD_PRELOAD"):

@@ -6,7 +6,8 @@ of r = 160 plus a rotary key of 32 per token) attends to T cached tokens:
   grouped  `grouped_attention`: scores q (9 × 192) against the rows [c, k_r], softmax, values the rows' latent
            columns: two skinny GEMMs over the whole cache (MLAAttention's decode_kernel = "grouped")
   split    `split_attention`: the cache in 2 pieces, torch's CPU flash kernel per piece in parallel, merged by
-           log-sum-exps (decode_kernel = "auto" picks it from 2 threads and ≥ 1024 cached tokens)
+           log-sum-exps (decode_kernel = "auto" picks it as `split_count` advises: from 2 threads, and 1024 cached
+           tokens where MKL runs its fast kernels, 512 where it runs generic code)
 Each repetition runs each kernel in turn over 30 distinct caches, one per layer, as a decode step does, so the caches
 are read from memory rather than from a warm cache of the same 3 MB. The value up-projection and everything
 else outside the core is the same for both MLA kernels and not timed.
@@ -72,7 +73,7 @@ def measure(context: int, repeats: int) -> dict[str, float | int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", default="mla-kernels", help="results file benchmarks/results/NAME.json")
-    parser.add_argument("--contexts", default="512,2048,4096")
+    parser.add_argument("--contexts", default="256,512,1024,2048,4096")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()

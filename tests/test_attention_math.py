@@ -66,12 +66,17 @@ def test_split_attention_in_bfloat16_stays_within_its_rounding() -> None:
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_split_count_uses_threads_only_where_each_piece_has_a_kernel_block() -> None:
+@pytest.mark.parametrize("generic_blas", [False, True])
+def test_split_count_uses_threads_where_pieces_are_long_enough(generic_blas: bool, monkeypatch) -> None:
+    """Pieces of at least a kernel block (512 rows) where MKL runs its fast kernels, of 256 where it runs generic
+    code (the grouped GEMMs are slow there)."""
+    monkeypatch.setattr(split._compat, "mkl_runs_generic_code", lambda: generic_blas)
     q = torch.zeros(1, 9, 1, 24)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert [split.split_count(q, n) for n in (511, 1023, 1024, 8192)] == [1, 1, 2, 2]
+        expected = [1, 2, 2, 2, 2] if generic_blas else [1, 1, 1, 2, 2]
+        assert [split.split_count(q, n) for n in (511, 512, 1023, 1024, 8192)] == expected
         assert split.split_count(q.double(), 8192) == 1  # the kernel takes float32 / bfloat16 only
         assert split.split_count(torch.zeros(1, 9, 1, 24, device="meta"), 8192) == 1
         torch.set_num_threads(1)
@@ -94,3 +99,17 @@ def test_compact_linear_is_dense_exactly_at_full_rank(rank: int, dense: bool) ->
     assert type(empty) is type(mod)
     empty.load_state_dict(mod.state_dict())  # strict: the same tensors
     torch.testing.assert_close(empty(x), mod(x))
+
+
+@pytest.mark.parametrize("blas, vendor, generic", [("mkl", "AuthenticAMD", True), ("mkl", "GenuineIntel", False),
+                                                   ("openblas", "AuthenticAMD", False), ("mkl", "", False)])
+def test_mkl_generic_code_is_read_from_the_blas_and_the_cpu_vendor(blas, vendor, generic, monkeypatch) -> None:
+    from attnslim import _compat
+
+    monkeypatch.setattr(_compat, "blas_name", lambda: blas)
+    monkeypatch.setattr(_compat, "cpu_info", lambda field: vendor if field == "vendor_id" else "")
+    _compat.mkl_runs_generic_code.cache_clear()
+    try:
+        assert _compat.mkl_runs_generic_code() is generic
+    finally:
+        _compat.mkl_runs_generic_code.cache_clear()

@@ -20,17 +20,25 @@ from __future__ import annotations
 
 import torch
 
+from attnslim import _compat
+
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-MIN_ROWS = 512  # cached rows per piece at least: the kernel's own block of keys (fewer: one piece, no gain)
+# cached rows per piece at least. Where MKL runs its fast kernels, the grouped GEMMs win below the kernel's own
+# block of 512 keys per piece; where it runs generic code (non-Intel CPUs: `_compat.mkl_runs_generic_code`) the
+# pieces in parallel win from 256 rows per piece on 2 threads (BENCHMARKS "MLA: decode core kernels" and its
+# forced-Intel-paths twin, measured on the same host)
+MIN_ROWS = 512
+MIN_ROWS_GENERIC_BLAS = 256
 
 
 def split_count(q: torch.Tensor, rows: int) -> int:
-    """Pieces for q (b, h, t, e) over `rows` cached rows: one per thread, each at least MIN_ROWS rows; 1 where
-    splitting cannot pay (one thread, a short cache) or the kernel cannot run (not the CPU, not float32/bfloat16,
-    a torch without the op)."""
+    """Pieces for q (b, h, t, e) over `rows` cached rows: one per thread, each at least `MIN_ROWS` rows
+    (`MIN_ROWS_GENERIC_BLAS` where MKL runs generic code); 1 where splitting cannot pay (one thread, a short
+    cache) or the kernel cannot run (not the CPU, not float32/bfloat16, a torch without the op)."""
     if not runs_on(q):
         return 1
-    return max(1, min(torch.get_num_threads(), rows // MIN_ROWS))
+    least = MIN_ROWS_GENERIC_BLAS if _compat.mkl_runs_generic_code() else MIN_ROWS
+    return max(1, min(torch.get_num_threads(), rows // least))
 
 
 def runs_on(q: torch.Tensor) -> bool:

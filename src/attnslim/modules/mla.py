@@ -16,8 +16,9 @@ Two paths give the same output (tested):
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
              d_h (r + d_rope) + r d_h for the absorbed projections. The core (scores, softmax, weighted rows)
              runs as `grouped_attention`, two skinny GEMMs over the whole cache, or, on the CPU with two or
-             more threads and long caches, as `linalg.split_attention`: one piece of the cache per thread
-             through torch's fused flash kernel, merged by log-sum-exps. Same values; `decode_kernel` picks
+             more threads and caches long enough (`split_attention.split_count`: shorter where MKL runs generic
+             code), as `linalg.split_attention`: one piece of the cache per thread through torch's fused flash
+             kernel, merged by log-sum-exps. Same values; `decode_kernel` picks
              (BENCHMARKS "MLA: decode core kernels" and "MLA: whole-model decode with the split ...").
   decompress (prefill): every cached token's key per query head [M_iᵀ c; k_r] with M_i = B_kᵀ N_q,i, and its
              value B_v c, then attention at width d_h + d_rope per head (N_q,i q_i · B_k c = q_i · M_iᵀ c).
