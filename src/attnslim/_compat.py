@@ -339,8 +339,8 @@ def input_device(model: Any) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-# torch's bundled oneDNN linear (the op inductor's CPU backend emits for frozen linears): a private op whose
-# schema is (input, weight, bias, attr, scalars, algorithm); absent from builds without oneDNN
+# torch's bundled oneDNN linear: a private op of torch's oneDNN integration, schema (input, weight, bias, attr,
+# scalars, algorithm); absent from builds without oneDNN
 _ONEDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 

@@ -1,7 +1,7 @@
 """Float32 linear layers through torch's bundled oneDNN on the CPU (`set_cpu_linear(model, "onednn")`).
 
 Why: torch's x86 wheels run float32 GEMMs on MKL, which picks its vectorised kernels by CPU vendor: on AMD CPUs it
-runs generic code, and every weight GEMM of a decode step runs at about half the speed the CPU allows
+runs generic code, so the weight GEMMs that dominate a decode step run slower than the CPU allows
 (README, "CPU speed"; benchmarks/with_mkl_intel_paths.sh shows the cause). oneDNN, bundled in the same wheel,
 picks its kernels by the instruction sets the CPU reports. This switches the weight GEMMs of inference to it:
   - every plain `nn.Linear` of the model (attention projections, MLP, lm_head), by swapping its class for
@@ -9,10 +9,11 @@ picks its kernels by the instruction sets the CPU reports. This switches the wei
   - attnslim modules that apply their own weights (`LowRankLinear`, MLA's fused decode projection), through their
     `linear_kernel` attribute.
 Values are F.linear's up to float rounding (another summation order; tested). A call that needs a gradient, a
-dtype other than float32 (torch already runs bfloat16 GEMMs on oneDNN), another device or a strided weight (oneDNN
-would reorder it at every call) goes through F.linear: the kernel is chosen per call, the values are the same.
+dtype other than float32 (left to torch's own dispatch), another device or a strided weight (oneDNN would reorder
+it at every call) goes through F.linear: the kernel is chosen per call, the values are the same.
 Dense and compressed models gain alike, so speed comparisons switch both (`attnslim bench --cpu-linear`,
-benchmarks/mla.py --cpu-linear). Measured: BENCHMARKS "MLA: whole-model decode with oneDNN linear layers".
+benchmarks/mla.py --cpu-linear). Measured: BENCHMARKS "MLA: whole-model decode with every linear layer on oneDNN"
+beside "MLA: whole-model decode with the split and the grouped decode core" (stock, the same hour).
 """
 
 from __future__ import annotations
