@@ -113,3 +113,21 @@ def test_mkl_generic_code_is_read_from_the_blas_and_the_cpu_vendor(blas, vendor,
         assert _compat.mkl_runs_generic_code() is generic
     finally:
         _compat.mkl_runs_generic_code.cache_clear()
+
+
+def test_a_decode_mask_that_keeps_every_row_is_dropped() -> None:
+    """HF passes a static cache's decode step a mask; where it keeps every filled row the kernels run unmasked
+    (None), and a mask that hides a row (left padding), several queries or a softcap keep it."""
+    from attnslim.modules.latent import attention_keep
+
+    full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    assert attention_keep(full, 1, 9, full.device, None, None) is None
+    assert attention_keep(torch.zeros(2, 1, 1, 9), 1, 9, full.device, None, None) is None  # additive: 0 = keep
+    padded = full.clone()
+    padded[1, ..., :2] = False
+    keep = attention_keep(padded, 1, 9, full.device, None, None)
+    assert keep is not None and torch.equal(keep, padded)
+    assert attention_keep(full, 1, 9, full.device, None, 30.0) is not None
+    assert attention_keep(full, 1, 9, full.device, 4, None) is not None  # the window hides the first rows
+    causal = torch.ones(2, 9, dtype=torch.bool).tril(7)[None, None]  # two queries: not all rows
+    assert attention_keep(causal, 2, 9, full.device, None, None) is not None

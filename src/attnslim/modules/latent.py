@@ -240,11 +240,16 @@ def _heads_back(rows: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
 def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, sliding_window: int | None,
                    softcap: float | None) -> torch.Tensor | None:
     """Boolean (b|1, 1, t, kv) keep-mask; None when plain causal attention is all that is needed (no
-    padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster."""
+    padding, window not binding): SDPA's unmasked and is_causal kernels are several times faster.
+    A decode step (t = 1) whose mask keeps every row, as HF passes with a static cache and no padding, gets None
+    too on the CPU (where reading the mask costs no device sync): masked decode kernels build and apply it."""
     window_free = sliding_window is None or kv <= sliding_window
     if attention_mask is None and window_free and softcap is None and t in (1, kv):
         return None
-    return sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
+    keep = sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
+    if t == 1 and softcap is None and keep.device.type == "cpu" and bool(keep.all()):
+        return None
+    return keep
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scaling: float,
