@@ -376,6 +376,14 @@ def test_opt_refuses_rotary_dims_without_rope():
         _compress(TINY_BUILDERS["opt"](), "mla", {"kv_ratio": 0.5, "rope_dims": 16})
 
 
+def _prefill_and_step(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits (1, t, vocab) of a prefill of ids[:, :-1] and one cached decode step of the last token."""
+    cache = _compat.new_cache(model.config)
+    prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
+    step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    return torch.cat([prefill, step], dim=1)
+
+
 @torch.no_grad()
 def _real_paths_agree(model, ids: torch.Tensor) -> None:
     """Prefill ids[:, :-1], then one decode step, forced through `absorb` (outside autograd: the fused decode
@@ -386,10 +394,7 @@ def _real_paths_agree(model, ids: torch.Tensor) -> None:
     for path, kernel in (("absorb", "grouped"), ("absorb", "split"), ("decompress", "auto")):
         for m in modules:
             m.path, m.decode_kernel = path, kernel
-        cache = _compat.new_cache(model.config)
-        prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
-        step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
-        out[kernel] = torch.cat([prefill, step], dim=1)  # (1, t, vocab)
+        out[kernel] = _prefill_and_step(model, ids)
     for m in modules:
         m.path, m.decode_kernel = "auto", "auto"
     assert modules and modules[0]._fused is not None  # the absorbed run used the fused decode weights
@@ -410,10 +415,7 @@ def _real_onednn_agrees(model, ids: torch.Tensor) -> None:
     try:
         for kernel in ("torch", "onednn"):
             set_cpu_linear(model, kernel)
-            cache = _compat.new_cache(model.config)
-            prefill = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
-            step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
-            out[kernel] = torch.cat([prefill, step], dim=1)
+            out[kernel] = _prefill_and_step(model, ids)
     finally:
         _compat.onednn_linear = real
         set_cpu_linear(model, "torch")
