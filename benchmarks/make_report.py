@@ -188,9 +188,8 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     out.append("")
     if data.get("dense", {}).get("ppl"):  # a run of only non-perplexity groups (e.g. atp.py --groups choice)
         out.extend(ppl_table(data))
-    notes = data.get("notes")
-    if notes:
-        out += ["", *notes] if out[-1] else notes
+    for note in data.get("notes") or []:  # a paragraph each
+        out += ["", note] if out[-1] else [note]
     return out + [""]
 
 

@@ -92,6 +92,23 @@ def test_lmmse_recovers_affine_map() -> None:
     assert info_r.nmse < 1e-6 and info_r.ridge_abs > 0 and info_r.cond_ridged <= info_r.cond
 
 
+def test_lmmse_without_a_bias_fits_the_uncentred_moments() -> None:
+    """affine=False (a target layer without a bias): y ≈ W x through the origin, b = 0; the centred fit would need
+    a bias to carry the means, so on data with a mean the two fits differ."""
+    g, n, d_x, d_y = _gen(5), 400, 6, 4
+    x = torch.randn(n, d_x, generator=g, dtype=F64) + 3.0  # a large mean
+    a = torch.randn(d_y, d_x, generator=g, dtype=F64)
+    stats = _stats(x, x @ a.T)
+    w, b, info = lmmse_map(stats, ridge=0.0, affine=False)
+    torch.testing.assert_close(w, a, atol=1e-9, rtol=0)
+    assert torch.equal(b, torch.zeros(d_y, dtype=F64)) and info.nmse < 1e-12
+    y = x @ a.T + 1.0  # a constant offset W x alone cannot carry
+    w0, b0, _ = lmmse_map(_stats(x, y), ridge=0.0, affine=False)
+    normal = (y - x @ w0.T).T @ x  # the residual is orthogonal to every input column: least squares through 0
+    assert normal.abs().max() < 1e-8 * float(y.abs().sum()) and torch.equal(b0, torch.zeros(d_y, dtype=F64))
+    assert not torch.allclose(w0, lmmse_map(_stats(x, y), ridge=0.0)[0], atol=1e-3)
+
+
 def test_linear_fit_nmse_equals_empirical() -> None:
     x, y = _correlated(seed=3)
     stats = _stats(x, y)

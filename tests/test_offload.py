@@ -39,6 +39,7 @@ CASES = [  # (family, method, args): every method that can run offloaded, on the
     ("opt", "mla", {}),
     ("llama", "mla", {"kv_ratio": 0.5}),
     ("llama", "mla", {"kv_ratio": 0.5, "alloc": "global"}),  # spectra computed while each layer is in memory
+    ("llama", "mla", {"kv_ratio": 0.5, "refit_o": True}),  # the original attention runs beside the converted one
     ("llama", "transmla", {"kv_ratio": 0.5}),
 ]
 LAYERS = {"lisa": "1:", "ds": "1:"}  # sharing needs a donor below: layers 1-3, one chain (2 reads a converted 1)
@@ -78,10 +79,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 @pytest.mark.parametrize("family,method,args", CASES,
                          ids=[f"{f}-{m}" + ("-global" if a.get("alloc") == "global" else "")
-                              + ("-probe" if a.get("criterion") == "probe" else "") for f, m, a in CASES])
+                              + ("-probe" if a.get("criterion") == "probe" else "")
+                              + ("-refit" if a.get("refit_o") else "") for f, m, a in CASES])
 def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     src = _checkpoint(family, tmp_path / "src")
-    recipe = one_step(method, args, layers=LAYERS.get(method, "all"))
+    # the output refit needs 24 calibration tokens per hidden dim (methods/refit.py): 32 windows of 64
+    size = {"windows": 32, "seq_len": 64} if args.get("refit_o") else {}
+    recipe = one_step(method, args, layers=LAYERS.get(method, "all"), **size)
     memory = _in_memory(src, recipe, tmp_path / "mem")
     offloaded = compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
     assert offloaded.steps[0]["plan"] == json.loads(json.dumps(memory.steps[0]["plan"]))

@@ -14,7 +14,8 @@ from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.eval.perplexity import window_nll
-from attnslim.methods.base import Method, StepContext
+from attnslim.methods.base import Fit, Method, StepContext
+from attnslim.methods.refit import refit_output
 from attnslim.plan import LayerEntry, StepPlan
 
 AnyMethod = Method[Any, Any]  # the pipeline runs every method alike; each method types its own entries and stats
@@ -56,7 +57,7 @@ def run_step(
             part = method.plan(adapter, [i], {i: stats}, context)
             plan.merge(part, i)
             with _converting(res, method, adapter, i):
-                plan.record(i, method.convert(adapter, i, part.layers[i], stats))
+                plan.record(i, _convert_refit(runner, method, adapter, i, part.layers[i], stats))
             if method.sequential:
                 runner.run_layer(i)  # propagate through the converted layer
     return plan
@@ -64,8 +65,24 @@ def run_step(
 
 def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry, stats: Any,
              plan: StepPlan[Any]) -> None:
+    """Convert layer i without a calibration runner (no statistics, or a step that is not sequential)."""
     with res.layer(i), _converting(res, method, adapter, i):
         plan.record(i, method.convert(adapter, i, entry, stats))
+        if method.output_refit(adapter, i) is not None:
+            raise AttnslimError(f"internal: {method.name} asks for an output refit, which needs a sequential "
+                                "step with statistics (methods/refit.py)")
+
+
+def _convert_refit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
+                   stats: Any) -> Fit:
+    """Convert layer i, then refit what `method.output_refit` names on the runner's inputs of layer i
+    (methods/refit.py); the fit's diagnostics gain the refit's under "output_refit"."""
+    original = adapter.attention(i)
+    fit = method.convert(adapter, i, entry, stats)
+    target = method.output_refit(adapter, i)
+    if target is None:
+        return fit
+    return {**(fit or {}), "output_refit": refit_output(runner, adapter, i, original, target)}
 
 
 @contextmanager
@@ -135,6 +152,6 @@ def _run_selecting(
             if i in chosen:
                 fresh = _collect(runner, method, adapter, i, advance=False)
                 with _converting(res, method, adapter, i):
-                    plan.record(i, method.convert(adapter, i, plan.layers[i], fresh))
+                    plan.record(i, _convert_refit(runner, method, adapter, i, plan.layers[i], fresh))
             runner.run_layer(i)
     return plan

@@ -93,6 +93,10 @@ class LayerRunner:
                 if advance:
                     self.hidden[b] = out
 
+    def tokens(self) -> int:
+        """Calibration tokens each layer sees (every window's positions)."""
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
     def run_all(self, layers: range, desc: str = "calibration") -> None:
         for i in tqdm(layers, desc=desc, leave=False):
             self.run_layer(i)

@@ -203,9 +203,13 @@ class LmmseInfo:
 
 
 def lmmse_map(
-    stats: JointStats, ridge: float = 1e-6, allow_few_tokens: bool = False
+    stats: JointStats, ridge: float = 1e-6, allow_few_tokens: bool = False, affine: bool = True,
+    prior: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, LmmseInfo]:
     """Affine LMMSE fit y ≈ W x + b: W (d_y, d_x) solves W (C_XX + δI) = C_YX, b (d_y,) = E[Y] − W E[X].
+    affine=False (a target without a bias): y ≈ W x, W solving the same with the uncentred moments E[XXᵀ],
+    E[YXᵀ], and b = 0. prior W₀ (d_y, d_x): the ridge pulls W towards W₀ instead of 0 (min E‖y − Wx − b‖² +
+    δ‖W − W₀‖²: W (C_XX + δI) = C_YX + δ W₀), so directions the tokens barely excite keep W₀'s map.
 
     δ = ridge · tr(C_XX) / d_x (relative to the mean eigenvalue). Cholesky solve, never an explicit inverse.
     """
@@ -214,7 +218,7 @@ def lmmse_map(
     stats.check()
     if not allow_few_tokens:
         require_tokens(stats.n, stats.d_x, what="lmmse_map")
-    c_xx, c_yx = stats.cov_xx, stats.cov_yx
+    c_xx, c_yx = (stats.cov_xx, stats.cov_yx) if affine else (stats.sum_xx / stats.n, stats.sum_yx / stats.n)
     mean_eig = float(torch.trace(c_xx)) / stats.d_x
     if mean_eig <= 0.0:
         raise AttnslimError("C_XX is zero (X is constant over all tokens): no linear map can be fitted")
@@ -229,8 +233,9 @@ def lmmse_map(
             "raise the ridge (e.g. 1e-4) or collect more tokens"
         )
     # C_XX symmetric: W C = C_YX  <=>  C Wᵀ = C_XY
-    w = torch.cholesky_solve(c_yx.T.contiguous(), chol).T.contiguous()  # (d_y, d_x)
-    b = stats.mean_y - w @ stats.mean_x  # (d_y,)
+    rhs = c_yx if prior is None else c_yx + delta * prior.to(c_yx.device, _F64)  # (d_y, d_x)
+    w = torch.cholesky_solve(rhs.T.contiguous(), chol).T.contiguous()  # (d_y, d_x)
+    b = stats.mean_y - w @ stats.mean_x if affine else torch.zeros_like(stats.mean_y)  # (d_y,)
     info_out = LmmseInfo(
         n_tokens=stats.n,
         ridge_abs=delta,

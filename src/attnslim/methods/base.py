@@ -16,6 +16,9 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
+`output_refit(adapter, layer) -> OutputRefit | None`: after a sequential step converts a layer, the pipeline refits
+the returned linear (the new attention's output projection) by least squares against the original attention's
+output on the same calibration inputs (calib/refit.py; mla's refit_o).
 
 Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
     rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
@@ -31,7 +34,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, cast
+from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar, cast
 
 import torch
 from torch import nn
@@ -85,6 +88,13 @@ class NoStats(Collector[None]):
         return None
 
 
+class OutputRefit(NamedTuple):
+    """What `Method.output_refit` asks the pipeline to refit (calib/refit.py)."""
+
+    linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
+    ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
+
+
 @dataclass(frozen=True)
 class Method(Generic[E, S]):
     name: ClassVar[str] = ""
@@ -130,6 +140,12 @@ class Method(Generic[E, S]):
         receiver's donor that starts exporting its scores. The pipeline keeps them in memory around the conversion
         and writes them back as converted (calib/residency.py). Default: none."""
         return []
+
+    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
+        """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
+        squares so that the new attention's output matches the original's on the same calibration inputs
+        (calib/refit.py; sequential steps only). Default: none."""
+        return None
 
     def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:
         """A `selects_layers` step's statistics of `layer` as `plan` (and, for a method that is not `sequential`,

@@ -34,6 +34,15 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     weighted spectrum of each layer's [k_nope; v] (LatentLLM's global allocation; a dense statistics pass
     first, each layer's spectrum computed by `summarize` while that layer is in memory, so it runs offloaded;
     then a sequential refit); per-layer KV then differs, the step's total stays.
+  refit_o: after each layer's conversion (sequential: on the converted upstream layers' outputs), o_proj's weight
+    and bias are refitted by ridge least squares to the dense attention's output on the same calibration inputs,
+    the ridge (`damp`) pulling towards the original o_proj (methods/refit.py): the latent, the rotary split and the
+    softmax leave an output error that the last linear map partly cancels in closed form (layout deepseek: no
+    bias, the weight alone). It needs 24 calibration tokens per hidden dimension (fewer overfit: refused), more
+    than the rest of the fit. Off by default: it is for conversions without a heal (one-shot it gains at every
+    KV budget; after recipes/mla.yaml's heal it ended worse, after a heal of every parameter at KV 0.25 mixed;
+    recipes/mla-oneshot.yaml uses it).
+    Measured: BENCHMARKS.md, MLA (rows mla-refit-*).
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
@@ -62,6 +71,7 @@ import torch
 
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.stats import InputStats
+from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
     allocate_ranks,
@@ -71,9 +81,10 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
-from attnslim.methods.base import NO_CONTEXT, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, OutputRefit, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
+from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
 
@@ -104,6 +115,7 @@ class MLA(MLABase):
     rope_fold: int | None = None  # FreqFold for either rope_select: neighbouring frequencies sharing one change of
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
+    refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,6 +129,7 @@ class MLA(MLABase):
                                            and self.rope_fold >= 1),
                 self.name, "rope_fold", self.rope_fold, "null (auto) or an integer >= 1 (1: no folding)")
         require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
+        require(isinstance(self.refit_o, bool), self.name, "refit_o", self.refit_o, "true | false")
 
     def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
         return folded_rope_dims(rotary_dims, elements)
@@ -142,6 +155,16 @@ class MLA(MLABase):
             old = out.layers[i]
             out.layers[i] = replace(old, rank=ranks[i], kv_elements=ranks[i] + old.rope_dims)
         return out
+
+    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
+        """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (methods/refit.py)."""
+        if not self.refit_o:
+            return None
+        module = adapter.attention(layer)
+        if not isinstance(module, MLAAttention):
+            raise AttnslimError(f"{self.name}: layer {layer} holds {type(module).__name__} after its conversion, "
+                                "not MLAAttention")
+        return OutputRefit(module.o_proj, self.damp)
 
     def summarize(self, adapter: Adapter, layer: int, stats: MLAStats) -> MLAStats:
         """alloc=global: the layer's latent spectrum under the uniform plan's d_rope, from the statistics of the
