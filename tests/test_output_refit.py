@@ -12,7 +12,7 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.errors import AttnslimError
 from attnslim.plan import FIT_KEY
-from conftest import tiny_llama
+from conftest import TINY_BUILDERS, tiny_llama
 from helpers import ByteTokenizer, one_step
 
 
@@ -23,24 +23,26 @@ def _compress(model, args, windows=32):
         return compress(model, ByteTokenizer(), one_step("mla", args, windows=windows, seq_len=64), progress=False)
 
 
-@pytest.mark.parametrize("layout", ["free", "deepseek"])
-def test_refit_lowers_every_layer_s_output_error(layout):
+@pytest.mark.parametrize("family,layout", [("llama", "free"), ("llama", "deepseek"), ("qwen2", "free"),
+                                           ("mistral", "free"), ("opt", "free")])
+def test_refit_lowers_every_layer_s_output_error(family, layout):
     """Every layer records the normalised error of its attention output (against the dense attention on the same
     calibration inputs) before and after the refit of o_proj: after is lower, and every o_proj changed. layout
-    deepseek has no o_proj bias: the weight alone is refitted and the bias stays absent. (Whether the model as a
-    whole gains is a property of real weights and data: the real SmolLM2 test below compares the two.)"""
+    deepseek has no o_proj bias: the weight alone is refitted and the bias stays absent. Qwen2's q/k/v biases,
+    Mistral's sliding window and OPT (no RoPE) reach the original attention through the same call. (Whether the
+    model as a whole gains is a property of real weights and data: the real SmolLM2 test below compares the two.)"""
     plain_o = None
     for refit in (False, True):
-        model = tiny_llama()
+        model = TINY_BUILDERS[family]()
         report = _compress(model, {"kv_ratio": 0.5, "layout": layout, "refit_o": refit})
         adapter = get_adapter(model)
-        o = [adapter.attention(i).o_proj for i in range(4)]
+        o = [adapter.attention(i).o_proj for i in range(adapter.num_layers())]
         assert all((p.bias is None) == (layout == "deepseek") for p in o)
         if not refit:
             plain_o = [p.weight.detach().clone() for p in o]
             continue
         fits = _fits(report)
-        assert len(fits) == 4
+        assert len(fits) == len(o)
         for fit in fits:
             assert fit["nmse_after"] < fit["nmse_before"], fit
         assert all(not torch.equal(p.weight, q) for p, q in zip(o, plain_o, strict=True))
