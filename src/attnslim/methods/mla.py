@@ -40,9 +40,9 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     softmax leave an output error that the last linear map partly cancels in closed form (layout deepseek: no
     bias, the weight alone). It needs 24 calibration tokens per hidden dimension (fewer overfit: refused), more
     than the rest of the fit. Off by default: it is for conversions without a heal (one-shot it gains at every
-    KV budget; after recipes/mla.yaml's heal it ended worse, after a heal of every parameter at KV 0.25 mixed;
-    recipes/mla-oneshot.yaml uses it).
-    Measured: BENCHMARKS.md, MLA (rows mla-refit-*).
+    KV budget; at KV 0.5 it ended worse after recipes/mla.yaml's heal and after one of every parameter, at KV 0.25
+    mixed after a heal of every parameter; recipes/mla-oneshot.yaml uses it). Measured: BENCHMARKS.md, MLA (rows
+    mla-refit-*).
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
