@@ -101,6 +101,7 @@ class Method(Generic[E, S]):
     entry_type: ClassVar[type[LayerEntry]] = NoEntry  # what `plan` puts per layer (read back by io's skeletons)
     sequential: ClassVar[bool] = True
     selects_layers: ClassVar[bool] = False
+    later_args: ClassVar[tuple[str, ...]] = ()  # arguments added after benchmark rows were recorded (see `args`)
 
     def collector(self, adapter: Adapter, layer: int) -> Collector[S]:
         return cast(Collector[S], NoStats())  # methods that need no statistics (S = None)
@@ -182,7 +183,12 @@ class Method(Generic[E, S]):
         return cls(**args)
 
     def args(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        """Every argument, except those in `later_args` while at their default (as settings.HealConfig.to_dict):
+        what a run records (compression.json) and benchmarks/common.resolved_fingerprint read, so stored rows stay
+        current when a method gains an argument."""
+        later = {f.name: f.default for f in fields(self) if f.name in self.later_args}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.init and not (f.name in later and getattr(self, f.name) == later[f.name])}
 
 
 def require(cond: bool, method: str, key: str, value: Any, valid: str) -> None:

@@ -116,6 +116,7 @@ class MLA(MLABase):
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
     refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
+    later_args = ("refit_o",)  # added after the MLA tables were measured (Method.args)
 
     def __post_init__(self) -> None:
         super().__post_init__()
