@@ -55,6 +55,10 @@ HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3},
                   **{f"lr3e-4-seed{seed}": {"lr": 3.0e-4, "seed": seed} for seed in (1, 2)}}  # recipes/mla.yaml's
 
 
+# mla's local fit in the rows that use it (methods/local_fit.py)
+LOCAL = {"local_steps": 96, "local_lr": 3.0e-3}
+
+
 def step(method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"method": method, "layers": "all", "args": args}]
 
@@ -70,7 +74,9 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
     old = legacy(kv)
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv}),
            f"mla-legacy-kv{p}": step("mla", old),  # the first default, beside today's
-           f"mla-refit-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True})}  # o_proj refitted (methods/refit.py)
+           f"mla-refit-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True}),  # o_proj refitted (methods/refit.py)
+           # then every parameter of the layer trained towards the dense attention's output (methods/local_fit.py)
+           f"mla-refit-local-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True, **LOCAL})}
     if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at), on the legacy split unless they vary it
         out |= {
             f"mla-rootcov-kv{p}": step("mla", {**old, "kv_weight": "rootcov"}),
@@ -78,6 +84,8 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
             f"mla-global-kv{p}": step("mla", {**old, "alloc": "global"}),
             f"mla-global-fold-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global"}),  # on today's split
             f"mla-global-fold-refit-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global", "refit_o": True}),
+            f"mla-global-fold-refit-local-kv{p}": step("mla", {"kv_ratio": kv, "alloc": "global", "refit_o": True,
+                                                               **LOCAL}),
             f"mla-rorope-kv{p}": step("mla", {**old, "rope_select": "pca"}),
             # FreqFold (4 neighbouring frequencies share one change of basis) under either rotary choice
             f"mla-fold4-kv{p}": step("mla", {**old, "rope_fold": 4}),
@@ -181,13 +189,15 @@ def main() -> None:
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv", "mla-global-fold-kv",
-                                                "mla-refit-kv", "mla-global-fold-refit-kv"))}
+                                                "mla-refit-kv", "mla-global-fold-refit-kv", "mla-refit-local-kv",
+                                                "mla-global-fold-refit-local-kv"))}
     # heal ablations: larger steps, every parameter trained (mla-legacy-kv50-heal40-lr3e-4 is recipes/mla.yaml's
     # compression on the previous split; at KV 0.25 transmla gets the best setting of mla too, and so does
     # alloc=global on today's split, which at KV 0.5 also gets recipes/mla.yaml's heal)
     for base in ("mla-kv50", "mla-legacy-kv50", "mla-deepseek-kv50", "mla-kv25", "transmla-kv25",
                  "mla-global-fold-kv25", "mla-global-fold-kv50", "mla-refit-kv50", "mla-refit-kv25",
-                 "mla-global-fold-refit-kv25"):
+                 "mla-global-fold-refit-kv25", "mla-refit-local-kv50", "mla-refit-local-kv25",
+                 "mla-global-fold-refit-local-kv25"):
         if base in recipes:
             for tag, change in HEAL_ABLATIONS.items():
                 heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",

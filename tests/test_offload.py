@@ -40,6 +40,7 @@ CASES = [  # (family, method, args): every method that can run offloaded, on the
     ("llama", "mla", {"kv_ratio": 0.5}),
     ("llama", "mla", {"kv_ratio": 0.5, "alloc": "global"}),  # spectra computed while each layer is in memory
     ("llama", "mla", {"kv_ratio": 0.5, "refit_o": True}),  # the original attention runs beside the converted one
+    ("mistral", "mla", {"kv_ratio": 0.5, "local_steps": 8}),  # ... and the converted one trains towards it
     ("llama", "transmla", {"kv_ratio": 0.5}),
 ]
 LAYERS = {"lisa": "1:", "ds": "1:"}  # sharing needs a donor below: layers 1-3, one chain (2 reads a converted 1)
@@ -80,7 +81,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 @pytest.mark.parametrize("family,method,args", CASES,
                          ids=[f"{f}-{m}" + ("-global" if a.get("alloc") == "global" else "")
                               + ("-probe" if a.get("criterion") == "probe" else "")
-                              + ("-refit" if a.get("refit_o") else "") for f, m, a in CASES])
+                              + ("-refit" if a.get("refit_o") else "")
+                              + ("-local" if a.get("local_steps") else "") for f, m, a in CASES])
 def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     src = _checkpoint(family, tmp_path / "src")
     # the output refit needs 24 calibration tokens per hidden dim (methods/refit.py): 32 windows of 64

@@ -15,6 +15,7 @@ from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.eval.perplexity import window_nll
 from attnslim.methods.base import Fit, Method, StepContext
+from attnslim.methods.local_fit import fit_locally
 from attnslim.methods.refit import refit_output
 from attnslim.plan import LayerEntry, StepPlan
 
@@ -68,21 +69,23 @@ def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry:
     """Convert layer i without a calibration runner (no statistics, or a step that is not sequential)."""
     with res.layer(i), _converting(res, method, adapter, i):
         plan.record(i, method.convert(adapter, i, entry, stats))
-        if method.output_refit(adapter, i) is not None:
-            raise AttnslimError(f"internal: {method.name} asks for an output refit, which needs a sequential "
-                                "step with statistics (methods/refit.py)")
+        if method.output_refit(adapter, i) is not None or method.local_fit(adapter, i) is not None:
+            raise AttnslimError(f"internal: {method.name} asks for an output refit or a local fit, which needs a "
+                                "sequential step with statistics (methods/refit.py, methods/local_fit.py)")
 
 
 def _convert_refit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
                    stats: Any) -> Fit:
-    """Convert layer i, then refit what `method.output_refit` names on the runner's inputs of layer i
-    (methods/refit.py); the fit's diagnostics gain the refit's under "output_refit"."""
+    """Convert layer i, then refit what `method.output_refit` names and train what `method.local_fit` names, both
+    on the runner's inputs of layer i (methods/refit.py, methods/local_fit.py); the fit's diagnostics gain theirs
+    under "output_refit" and "local_fit"."""
     original = adapter.attention(i)
-    fit = method.convert(adapter, i, entry, stats)
-    target = method.output_refit(adapter, i)
-    if target is None:
-        return fit
-    return {**(fit or {}), "output_refit": refit_output(runner, adapter, i, original, target)}
+    fit = dict(method.convert(adapter, i, entry, stats) or {})
+    if (refit := method.output_refit(adapter, i)) is not None:
+        fit["output_refit"] = refit_output(runner, adapter, i, original, refit)
+    if (local := method.local_fit(adapter, i)) is not None:
+        fit["local_fit"] = fit_locally(runner, adapter, i, original, local)
+    return fit or None
 
 
 @contextmanager

@@ -18,7 +18,9 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
 `output_refit(adapter, layer) -> OutputRefit | None`: after a sequential step converts a layer, the pipeline refits
 the returned linear (the new attention's output projection) by least squares against the original attention's
-output on the same calibration inputs (calib/refit.py; mla's refit_o).
+output on the same calibration inputs (methods/refit.py; mla's refit_o).
+`local_fit(adapter, layer) -> LocalFit | None`: then the pipeline trains the returned module towards the original
+attention's output on those inputs, keeping the best held-out iterate (methods/local_fit.py; mla's local_steps).
 
 Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
     rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
@@ -95,6 +97,14 @@ class OutputRefit(NamedTuple):
     ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
 
 
+class LocalFit(NamedTuple):
+    """What `Method.local_fit` asks the pipeline to train (methods/local_fit.py)."""
+
+    module: nn.Module  # the converted attention; every floating-point parameter of it trains
+    steps: int  # Adam steps, one calibration batch each
+    lr: float
+
+
 @dataclass(frozen=True)
 class Method(Generic[E, S]):
     name: ClassVar[str] = ""
@@ -146,6 +156,12 @@ class Method(Generic[E, S]):
         """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
         squares so that the new attention's output matches the original's on the same calibration inputs
         (calib/refit.py; sequential steps only). Default: none."""
+        return None
+
+    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
+        """After `convert(layer)` (and the output refit): the converted attention, for the pipeline to train by
+        gradient descent towards the original attention's output on the same calibration inputs
+        (methods/local_fit.py; sequential steps only). Default: none."""
         return None
 
     def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:

@@ -43,6 +43,12 @@ q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py s
     KV budget; at KV 0.5 it ended worse after recipes/mla.yaml's heal and after one of every parameter, at KV 0.25
     mixed after a heal of every parameter; recipes/mla-oneshot.yaml uses it). Measured: BENCHMARKS.md, MLA (rows
     mla-refit-*).
+  local_steps: then (sequential too) every parameter of the installed layer (q_proj, the query maps, the rotary
+    key, the latent factors, o_proj) trains for `local_steps` Adam steps, one calibration batch each, towards the
+    dense attention's output on the same inputs, at `local_lr` relative to each tensor's RMS; a held-out eighth of
+    the calibration batches picks the iterate kept (methods/local_fit.py). The closed-form fits above each serve
+    a proxy; this fits the parts jointly through the softmax. Off by default. Measured: BENCHMARKS.md, MLA (rows
+    with `local`).
 `transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
   (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
   the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
@@ -81,7 +87,7 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
-from attnslim.methods.base import NO_CONTEXT, OutputRefit, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, LocalFit, OutputRefit, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
 from attnslim.modules.mla import MLAAttention
@@ -116,7 +122,9 @@ class MLA(MLABase):
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
     refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
-    later_args = ("refit_o",)  # added after the MLA tables were measured (Method.args)
+    local_steps: int = 0  # then train the converted attention towards the dense one's output (methods/local_fit.py)
+    local_lr: float = 3.0e-3  # relative to each tensor's RMS (methods/local_fit.py)
+    later_args = ("refit_o", "local_steps", "local_lr")  # added after the MLA tables were measured (Method.args)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,6 +139,8 @@ class MLA(MLABase):
                 self.name, "rope_fold", self.rope_fold, "null (auto) or an integer >= 1 (1: no folding)")
         require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
         require(isinstance(self.refit_o, bool), self.name, "refit_o", self.refit_o, "true | false")
+        require(self.local_steps >= 0, self.name, "local_steps", self.local_steps, "an integer >= 0 (0: no local fit)")
+        require(self.local_lr > 0, self.name, "local_lr", self.local_lr, "a number > 0")
 
     def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
         return folded_rope_dims(rotary_dims, elements)
@@ -161,11 +171,20 @@ class MLA(MLABase):
         """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (methods/refit.py)."""
         if not self.refit_o:
             return None
+        return OutputRefit(self._installed(adapter, layer).o_proj, self.damp)
+
+    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
+        """local_steps > 0: the installed MLAAttention, trained by the pipeline (methods/local_fit.py)."""
+        if not self.local_steps:
+            return None
+        return LocalFit(self._installed(adapter, layer), self.local_steps, float(self.local_lr))
+
+    def _installed(self, adapter: Adapter, layer: int) -> MLAAttention:
         module = adapter.attention(layer)
         if not isinstance(module, MLAAttention):
             raise AttnslimError(f"{self.name}: layer {layer} holds {type(module).__name__} after its conversion, "
                                 "not MLAAttention")
-        return OutputRefit(module.o_proj, self.damp)
+        return module
 
     def summarize(self, adapter: Adapter, layer: int, stats: MLAStats) -> MLAStats:
         """alloc=global: the layer's latent spectrum under the uniform plan's d_rope, from the statistics of the
