@@ -73,3 +73,23 @@ def capture_sites(adapter: Adapter, layer: int, sites: set[str], callback: Callb
     finally:
         for h in handles:
             h.remove()
+
+
+PairSink = Callable[[tuple[Any, ...], dict[str, Any], torch.Tensor], None]
+
+
+@contextmanager
+def beside_original(new: nn.Module, original: nn.Module, sink: PairSink) -> Iterator[None]:
+    """While the block runs, every call of `new` (a converted attention) also runs `original` on the same
+    arguments (hidden states, mask, positions), and hands (args, kwargs, original's output (b, t, d)) to `sink`:
+    the pairs a post-conversion fit matches the new module against (methods/refit.py, methods/local_fit.py)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        want = original(*args, **kwargs)
+        sink(args, kwargs, (want[0] if isinstance(want, tuple) else want).detach())
+
+    handle = new.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -20,14 +20,13 @@ section MLA (rows with `local`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter
+from attnslim.calib.hooks import beside_original
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import LocalFit
@@ -35,23 +34,6 @@ from attnslim.plan import JSON
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # one attention call's positional and keyword arguments
 CHECKS = 8  # held-out evaluations per fit
-
-
-@contextmanager
-def _recorded_calls(new: nn.Module, original: nn.Module, calls: list[Call], targets: list[torch.Tensor]
-                    ) -> Iterator[None]:
-    """While the block runs, every call of `new` is recorded with the original attention's output on it."""
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        want = original(*args, **kwargs)
-        targets.append((want[0] if isinstance(want, tuple) else want).detach())  # (b, t, d)
-        calls.append((tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs)))
-
-    handle = new.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def relative_error(module: nn.Module, call: Call, target: torch.Tensor) -> torch.Tensor:
@@ -71,7 +53,12 @@ def fit_locally(runner: LayerRunner, adapter: Adapter, layer: int, original: nn.
                             "it runs after convert replaced it")
     calls: list[Call] = []
     targets: list[torch.Tensor] = []
-    with torch.no_grad(), _recorded_calls(new, original, calls, targets):
+
+    def record(args: tuple[Any, ...], kwargs: dict[str, Any], want: torch.Tensor) -> None:
+        calls.append((tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs)))
+        targets.append(want)  # (b, t, d)
+
+    with torch.no_grad(), beside_original(new, original, record):
         runner.run_layer(layer, advance=False)
     if len(calls) < 2:
         raise AttnslimError(f"layer {layer}: the local fit holds out a batch to choose its result and needs at "

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter
+from attnslim.calib.hooks import beside_original
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, linear_fit_nmse, lmmse_map
@@ -46,20 +47,18 @@ def _paired_outputs(new: nn.Module, original: nn.Module, linear: nn.Linear, stat
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         seen.append(args[0].detach())
 
-    def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        want = original(*args, **kwargs)
-        want = want[0] if isinstance(want, tuple) else want  # (b, t, d_out)
+    def pair(args: tuple[Any, ...], kwargs: dict[str, Any], want: torch.Tensor) -> None:
         if len(seen) != 1:
             raise AttnslimError(f"output refit: the converted attention called its output projection {len(seen)} "
                                 "times in one forward; the refit needs exactly one call")
         stats.update(seen.pop(), want)
 
-    handles = [linear.register_forward_pre_hook(pre), new.register_forward_hook(post, with_kwargs=True)]
+    handle = linear.register_forward_pre_hook(pre)
     try:
-        yield
+        with beside_original(new, original, pair):
+            yield
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
 
 
 @torch.no_grad()
