@@ -34,7 +34,7 @@ from common import Harness, calibration
 from attnslim._compat import CACHE_KINDS
 from attnslim.api import compress
 from attnslim.bench import interleaved, kv_bytes_per_token
-from attnslim.bench.flops import flops_per_token
+from attnslim.bench.flops import decode_bytes_per_token, flops_per_token
 from attnslim.methods.mla_base import default_rope_dims
 from attnslim.models import load_model
 from attnslim.modules.cpu_linear import KERNELS as CPU_LINEAR_KERNELS
@@ -127,8 +127,12 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
         set_cpu_linear(model, cpu_linear)
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
     result["cpu_linear"] = cpu_linear
-    costs = {name: {"kv_bytes_per_token": kv_bytes_per_token(m)["total"],
-                    **{str(c): flops_per_token(m, c) for c in contexts}} for name, m in models.items()}
+    costs: dict[str, dict[str, Any]] = {}
+    for name, m in models.items():
+        kv = kv_bytes_per_token(m)["total"]
+        costs[name] = {"kv_bytes_per_token": kv, **{str(c): {**flops_per_token(m, c),
+                                                            "bytes_read": decode_bytes_per_token(m, c, kv)}
+                                                       for c in contexts}}
     h.data["speed"], h.data["costs"] = result, costs
     cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, the latent modules' layers (mla, "
                              "latentllm) append in place (ReservedRowsLayer)",
@@ -136,18 +140,23 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
                   "reserved": "HF DynamicCache with every layer a ReservedRowsLayer, dense included"}[cache_kind]
     linear_name = {"torch": "", "onednn": ", every model's linear layers on oneDNN (--cpu-linear onednn)"}[cpu_linear]
     lines = [f"Decode and prefill against dense (greedy, {cache_name}{linear_name}, float32, medians of interleaved "
-             "repetitions; "
-             "FLOPs per new token of the attention core / of the whole model, from attnslim.bench.flops):", "",
+             f"repetitions, the lowest and highest repetition's ratio in brackets; per new token: FLOPs of the "
+             "attention core / of the whole model, and MB read, weights + KV cache (attnslim.bench.flops)):", "",
              "| model | KV B/token | " + " | ".join(
-                 f"decode tok/s @{c} (×dense) | prefill ms @{c} | attn-core MFLOPs @{c} | total MFLOPs @{c}"
-                 for c in contexts) + " |",
-             "|---|---|" + "---|---|---|---|" * len(contexts)]
+                 f"decode tok/s @{c} (×dense) | prefill ms @{c} | attn-core MFLOPs @{c} | total MFLOPs @{c} | "
+                 f"MB read @{c} (weights + KV)" for c in contexts) + " |",
+             "|---|---|" + "---|---|---|---|---|" * len(contexts)]
     for name, rows in result["models"].items():
-        cells = " | ".join(
-            f"{rows[str(c)]['decode_tok_s']:.1f} ({rows[str(c)]['decode_ratio']:.2f}×) | "
-            f"{rows[str(c)]['prefill_s'] * 1000:.0f} | {costs[name][str(c)]['attention_core'] / 1e6:.1f} | "
-            f"{costs[name][str(c)]['total'] / 1e6:.1f}" for c in contexts)
-        lines.append(f"| {name} | {costs[name]['kv_bytes_per_token']:,.0f} | {cells} |")
+        cells = []
+        for c in contexts:
+            row, cost = rows[str(c)], costs[name][str(c)]
+            lo, hi = row["decode_ratio_span"]
+            read = cost["bytes_read"]
+            cells.append(f"{row['decode_tok_s']:.1f} ({row['decode_ratio']:.2f}× [{lo:.2f}–{hi:.2f}]) | "
+                         f"{row['prefill_s'] * 1000:.0f} | {cost['attention_core'] / 1e6:.1f} | "
+                         f"{cost['total'] / 1e6:.1f} | {read['total'] / 1e6:.1f} ({read['weights'] / 1e6:.1f} + "
+                         f"{read['kv'] / 1e6:.1f})")
+        lines.append(f"| {name} | {costs[name]['kv_bytes_per_token']:,.0f} | {' | '.join(cells)} |")
     h.data["notes"] = lines
     h.save()
     print("\n".join(lines), flush=True)

@@ -12,12 +12,14 @@ from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
+from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
 from attnslim.linalg.mla import fit_latent
 from attnslim.linalg.mla_rope import phase_mean, split_rotary
 from attnslim.linalg.precond import root_pair
 from attnslim.linalg.rope import apply_rope
+from attnslim.modules.lowrank import LowRankLinear
 from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS, tiny_llama
 from helpers import ByteTokenizer, assert_cache_kinds_match, one_step
@@ -206,6 +208,30 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
         module.q_proj.weight.add_(0.1)
     assert torch.allclose(decode(False), decode(True), atol=1e-5)
     assert not torch.allclose(decode(False), fused, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
+    """decode_weight_bytes is counted from shapes; it must equal the bytes of the tensors each decode path
+    really uses: the fused path's derived weights (qwen2: q/k biases; opt: no RoPE), and, where q_proj is not a
+    plain Linear (factorised by another step), the unfused path's. bench.flops adds KV × context on top."""
+    model = TINY_BUILDERS[family]()
+    _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
+    module = get_adapter(model).attention(1)
+    fused = module.fused()
+    rest = sum(p.numel() for p in module.o_proj.parameters())
+    used = [fused.w_in, fused.maps, fused.value_t] + ([fused.b_in] if fused.b_in is not None else [])
+    assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in used) + rest)
+    kv = kv_bytes_per_token(model)["total"]
+    read = decode_bytes_per_token(model, 300, kv)
+    assert read["kv"] == 300 * kv and read["total"] == read["weights"] + read["kv"]
+    d, hd = module.q_proj.in_features, module.q_proj.out_features
+    module.q_proj = LowRankLinear(d, hd, 8, module.q_proj.bias is not None, False)
+    assert module.fused() is None
+    unfused = [*module.q_proj.parameters(), module.kv.a, module.absorbed_query(), module._value_map(),
+               *([] if module.k_rope is None else [*module.k_rope.parameters(), module.q_rope])]
+    assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in unfused) + rest)
+    assert decode_bytes_per_token(model, 300, kv)["weights"] < read["weights"]  # a rank-8 q_proj reads less
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

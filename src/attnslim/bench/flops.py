@@ -47,3 +47,26 @@ def flops_per_token(model: Any, context: int) -> dict[str, float]:
     layers = sum(2.0 * _linear_weights(layer) for layer in adapter.decoder_layers())
     head = 2.0 * sum(p.numel() for p in model.get_output_embeddings().parameters())
     return {"linear": layers, "attention_core": core, "lm_head": head, "total": layers + core + head}
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def decode_bytes_per_token(model: Any, context: int, kv_bytes_per_token: float) -> dict[str, float]:
+    """Bytes one decode step reads at `context` cached tokens, the memory side of `flops_per_token`:
+      weights  every decoder layer's parameters once, where the attention module's are replaced by what its
+               decode reads where it says (`decode_weight_bytes`: MLA reads derived absorbed maps, not its
+               factors), plus the LM head; the embedding lookup (one row) is left out
+      kv       kv_bytes_per_token (measured from the cache: bench.kv) × context
+    What a cache implementation copies on top (HF's dynamic cache concatenates dense layers' whole cache at
+    every step) is not counted: that is the cache's cost, not the algorithm's."""
+    adapter = get_adapter(model)
+    weights = 0
+    for i, layer in enumerate(adapter.decoder_layers()):
+        attn: Any = adapter.attention(i)
+        reads = int(attn.decode_weight_bytes()) if hasattr(attn, "decode_weight_bytes") else _param_bytes(attn)
+        weights += _param_bytes(layer) - _param_bytes(attn) + reads
+    weights += _param_bytes(model.get_output_embeddings())
+    kv = float(kv_bytes_per_token) * context
+    return {"weights": float(weights), "kv": kv, "total": weights + kv}

@@ -318,6 +318,26 @@ class MLAAttention(ReplacementAttention):
         h, r, e = self.n_heads, self.rank, self.rank + self.rope_dims
         return 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r) - self.kv.b.numel())
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (bench.flops.decode_bytes_per_token), counted from the shapes:
+        with a plain-Linear q_proj, the tensors `fused` derives (input rows [W_q; A written out; W_kr; P W_kr],
+        the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head), else the unfused path's (q_proj,
+        A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head); o_proj and the q-norm either way.
+        Not the parameter count: decode never reads B, and reads the absorbed products instead."""
+        h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
+        d = self.kv.in_features
+        if isinstance(self.q_proj, nn.Linear):
+            rows = h * d_h + r + 2 * e
+            has_bias = self.q_proj.bias is not None or (self.k_rope is not None and self.k_rope.bias is not None)
+            count = rows * d + (rows if has_bias else 0) + h * d_h * (r + 2 * e)
+        else:
+            k_rope = 0 if self.k_rope is None else sum(p.numel() for p in self.k_rope.parameters())
+            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope + h * d_h * (r + e)
+        count += n_kv * r * d_h
+        rest = [self.o_proj] + ([self.q_norm] if self.q_norm is not None else [])
+        count += sum(p.numel() for m in rest for p in m.parameters())
+        return count * self.kv.b.element_size()
+
     def ranks(self) -> dict[str, int]:
         return {"kv": self.rank, "rope": self.rope_dims, "nope": self.nope_dims}
 
