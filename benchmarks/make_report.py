@@ -73,6 +73,10 @@ SECTIONS = {
                                     "Intel code paths forced (diagnosis), 2 threads", "benchmarks/mla.py"),
     "mla-speed-onednn": ("MLA: whole-model decode with every linear layer on oneDNN (`--cpu-linear onednn`, dense "
                          "included), 2 threads", "benchmarks/mla.py"),
+    "mla-speed-intel": ("MLA: whole-model decode with the split and the grouped decode core on an Intel host (MKL's "
+                        "own fast kernels), 2 threads", "benchmarks/mla.py"),
+    "mla-speed-bytes": ("MLA: decode against dense with the bytes each new token reads (weights + KV cache), 2 "
+                        "threads", "benchmarks/mla.py"),
 }
 
 
@@ -93,7 +97,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t", "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
-         "mla-kernels-mkl-intel", "mla-speed-onednn",
+         "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
@@ -188,8 +192,11 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     out.append("")
     if data.get("dense", {}).get("ppl"):  # a run of only non-perplexity groups (e.g. atp.py --groups choice)
         out.extend(ppl_table(data))
-    for note in data.get("notes") or []:  # a paragraph each
-        out += ["", note] if out[-1] else [note]
+    for note in data.get("notes") or []:  # a paragraph each, but a table's rows stay one table
+        if not note:  # paragraphs are separated here
+            continue
+        same_table = note.startswith("|") and out[-1].startswith("|")
+        out += [note] if same_table or not out[-1] else ["", note]
     return out + [""]
 
 
