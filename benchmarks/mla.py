@@ -165,6 +165,7 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", default="mla", help="results file benchmarks/results/NAME.json")
+    parser.add_argument("--model", default="smollm2-135m", help="a packaged model name (gemma3-270m: `make gemma`)")
     parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per source")
     parser.add_argument("--sources", default="wiki,ptb,c4")
     parser.add_argument("--windows", type=int, default=32, help="calibration windows")
@@ -187,7 +188,7 @@ def main() -> None:
                         help="speed: every model's float32 linear layers on this kernel, dense included "
                              "(modules/cpu_linear.py)")
     args = parser.parse_args()
-    h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
+    h = Harness(args.name, model=args.model, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
     groups = set(args.groups.split(","))
     kvs = [float(k) for k in args.kv.split(",")]

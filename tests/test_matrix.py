@@ -30,6 +30,7 @@ MATRIX = [  # (family, method, args)
     ("qwen2", "mla", {"kv_ratio": 0.5}),
     ("llama", "transmla", {"kv_ratio": 0.5}),
     ("opt", "mla", {"kv_ratio": 0.5, "rope_dims": 0}),
+    ("gemma3", "mla", {"kv_ratio": 0.5}),  # QK-norm: key scales cached beside the latent, sliding layers
     ("llama", "nbl", {"m": 2}),
     ("llama", "nbl", {"m": 2, "input": "residual", "sequential": True}),
     ("mistral", "nbl", {"m": 1}),

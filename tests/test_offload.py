@@ -42,6 +42,7 @@ CASES = [  # (family, method, args): every method that can run offloaded, on the
     ("llama", "mla", {"kv_ratio": 0.5, "refit_o": True}),  # the original attention runs beside the converted one
     ("mistral", "mla", {"kv_ratio": 0.5, "local_steps": 8}),  # ... and the converted one trains towards it
     ("llama", "transmla", {"kv_ratio": 0.5}),
+    ("gemma3", "mla", {"kv_ratio": 0.5}),  # QK-norm: the key norm's gain is read while the layer is in memory
 ]
 LAYERS = {"lisa": "1:", "ds": "1:"}  # sharing needs a donor below: layers 1-3, one chain (2 reads a converted 1)
 

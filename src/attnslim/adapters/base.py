@@ -28,6 +28,14 @@ class RopeSpec:
     layer_type: str = "full_attention"  # key into the model's per-layer-type rotary tables (Gemma3)
 
 
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """A per-head RMS norm as a formula: y = gain ⊙ x / sqrt(mean(x²) + eps) over the last dim (head_dim)."""
+
+    gain: torch.Tensor  # (head_dim,) the effective gain (Gemma3: 1 + weight)
+    eps: float
+
+
 @dataclass
 class AttentionSpec:
     """One attention sub-block in canonical form. Weights are `[out, in]` like `nn.Linear.weight`.
@@ -53,6 +61,8 @@ class AttentionSpec:
     rope: RopeSpec | None
     q_norm: nn.Module | None = None
     k_norm: nn.Module | None = None
+    k_norm_rms: RMSNormSpec | None = None  # k_norm as a formula, where the adapter knows it is a per-head RMS norm
+    q_norm_rms: RMSNormSpec | None = None  # q_norm likewise
     sliding_window: int | None = None
     softcap: float | None = None
 

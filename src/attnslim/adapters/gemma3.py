@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RopeSpec
+from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RMSNormSpec, RopeSpec
 from attnslim.errors import AttnslimError
 from attnslim.registry import register_adapter
 
@@ -103,6 +103,8 @@ class Gemma3Adapter(Adapter):
             rope=self._rope(layer_type),
             q_norm=attn.get_submodule("q_norm"),  # (b, h, t, hd) -> same, per head
             k_norm=attn.get_submodule("k_norm"),
+            k_norm_rms=_rms_norm(attn.get_submodule("k_norm")),
+            q_norm_rms=_rms_norm(attn.get_submodule("q_norm")),
             sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else None,
             softcap=None,  # see module docstring: HF's Gemma3Attention does not apply it
         )
@@ -110,3 +112,10 @@ class Gemma3Adapter(Adapter):
     def mlp_spec(self, i: int) -> MLPSpec:
         act_fn = self._layer(i).mlp.act_fn
         return self._mlp_spec_from_linears(i, str(self.config.hidden_activation), act_fn)
+
+
+def _rms_norm(norm: nn.Module) -> RMSNormSpec:
+    """Gemma3RMSNorm as a formula: x / sqrt(mean(x²) + eps) · (1 + weight), computed in float32."""
+    weight: Any = norm.weight
+    eps: Any = norm.eps
+    return RMSNormSpec(gain=1.0 + weight.detach().float(), eps=float(eps))

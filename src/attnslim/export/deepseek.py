@@ -123,6 +123,8 @@ def mla_layers(adapter: Adapter) -> list[MLAAttention]:
             raise AttnslimError(f"{where} attends over a sliding window, which DeepSeek-V3 has no field for")
         if m.q_norm is not None or m.softcap is not None:
             raise AttnslimError(f"{where} has a query norm or a logit softcap, which DeepSeek-V3 has no field for")
+        if m.key_norm is not None:
+            raise AttnslimError(f"{where} caches key scales (the model's key norm), which DeepSeek-V3 has no field for")
         if type(m.q_proj) is not nn.Linear:
             raise AttnslimError(f"{where}: q_proj is a {type(m.q_proj).__name__}; export needs a dense q_proj "
                                 "(compress without a step that factorises q)")

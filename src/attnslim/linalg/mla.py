@@ -59,6 +59,11 @@ def second_moment(w: torch.Tensor, b: torch.Tensor | None, stats: InputStats) ->
     return 0.5 * (out + out.T)
 
 
+def mean_square(w: torch.Tensor, b: torch.Tensor | None, stats: InputStats) -> float:
+    """E[mean_j y_j²] of y = W x + b (m outputs): the mean square of one output entry."""
+    return float(torch.trace(second_moment(w, b, stats))) / w.shape[0]
+
+
 def head_moments(q: torch.Tensor, q_bias: torch.Tensor | None, stats: InputStats, n_heads: int) -> torch.Tensor:
     """(h, d_h, d_h) E[q_i q_iᵀ] per query head of q = W_q x + b_q, W_q (h·d_h, d)."""
     d_h = q.shape[0] // n_heads
@@ -169,3 +174,4 @@ def assemble(q: torch.Tensor, k: torch.Tensor, k_bias: torch.Tensor | None, v: t
     b_heads = b_v.view(-1, d_h).repeat_interleave(g, 0).reshape(-1)  # (h·d_h,): query head i sees v of g(i)
     new_o_bias = o64 @ b_heads + (0 if o_bias is None else o_bias.to(_F64))
     return MLAFactors(split.rope_query, split.nope_query, split.freq, k_rope, k_rope_bias, kv, new_o_bias)
+

@@ -64,8 +64,10 @@ Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n +
 Why a new method and not a `latentllm` option: the module, the cache and the budget are different (a KV budget,
 not a weight ratio; q and o are not factorised), and most latentllm options (qk, vo, alloc, cache) would not
 apply; this file reuses latentllm's linear algebra (InputStats, root-covariance square roots, the block-identity
-junction, the mean correction). Refused: QK-norm layers (Gemma-3): a per-head RMS norm of the key acts after
-the key projection and can be neither shared by a latent nor absorbed. Results: BENCHMARKS.md, section MLA.
+junction, the mean correction). QK-norm layers (Gemma-3): the key norm y = g ⊙ u / rms(u) is a positive scale
+per token and KV head on a linear key, so the split and the latent fit the linear part g ⊙ u (`fit_spec`) and
+MLAAttention caches each KV head's 1/rms(u), computed once per new token from the model's own W_k (n_kv values
+per token, taken from the latent's budget); exact at full rank. Results: BENCHMARKS.md, section MLA.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ from attnslim.linalg.mla import (
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
 from attnslim.methods.base import NO_CONTEXT, LocalFit, OutputRefit, StepContext, require
-from attnslim.methods.mla_base import MLABase, MLAEntry, balance, stacked_kv
+from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
@@ -164,7 +166,7 @@ class MLA(MLABase):
         ranks = allocate_ranks(spectra, sum(uniform.values()), max(1, min(uniform.values()) // 4))
         for i in layers:
             old = out.layers[i]
-            out.layers[i] = replace(old, rank=ranks[i], kv_elements=ranks[i] + old.rope_dims)
+            out.layers[i] = replace(old, rank=ranks[i], kv_elements=old.kv_elements - old.rank + ranks[i])
         return out
 
     def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
@@ -194,8 +196,9 @@ class MLA(MLABase):
         if self.alloc != "global":
             return stats
         _, rope = self._sizes(adapter, layer)
-        spec, where = adapter.attention_spec(layer), f"{self.name}: layer {layer}"
+        where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
+        spec = fit_spec(adapter.attention_spec(layer), st)
         split = self._split(adapter, spec, st, rope, where)
         found = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
         return MLAStats({} if self.sequential else stats.grams, found)

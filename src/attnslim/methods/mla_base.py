@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
     head_moments,
+    mean_square,
     second_moment,
 )
 from attnslim.linalg.mla_rope import RotarySplit, split_rotary
@@ -81,7 +82,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
         for i in layers:
             spec = adapter.attention_spec(i)
             rank, rope = self._sizes(adapter, i)
-            out[i] = MLAEntry(rank, rope, rank + rope, 2 * spec.n_kv_heads * spec.head_dim)
+            out[i] = MLAEntry(rank, rope, rank + rope + key_scales(spec), 2 * spec.n_kv_heads * spec.head_dim)
         return StepPlan(out)
 
     def _sizes(self, adapter: Adapter, layer: int) -> tuple[int, int]:
@@ -89,10 +90,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         if spec.k_norm is not None:
-            raise AttnslimError(
-                f"{where} normalises each head's key (QK-norm, {type(spec.k_norm).__name__}): a per-head RMS norm "
-                "after the key projection can be neither shared by one latent nor absorbed into the query, so MLA "
-                "refuses it; leave this layer out of the step's `layers` (latentllm handles QK-norm layers)")
+            _check_key_norm(spec, self.layout, where)
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
         if spec.rope is not None:
             _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
@@ -109,14 +107,16 @@ class MLABase(Method[MLAEntry, MLAStats]):
             fix = "use rope_dims: 0 (this layer has no RoPE)" if d_rot == 0 else f"use an even rope_dims <= {full_rot}"
             raise AttnslimError(f"{where}: rope_dims = {rope} exceeds the {full_rot} rotary dims this method can "
                                 f"keep ({spec.n_kv_heads} KV heads x {d_rot} rotary dims); {fix}")
-        rank = self.rank if self.kv_ratio is None else int(self.kv_ratio * dense) - rope
+        scales = key_scales(spec)  # QK-norm: each KV head's key scale is cached too
+        rank = self.rank if self.kv_ratio is None else int(self.kv_ratio * dense) - rope - scales
         assert rank is not None
         max_rank = min(spec.n_kv_heads * spec.head_dim * 2 - rope, spec.hidden_size)
         if rank < 1:
-            budget = f"kv_ratio = {self.kv_ratio} keeps {rank + rope} of {dense} values" if self.kv_ratio else \
-                f"rank = {rank}"
-            raise AttnslimError(f"{where}: {budget}, which leaves no latent beside the {rope}-dim rotary key; "
-                                f"raise kv_ratio above {(rope + 1) / dense:.3f} or lower rope_dims")
+            budget = f"kv_ratio = {self.kv_ratio} keeps {rank + rope + scales} of {dense} values" \
+                if self.kv_ratio else f"rank = {rank}"
+            beside = f"the {rope}-dim rotary key" + (f" and {scales} key scales (QK-norm)" if scales else "")
+            raise AttnslimError(f"{where}: {budget}, which leaves no latent beside {beside}; "
+                                f"raise kv_ratio above {(rope + scales + 1) / dense:.3f} or lower rope_dims")
         if rank > max_rank:
             raise AttnslimError(f"{where}: kv rank = {rank} exceeds {max_rank}, the most this layer allows "
                                 f"(min(2·n_kv·d_h − d_rope, hidden)); lower rank or kv_ratio")
@@ -141,10 +141,14 @@ class MLABase(Method[MLAEntry, MLAStats]):
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        split = self._split(adapter, spec, st, entry.rope_dims, where)
-        factors = self._fit(spec, split, st, entry.rank, where)
+        linear = fit_spec(spec, st)
+        split = self._split(adapter, linear, st, entry.rope_dims, where)
+        factors = self._fit(linear, split, st, entry.rank, where)
         module = self._install(adapter, layer, spec, entry)
         _load(module, factors, spec)
+        if module.key_norm is not None:  # the scales are the model's own: its pre-norm key projection
+            with torch.no_grad():
+                module.key_norm.weight.copy_(spec.k)
         return {"rope_freq": [int(f) for f in factors.freq]}
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
@@ -164,12 +168,55 @@ class MLABase(Method[MLAEntry, MLAStats]):
             k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
             layer_type=spec.rope.layer_type if spec.rope is not None else None,
             sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
+            key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps,
         )
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
 
     def skeleton(self, adapter: Adapter, layer: int, entry: MLAEntry) -> None:
         self._install(adapter, layer, adapter.attention_spec(layer), entry)
+
+
+def key_scales(spec: AttentionSpec) -> int:
+    """Values a QK-norm layer caches per token beside the latent and the rotary key: one key scale per KV head
+    (0 without a key norm)."""
+    return spec.n_kv_heads if spec.k_norm is not None else 0
+
+
+def fit_spec(spec: AttentionSpec, st: InputStats) -> AttentionSpec:
+    """The spec the split and the latent fit. With a per-head RMS key norm k = g_k ⊙ u / rms(u):
+      keys     the linear part g_k ⊙ u = diag(g_k) W_k x, the gain folded into W_k (rms(u), one positive number per
+               token and KV head, is computed by MLAAttention from the model's own W_k and cached: exact);
+      queries  they only weight the fit (the query-weighted rotary choice, key error against value error), so they
+               are put in the units the softmax sees: with a query norm g_q ⊙ q / rms(q), and divided by the key's
+               rms(u) too, each rms at its calibration mean (a key error e moves a logit by about q_n · e / rms(u)).
+    The spec itself without a key norm."""
+    if spec.k_norm_rms is None:
+        return spec
+    k_gain = spec.k_norm_rms.gain.to(spec.k.dtype).repeat(spec.n_kv_heads)  # (n_kv·d_h,)
+    scale = torch.full((spec.q.shape[0],), mean_square(spec.k, spec.k_bias, st) ** -0.5, dtype=torch.float64)
+    if spec.q_norm_rms is not None:
+        q_gain = spec.q_norm_rms.gain.to(torch.float64).repeat(spec.n_heads)  # (h·d_h,)
+        scale = scale * q_gain * mean_square(spec.q, spec.q_bias, st) ** -0.5
+    scale = scale.to(spec.q.dtype)
+    return replace(spec, k=k_gain[:, None] * spec.k, q=scale[:, None] * spec.q,
+                   q_bias=None if spec.q_bias is None else scale * spec.q_bias)
+
+
+def _check_key_norm(spec: AttentionSpec, layout: str, where: str) -> None:
+    """Refusals for QK-norm layers, each naming the fix."""
+    norm = type(spec.k_norm).__name__
+    if spec.k_norm_rms is None:
+        raise AttnslimError(f"{where} normalises each head's key with {norm}, which its adapter does not describe "
+                            "as a per-head RMS norm (AttentionSpec.k_norm_rms): MLA can rebuild only an RMS key "
+                            "norm exactly; leave this layer out of the step's `layers`, or describe the norm in "
+                            "the adapter")
+    if spec.k_bias is not None:
+        raise AttnslimError(f"{where} has a key bias under its key norm ({norm}); MLA drops the non-rotary key "
+                            "bias (softmax ignores it), which the norm does not: leave this layer out of `layers`")
+    if layout == "deepseek":
+        raise AttnslimError(f"{where} normalises each head's key ({norm}); layout: deepseek writes DeepSeek-V3's "
+                            "form, which has no key norm (vLLM would serve other logits); use layout: free")
 
 
 def default_rope_dims(rotary_dims: int, elements: int | None, dense: int) -> int:

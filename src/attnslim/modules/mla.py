@@ -7,9 +7,14 @@
     logit_i = scaling · (N_q,i q_i · k_n + RoPE(R_q,i q_i) · k_r)     q_nope = N_q (h, D_n, d_h), q_rope = R_q
     y = o_proj(concat_i softmax(logit_i) v_g(i))
 
-The cache holds [c, k_r] (b, 1, t, r + d_rope) in the key slot and nothing (b, 1, t, 0) in the value slot:
-r + d_rope values per token and layer. In a dynamic cache (generate()'s default) the layer becomes a
-`_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
+QK-norm (Gemma-3: k = g ⊙ u / rms(u) per KV head, before RoPE): the factors above describe the linear keys g ⊙ u
+(methods/mla_base.fit_spec), and each new token's s_j = 1/rms(u_j) per KV head j is computed once, from the
+model's own pre-norm key u = W_k x (`key_norm`, the original k_proj), and cached: logit_i = s_j(i) · (as above).
+The scale is the model's whatever the rank (not rebuilt from the latent: Gemma-3's gains have zeros, so g ⊙ u
+cannot give back u); it costs n_kv values per token, W_k's weights, and an unfused decode.
+The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing (b, 1, t, 0) in the
+value slot: r + d_rope (+ n_kv) values per token and layer. In a dynamic cache (generate()'s default) the layer
+becomes a `_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
 Two paths give the same output (tested):
   absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
@@ -51,7 +56,8 @@ from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
 # the absorbed core for few queries: "auto" splits the cache where `split_attention.split_count` advises,
-# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two)
+# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two). QK-norm layers attend
+# over scaled copies of the cached rows (`_scaled_keys`) through `attend`, whatever the kernel says
 DECODE_KERNELS = ("auto", "split", "grouped")
 
 
@@ -72,6 +78,7 @@ class MLAAttention(ReplacementAttention):
         rank: int, rope_dims: int, q_proj: nn.Module, o_proj: nn.Linear, k_rope_bias: bool,
         q_norm: nn.Module | None = None, rotary: nn.Module | None = None, layer_type: str | None = None,
         sliding_window: int | None = None, softcap: float | None = None, dtype: torch.dtype = torch.float32,
+        key_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         d_n = n_kv_heads * head_dim - rope_dims
@@ -89,6 +96,12 @@ class MLAAttention(ReplacementAttention):
         # block identity saves r² weights below full rank; at r = hidden it would leave an empty A2
         self.kv = LowRankLinear(hidden_size, d_n + n_kv_heads * head_dim, rank, False, rank < hidden_size, dtype)
         self.register_buffer("rope_freq", torch.zeros(rope_dims // 2, dtype=torch.long) if rope_dims else None)
+        # QK-norm (key_norm_eps given): each new token's pre-norm key u = W_k x, whose 1/rms per KV head is cached
+        # beside [c, k_r] and scales that head's logits
+        self.key_norm_eps = key_norm_eps
+        self.key_scales = 0 if key_norm_eps is None else n_kv_heads  # cached values per token for it
+        self.key_norm = None if key_norm_eps is None else nn.Linear(hidden_size, n_kv_heads * head_dim, bias=False,
+                                                                      dtype=dtype)
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
         self.layer_type = layer_type
         self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
@@ -164,9 +177,7 @@ class MLAAttention(ReplacementAttention):
                 q = self.q_norm(q)
             q_r = self._project(q, self.q_rope)  # (b, h, t, d_rope)
             q_r = self._rope(q_r, past) if self.rope_dims else q_r
-            new = self.kv.latent(x)[:, None]  # (b, 1, t, r)
-            if self.k_rope is not None:
-                new = torch.cat([new, self._rope(self.k_rope(x)[:, None], past)], dim=-1)  # (b, 1, t, r + d_rope)
+            new = self._new_rows(x, past)  # (b, 1, t, r + d_rope [+ n_kv])
             store, _ = _compat.cache_update(past_key_values, self.layer_idx, new, new[..., :0], reserve=True)
             keep = attention_keep(attention_mask, t, store.shape[-2], x.device, self.sliding_window, self.softcap)
             if path == "absorb":
@@ -175,6 +186,23 @@ class MLAAttention(ReplacementAttention):
                 out = self._decompress(q, q_r, store, keep)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h·d_h)
         return self.o_proj(out)
+
+    def _new_rows(self, x: torch.Tensor, past: int) -> torch.Tensor:
+        """x (b, t, d) -> the cache rows of new tokens (b, 1, t, r + d_rope + key_scales): [c, RoPE(k_r)], and with
+        QK-norm each KV head's 1/rms of its pre-norm key u = W_k x."""
+        c = self.kv.latent(x)  # (b, t, r)
+        k_r = self.k_rope(x) if self.k_rope is not None else None  # (b, t, d_rope)
+        parts = [c] if k_r is None else [c, self._rope(k_r[:, None], past)[:, 0]]
+        if self.key_norm is not None:
+            assert self.key_norm_eps is not None
+            u = self.key_norm(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (b, t, n_kv, d_h)
+            parts.append(torch.rsqrt(u.float().pow(2).mean(-1) + self.key_norm_eps).to(c.dtype))  # (b, t, n_kv)
+        return (torch.cat(parts, dim=-1) if len(parts) > 1 else c)[:, None]
+
+    def _scaled_keys(self, store: torch.Tensor) -> torch.Tensor:
+        """QK-norm: the cached rows' [c, k_r] times each KV head's key scale, (b, n_kv, T, r + d_rope)."""
+        e = self.rank + self.rope_dims
+        return store[..., :e] * store[..., e:].permute(0, 3, 2, 1)
 
     def _absorb(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -188,6 +216,9 @@ class MLAAttention(ReplacementAttention):
         attention-weighted latents, then each head's value up-projection b_v_t (n_kv, r, d_h); (b, h, t, d_h)."""
         b, h, t, _ = q_cat.shape
         n_kv, r = self.n_kv_heads, self.rank
+        if self.key_norm is not None:  # QK-norm: keys differ from the cached rows by a scale per KV head
+            lat = attend(q_cat, self._scaled_keys(store), store[..., :r], keep, scaling, self.softcap)
+            return (lat.reshape(b, n_kv, h // n_kv * t, r) @ b_v_t).view(b, h, t, self.head_dim)
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
         # over the whole cached row there and keep the latent columns. Few queries on the CPU: the same rows, split
         # over the cache and attended in parallel (`split_attention`: BLAS runs the grouped form's skinny GEMMs on
@@ -230,8 +261,9 @@ class MLAAttention(ReplacementAttention):
         version and address in every layer showed in profiles of a small model's decode step. So parameters
         changed in the middle of a cached sequence are seen from the next sequence on; the sequence's cached
         rows were computed with the old weights anyway."""
-        if not isinstance(self.q_proj, nn.Linear):
+        if not self._fusable():
             return None
+        assert isinstance(self.q_proj, nn.Linear)
         if self._fused is not None:
             return self._fused[1]
         with torch.no_grad():  # A as (r, d): its block identity written out
@@ -252,6 +284,11 @@ class MLAAttention(ReplacementAttention):
         assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
         self._fused = (self._source_key(), value)
         return value
+
+    def _fusable(self) -> bool:
+        """Whether decode runs on `fused` weights: q_proj a plain Linear, and no key norm (whose scales need the
+        latent and the rotary key apart; such layers decode on the unfused path)."""
+        return isinstance(self.q_proj, nn.Linear) and self.key_norm is None
 
     def _source_key(self) -> tuple[tuple[int, int], ...]:
         """Version and address of every parameter and buffer `fused` derives from, read from the modules' own
@@ -294,9 +331,13 @@ class MLAAttention(ReplacementAttention):
         b, kv, h = store.shape[0], store.shape[2], self.n_heads
         c = store[:, 0, :, : self.rank]  # (b, kv, r)
         k = torch.einsum("bsr,hrd->bhsd", c, self.absorbed_query())  # (b, h, kv, d_h)
+        e = self.rank + self.rope_dims
         if self.rope_dims:
-            k = torch.cat([k, store[..., self.rank :].expand(b, h, kv, self.rope_dims)], dim=-1)
+            k = torch.cat([k, store[..., self.rank : e].expand(b, h, kv, self.rope_dims)], dim=-1)
             q = torch.cat([q, q_r], dim=-1)  # (b, h, t, d_h + d_rope)
+        if self.key_norm is not None:  # each query head's keys times its KV head's scale
+            scale = store[:, 0, :, e:].transpose(1, 2).repeat_interleave(h // self.n_kv_heads, dim=1)  # (b, h, kv)
+            k = k * scale[..., None]
         v = heads(F.linear(c, self.kv.b[self.nope_dims :]), self.head_dim)  # (b, n_kv, kv, d_h)
         v = repeat_kv(v, h // self.n_kv_heads)  # every query head has its own key here
         pad = self.rope_dims if q.shape[2] > FEW_QUERIES else 0
@@ -306,7 +347,7 @@ class MLAAttention(ReplacementAttention):
 
     # --- reporting --------------------------------------------------------------------------------------
     def kv_cache_bytes_per_token(self) -> int:
-        return (self.rank + self.rope_dims) * self.kv.b.element_size()
+        return (self.rank + self.rope_dims + self.key_scales) * self.kv.b.element_size()
 
     def attention_flops(self, context: int) -> float:
         """FLOPs (2 per MAC) of the attention core for one new token at `context` tokens (the absorbed path):
@@ -314,9 +355,13 @@ class MLAAttention(ReplacementAttention):
         bench.flops counts every weight of `kv` as applied once per token; decode applies A but never B itself
         (B_k lives in the absorbed query, B_v is applied per head above), so B's size is taken off here.
         The count is the algorithm's: the rotate-half rows `fused` adds (d_rope·(d + h·d_h) MACs, under 1% of a
-        SmolLM2 decode step) trade a few FLOPs for fewer operations and are not in it."""
+        SmolLM2 decode step) trade a few FLOPs for fewer operations and are not in it. A key norm adds the
+        scaled keys (n_kv·T·(r + d_rope)); its projection W_k is a linear layer, which bench.flops counts."""
         h, r, e = self.n_heads, self.rank, self.rank + self.rope_dims
-        return 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r) - self.kv.b.numel())
+        flops = 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r) - self.kv.b.numel())
+        if self.key_norm is not None:
+            flops += 2.0 * self.n_kv_heads * context * e
+        return flops
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (bench.flops.decode_bytes_per_token), counted from the shapes:
@@ -326,7 +371,7 @@ class MLAAttention(ReplacementAttention):
         Not the parameter count: decode never reads B, and reads the absorbed products instead."""
         h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
         d = self.kv.in_features
-        if isinstance(self.q_proj, nn.Linear):
+        if self._fusable():
             rows = h * d_h + r + 2 * e
             has_bias = self.q_proj.bias is not None or (self.k_rope is not None and self.k_rope.bias is not None)
             count = rows * d + (rows if has_bias else 0) + h * d_h * (r + 2 * e)
@@ -334,7 +379,7 @@ class MLAAttention(ReplacementAttention):
             k_rope = 0 if self.k_rope is None else sum(p.numel() for p in self.k_rope.parameters())
             count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope + h * d_h * (r + e)
         count += n_kv * r * d_h
-        rest = [self.o_proj] + ([self.q_norm] if self.q_norm is not None else [])
+        rest = [m for m in (self.o_proj, self.q_norm, self.key_norm) if m is not None]
         count += sum(p.numel() for m in rest for p in m.parameters())
         return count * self.kv.b.element_size()
 
@@ -344,14 +389,17 @@ class MLAAttention(ReplacementAttention):
     def describe(self) -> dict[str, Any]:
         return {
             "kind": "MLAAttention", "heads": self.n_heads, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
-            "ranks": self.ranks(), "cache": "latent+rope", "rope": bool(self._rotary),
+            "ranks": self.ranks(), "cache": "latent+rope" + ("+key_scales" if self.key_scales else ""),
+            "rope": bool(self._rotary),
             "kv_bytes_per_token": self.kv_cache_bytes_per_token(),
             "params": sum(p.numel() for p in self.parameters()),
         }
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}, r_kv={self.rank}, "
-                f"d_rope={self.rope_dims}, d_nope={self.nope_dims} ({self.kv_cache_bytes_per_token()} B/token)")
+                f"d_rope={self.rope_dims}, d_nope={self.nope_dims}"
+                + (f", key_scales={self.key_scales}" if self.key_scales else "")
+                + f" ({self.kv_cache_bytes_per_token()} B/token)")
 
 
 def _rotate_in_place(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
