@@ -286,8 +286,8 @@ class MLAAttention(ReplacementAttention):
         return value
 
     def _fusable(self) -> bool:
-        """Whether decode runs on `fused` weights: q_proj a plain Linear, and no key norm (whose scales need the
-        latent and the rotary key apart; such layers decode on the unfused path)."""
+        """Whether decode runs on `fused` weights: q_proj a plain Linear, and no key norm (the fused input rows do
+        not include W_k, whose output gives each new token's key scale; such layers decode on the unfused path)."""
         return isinstance(self.q_proj, nn.Linear) and self.key_norm is None
 
     def _source_key(self) -> tuple[tuple[int, int], ...]:
@@ -365,9 +365,10 @@ class MLAAttention(ReplacementAttention):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (bench.flops.decode_bytes_per_token), counted from the shapes:
-        with a plain-Linear q_proj, the tensors `fused` derives (input rows [W_q; A written out; W_kr; P W_kr],
-        the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head), else the unfused path's (q_proj,
-        A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head); o_proj and the q-norm either way.
+        where decode is fused (`_fusable`), the tensors `fused` derives (input rows [W_q; A written out; W_kr;
+        P W_kr], the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head), else the unfused path's
+        (q_proj, A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head); o_proj, the q-norm and the key norm's
+        W_k either way.
         Not the parameter count: decode never reads B, and reads the absorbed products instead."""
         h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
         d = self.kv.in_features
