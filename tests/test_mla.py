@@ -211,27 +211,38 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
     assert not torch.allclose(decode(False), fused, atol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3"])
 def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
     """decode_weight_bytes is counted from shapes; it must equal the bytes of the tensors each decode path
     really uses: the fused path's derived weights (qwen2: q/k biases; opt: no RoPE), and, where q_proj is not a
-    plain Linear (factorised by another step), the unfused path's. bench.flops adds KV × context on top."""
+    plain Linear (factorised by another step) or the layer has a key norm (gemma3: never fused, and W_k is read
+    for each new token's key scale), the unfused path's. bench.flops adds KV × context on top."""
     model = TINY_BUILDERS[family]()
     _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
     module = get_adapter(model).attention(1)
-    fused = module.fused()
-    rest = sum(p.numel() for p in module.o_proj.parameters())
-    used = [fused.w_in, fused.maps, fused.value_t] + ([fused.b_in] if fused.b_in is not None else [])
-    assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in used) + rest)
+    rest = sum(p.numel() for m in (module.o_proj, module.q_norm, module.key_norm) if m is not None
+               for p in m.parameters())
+    assert (module.key_norm is not None) == (module.q_norm is not None) == (family == "gemma3")
     kv = kv_bytes_per_token(model)["total"]
     read = decode_bytes_per_token(model, 300, kv)
     assert read["kv"] == 300 * kv and read["total"] == read["weights"] + read["kv"]
+
+    def unfused_bytes():
+        used = [*module.q_proj.parameters(), module.kv.a, module.absorbed_query(), module._value_map(),
+                *([] if module.k_rope is None else [*module.k_rope.parameters(), module.q_rope])]
+        return 4 * (sum(t.numel() for t in used) + rest)
+
+    fused = module.fused()
+    if family == "gemma3":
+        assert fused is None
+        assert module.decode_weight_bytes() == unfused_bytes()
+    else:
+        used = [fused.w_in, fused.maps, fused.value_t] + ([fused.b_in] if fused.b_in is not None else [])
+        assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in used) + rest)
     d, hd = module.q_proj.in_features, module.q_proj.out_features
     module.q_proj = LowRankLinear(d, hd, 8, module.q_proj.bias is not None, False)
     assert module.fused() is None
-    unfused = [*module.q_proj.parameters(), module.kv.a, module.absorbed_query(), module._value_map(),
-               *([] if module.k_rope is None else [*module.k_rope.parameters(), module.q_rope])]
-    assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in unfused) + rest)
+    assert module.decode_weight_bytes() == unfused_bytes()
     assert decode_bytes_per_token(model, 300, kv)["weights"] < read["weights"]  # a rank-8 q_proj reads less
 
 

@@ -35,7 +35,7 @@ keep only the last window) and left padding (every position of a row shifts alik
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +46,20 @@ from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
 from attnslim.linalg.attention import repeat_kv
-from attnslim.linalg.rope import apply_rope, rotate_half
+from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads
 from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.cpu_linear import linear
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
 from attnslim.modules.lowrank import LowRankLinear
+from attnslim.modules.mla_fused import (
+    FusedDecode,
+    RotaryParts,
+    fuse_decode_weights,
+    fused_weight_count,
+    rotate_in_place,
+    source_key,
+)
 from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
@@ -59,13 +67,6 @@ PATHS = ("auto", "absorb", "decompress")
 # "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two). QK-norm layers attend
 # over scaled copies of the cached rows (`_scaled_keys`) through `attend`, whatever the kernel says
 DECODE_KERNELS = ("auto", "split", "grouped")
-
-
-class _Fused(NamedTuple):
-    w_in: torch.Tensor  # (h·d_h + r + 2·d_rope, d)
-    b_in: torch.Tensor | None  # (h·d_h + r + 2·d_rope,)
-    maps: torch.Tensor  # (h, d_h, r + 2·d_rope)
-    value_t: torch.Tensor  # (n_kv, r, d_h) B_vᵀ per KV head
 
 
 @register_module
@@ -99,7 +100,6 @@ class MLAAttention(ReplacementAttention):
         # QK-norm (key_norm_eps given): each new token's pre-norm key u = W_k x, whose 1/rms per KV head is cached
         # beside [c, k_r] and scales that head's logits
         self.key_norm_eps = key_norm_eps
-        self.key_scales = 0 if key_norm_eps is None else n_kv_heads  # cached values per token for it
         self.key_norm = None if key_norm_eps is None else nn.Linear(hidden_size, n_kv_heads * head_dim, bias=False,
                                                                       dtype=dtype)
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
@@ -108,7 +108,12 @@ class MLAAttention(ReplacementAttention):
         self.decode_kernel = "auto"  # see DECODE_KERNELS
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._fused: tuple[tuple[tuple[int, int], ...], _Fused] | None = None
+        self._fused: tuple[tuple[tuple[int, int], ...], FusedDecode] | None = None
+
+    @property
+    def key_scales(self) -> int:
+        """Cached key scales per token: one per KV head with a key norm, else none."""
+        return 0 if self.key_norm is None else self.n_kv_heads
 
     # --- RoPE -----------------------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -248,39 +253,25 @@ class MLAAttention(ReplacementAttention):
         return max(2, advised)
 
     # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
-    def fused(self) -> _Fused | None:
-        """Derived weights for decode outside autograd (None where q_proj is not a plain Linear, e.g. factorised
-        by another step: the unfused path then runs, with the same values):
-          w_in (h·d_h + r + 2·d_rope, d)  [W_q; A; W_kr; P W_kr]  (A dense: the block identity written out)
-          maps (h, d_h, r + 2·d_rope)     scaling · [B_kᵀ N_q,i; R_q,i; P R_q,i]ᵀ per head: q -> [absorbed query;
-                                          rotary query; its rotate-half], the softmax scale folded in.
-        P is RoPE's rotate-half ([x1, x2] -> [−x2, x1]), a fixed linear map: with P·y computed by the same GEMM,
-        RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`_rotate_in_place`).
-        Built on first use and checked against the parameters when a sequence starts (`attend` at an empty
-        cache, or without one: `_forget_stale`), not at every decode step: reading every source tensor's
-        version and address in every layer showed in profiles of a small model's decode step. So parameters
-        changed in the middle of a cached sequence are seen from the next sequence on; the sequence's cached
-        rows were computed with the old weights anyway."""
+    def fused(self) -> FusedDecode | None:
+        """Derived weights for decode outside autograd (modules/mla_fused.py), or None where q_proj is not a plain
+        Linear (e.g. factorised by another step) or the layer has a key norm (`_fusable`): the unfused path then
+        runs, with the same values. Built on first use and checked against the parameters when a sequence starts
+        (`attend` at an empty cache, or without one: `_forget_stale`), not at every decode step: reading every
+        source tensor's version and address in every layer showed in profiles of a small model's decode step. So
+        parameters changed in the middle of a cached sequence are seen from the next sequence on; the sequence's
+        cached rows were computed with the old weights anyway."""
         if not self._fusable():
             return None
         assert isinstance(self.q_proj, nn.Linear)
         if self._fused is not None:
             return self._fused[1]
-        with torch.no_grad():  # A as (r, d): its block identity written out
-            rows = [self.q_proj.weight, self.kv.dense_latent()]
-            biases: list[torch.Tensor | None] = [self.q_proj.bias, None]
-            maps = [self.absorbed_query()]  # (h, r, d_h)
-            if self.k_rope is not None and self.q_rope is not None:
-                w_kr, q_r = self.k_rope.weight, self.q_rope  # (d_rope, d), (h, d_rope, d_h)
-                rows += [w_kr, rotate_half(w_kr.T).T]
-                b_kr = self.k_rope.bias
-                biases += [b_kr, None if b_kr is None else rotate_half(b_kr)]
-                maps += [q_r, rotate_half(q_r.transpose(1, 2)).transpose(1, 2)]
-            bias = None if all(x is None for x in biases) else torch.cat(
-                [x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(biases, rows, strict=True)])
-            value = _Fused(torch.cat(rows).detach(), None if bias is None else bias.detach(),
-                           (torch.cat(maps, dim=1).transpose(1, 2) * self.scaling).contiguous().detach(),
-                           self._value_map().contiguous().detach())
+        rotary = None
+        if self.k_rope is not None and self.q_rope is not None:
+            rotary = RotaryParts(self.k_rope.weight, self.k_rope.bias, self.q_rope)
+        with torch.no_grad():
+            value = fuse_decode_weights(self.q_proj, self.kv.dense_latent(), self.absorbed_query(),
+                                        self._value_map(), self.scaling, rotary)
         assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
         self._fused = (self._source_key(), value)
         return value
@@ -291,11 +282,8 @@ class MLAAttention(ReplacementAttention):
         return isinstance(self.q_proj, nn.Linear) and self.key_norm is None
 
     def _source_key(self) -> tuple[tuple[int, int], ...]:
-        """Version and address of every parameter and buffer `fused` derives from, read from the modules' own
-        dicts."""
-        owners = (self.q_proj, self.kv, self.k_rope, self)
-        return tuple((p._version, p.data_ptr()) for m in owners if m is not None
-                     for d in (m._parameters, m._buffers) for p in d.values() if p is not None)
+        """The state of every tensor `fused` derives from (mla_fused.source_key)."""
+        return source_key((self.q_proj, self.kv, self.k_rope, self))
 
     def _forget_stale(self) -> None:
         """Drop the derived decode weights if a tensor they derive from changed since they were built."""
@@ -307,7 +295,7 @@ class MLAAttention(ReplacementAttention):
         forward: keeping their derivatives would hold every layer's copy in memory)."""
         self._fused = self._absorbed = None
 
-    def _decode_inputs(self, x: torch.Tensor, fused: _Fused, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_inputs(self, x: torch.Tensor, fused: FusedDecode, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
         q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], both views of fresh GEMM outputs."""
         t = x.shape[1]
@@ -319,8 +307,8 @@ class MLAAttention(ReplacementAttention):
         q_cat = q @ fused.maps  # (b, h, t, r + 2·d_rope): [absorbed query, q_r, P q_r]
         if self.rope_dims:
             cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
-            _rotate_in_place(q_cat[..., self.rank :], cos, sin)
-            _rotate_in_place(y[..., hd + self.rank :], cos, sin)
+            rotate_in_place(q_cat[..., self.rank :], cos, sin)
+            rotate_in_place(y[..., hd + self.rank :], cos, sin)
         return y[:, None, :, hd : hd + e], q_cat[..., :e]
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
@@ -371,15 +359,13 @@ class MLAAttention(ReplacementAttention):
         W_k either way.
         Not the parameter count: decode never reads B, and reads the absorbed products instead."""
         h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
-        d = self.kv.in_features
         if self._fusable():
-            rows = h * d_h + r + 2 * e
             has_bias = self.q_proj.bias is not None or (self.k_rope is not None and self.k_rope.bias is not None)
-            count = rows * d + (rows if has_bias else 0) + h * d_h * (r + 2 * e)
+            count = fused_weight_count(h, d_h, r, e, self.kv.in_features, n_kv, has_bias)
         else:
             k_rope = 0 if self.k_rope is None else sum(p.numel() for p in self.k_rope.parameters())
-            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope + h * d_h * (r + e)
-        count += n_kv * r * d_h
+            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope \
+                + h * d_h * (r + e) + n_kv * r * d_h
         rest = [m for m in (self.o_proj, self.q_norm, self.key_norm) if m is not None]
         count += sum(p.numel() for m in rest for p in m.parameters())
         return count * self.kv.b.element_size()
@@ -402,8 +388,3 @@ class MLAAttention(ReplacementAttention):
                 + (f", key_scales={self.key_scales}" if self.key_scales else "")
                 + f" ({self.kv_cache_bytes_per_token()} B/token)")
 
-
-def _rotate_in_place(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """z (..., t, 2·d_rope) = [y, P y] -> its first d_rope columns become RoPE(y) = y·cos + (P y)·sin."""
-    d = cos.shape[-1]
-    z[..., :d].mul_(cos).addcmul_(z[..., d:], sin)
