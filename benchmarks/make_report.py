@@ -81,6 +81,8 @@ SECTIONS = {
                         "own fast kernels), 2 threads", "benchmarks/mla.py"),
     "mla-speed-bytes": ("MLA: decode against dense with the bytes each new token reads (weights + KV cache), 2 "
                         "threads", "benchmarks/mla.py"),
+    "mla-gemma3-speed": ("MLA on Gemma-3 270M: decode and prefill against dense, with the bytes each new token reads "
+                         "(QK-norm layers decode unfused), 2 threads", "benchmarks/mla.py"),
 }
 
 
@@ -103,6 +105,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes",
+         "mla-gemma3-speed",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")

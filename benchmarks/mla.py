@@ -171,8 +171,12 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--kv", default="0.5,0.375,0.25", help="kept fractions of the dense KV cache")
+    parser.add_argument("--layers", default="all",
+                        help="the layers every variant converts: a recipe selector string (\"0:6\": the real tests')")
     parser.add_argument("--ablations-at", default="0.5", help="KV points that also get the one-shot ablations")
     parser.add_argument("--fold-rope-dims", default="24,48", help="rope_dims tried with rope_fold 4 (ablations)")
+    parser.add_argument("--suffix", default="",
+                        help="appended to every variant key: runs of other layers or calibration in one results file")
     parser.add_argument("--groups", default="oneshot,speed")
     parser.add_argument("--only", default="", help="comma-separated variant keys to run")
     parser.add_argument("--contexts", default="512,2048,4096")
@@ -196,6 +200,9 @@ def main() -> None:
     ablate_at = {float(k) for k in args.ablations_at.split(",") if k}
     for kv in kvs:
         variants |= oneshot_variants(kv, kv in ablate_at, tuple(int(d) for d in args.fold_rope_dims.split(",") if d))
+    if args.layers != "all":
+        variants = {k: [{**st, "layers": args.layers} for st in s] for k, s in variants.items()}
+    variants = {k + args.suffix: s for k, s in variants.items()}
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
     heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv", "mla-global-fold-kv",
