@@ -27,6 +27,20 @@ def test_grouped_attention_matches_repeated_heads(t: int, softcap: float | None,
     torch.testing.assert_close(grouped_attention(q, k, v, keep, 0.3, softcap), ref)
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_grouped_attention_key_scale_is_attention_to_scaled_keys(t: int) -> None:
+    """key_scale (a key norm's 1/rms per key and KV head) multiplies the logits: the same as scaled keys."""
+    g = torch.Generator().manual_seed(t)
+    b, n, groups, kv, e = 2, 2, 3, 9, 8
+    q, k = torch.randn(b, n * groups, t, e, generator=g), torch.randn(b, n, kv, e, generator=g)
+    v, scale = torch.randn(b, 1, kv, 5, generator=g), torch.rand(b, n, kv, generator=g) * 3
+    keep = torch.ones(t, kv, dtype=torch.bool).tril(kv - t)[None, None].repeat(b, 1, 1, 1)
+    keep[0, ..., :2] = False
+    ref = grouped_attention(q, k * scale[..., None], v, keep, 0.4)
+    torch.testing.assert_close(grouped_attention(q, k, v, keep, 0.4, None, scale), ref)
+    assert not torch.allclose(grouped_attention(q, k, v, keep, 0.4), ref, atol=1e-3)
+
+
 def test_grouped_attention_fully_masked_rows_are_zero_not_nan() -> None:
     q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
     keep = torch.zeros(1, 1, 1, 5, dtype=torch.bool)

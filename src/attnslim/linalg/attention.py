@@ -51,8 +51,11 @@ def grouped_attention(
     keep: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), keep (b|1, 1, t, kv) or None -> (b, h, t, e_v).
+    key_scale (b, n, kv): each key's logits multiplied by it (a key norm's 1/rms, modules/mla.py): the same as
+    attending to k · key_scale, without a scaled copy of the keys.
 
     Query head j·g + i (g = h / n) uses key head j, HF's GQA convention; a single value head (a shared latent)
     serves every key head by broadcasting. Scores are materialised as (b, n, g·t, kv) with no copy of K or V:
@@ -67,6 +70,8 @@ def grouped_attention(
     scores = q.reshape(b, n, g * t, e) @ k.transpose(-1, -2)  # (b, n, g·t, kv)
     if scaling != 1.0:  # callers that fold the scale into the query pass 1.0
         scores = scores * scaling
+    if key_scale is not None:
+        scores = scores * key_scale[:, :, None, :]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if keep is not None:

@@ -253,9 +253,11 @@ def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, s
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scaling: float,
-           softcap: float | None) -> torch.Tensor:
+           softcap: float | None, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (b, h, t, e), k (b, n, kv, e), v (b, n | 1, kv, e_v), n | h: grouped heads without copies.
     keep=None: causal (t == kv) or one query attending to everything (t == 1).
+    key_scale (b, n, kv): keys multiplied by it (a key norm's 1/rms, modules/mla.py); decode scales the logits
+    instead, with no scaled copy of the keys.
     Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
     width differs from the query width (absorbed latents), falls back to a kernel ~10x slower on the CPU
     (benchmarks/kernels.py)."""
@@ -263,7 +265,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
     if t <= FEW_QUERIES:
         if keep is None and t > 1:  # causal over the last t of kv positions
             keep = torch.ones(t, kv, dtype=torch.bool, device=q.device).tril(kv - t)[None, None]
-        return grouped_attention(q, k, v, keep, scaling, softcap)
+        return grouped_attention(q, k, v, keep, scaling, softcap, key_scale)
+    if key_scale is not None:
+        k = k * key_scale[..., None]
     v = v.expand(v.shape[0], k.shape[1], *v.shape[2:])  # a shared latent serves every key head (a view)
     g = q.shape[1] // k.shape[1]
     if keep is None:

@@ -64,8 +64,8 @@ from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
 # the absorbed core for few queries: "auto" splits the cache where `split_attention.split_count` advises,
-# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two). QK-norm layers attend
-# over scaled copies of the cached rows (`_scaled_keys`) through `attend`, whatever the kernel says
+# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two). QK-norm layers decode
+# on `grouped_attention` with the cached key scales multiplying the logits, whatever the kernel says
 DECODE_KERNELS = ("auto", "split", "grouped")
 
 
@@ -204,10 +204,9 @@ class MLAAttention(ReplacementAttention):
             parts.append(torch.rsqrt(u.float().pow(2).mean(-1) + self.key_norm_eps).to(c.dtype))  # (b, t, n_kv)
         return (torch.cat(parts, dim=-1) if len(parts) > 1 else c)[:, None]
 
-    def _scaled_keys(self, store: torch.Tensor) -> torch.Tensor:
-        """QK-norm: the cached rows' [c, k_r] times each KV head's key scale, (b, n_kv, T, r + d_rope)."""
-        e = self.rank + self.rope_dims
-        return store[..., :e] * store[..., e:].permute(0, 3, 2, 1)
+    def _key_scales(self, store: torch.Tensor) -> torch.Tensor:
+        """QK-norm: the cached key scales (b, n_kv, T), one per KV head, a view of the cache."""
+        return store[:, 0, :, self.rank + self.rope_dims :].transpose(1, 2)
 
     def _absorb(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -222,7 +221,11 @@ class MLAAttention(ReplacementAttention):
         b, h, t, _ = q_cat.shape
         n_kv, r = self.n_kv_heads, self.rank
         if self.key_norm is not None:  # QK-norm: keys differ from the cached rows by a scale per KV head
-            lat = attend(q_cat, self._scaled_keys(store), store[..., :r], keep, scaling, self.softcap)
+            e = r + self.rope_dims
+            keys, scale = store[..., :e].expand(b, n_kv, -1, e), self._key_scales(store)  # views of the cache
+            # many queries: values as wide as the queries (SDPA's fast kernels; as below); few: no scaled copy
+            values = store[..., :e] if t > FEW_QUERIES else store[..., :r]
+            lat = attend(q_cat, keys, values, keep, scaling, self.softcap, scale)[..., :r]
             return (lat.reshape(b, n_kv, h // n_kv * t, r) @ b_v_t).view(b, h, t, self.head_dim)
         # SDPA (many queries) falls back to a slow math kernel unless the value width is the query width: attend
         # over the whole cached row there and keep the latent columns. Few queries on the CPU: the same rows, split
@@ -324,7 +327,7 @@ class MLAAttention(ReplacementAttention):
             k = torch.cat([k, store[..., self.rank : e].expand(b, h, kv, self.rope_dims)], dim=-1)
             q = torch.cat([q, q_r], dim=-1)  # (b, h, t, d_h + d_rope)
         if self.key_norm is not None:  # each query head's keys times its KV head's scale
-            scale = store[:, 0, :, e:].transpose(1, 2).repeat_interleave(h // self.n_kv_heads, dim=1)  # (b, h, kv)
+            scale = self._key_scales(store).repeat_interleave(h // self.n_kv_heads, dim=1)  # (b, h, kv)
             k = k * scale[..., None]
         v = heads(F.linear(c, self.kv.b[self.nope_dims :]), self.head_dim)  # (b, n_kv, kv, d_h)
         v = repeat_kv(v, h // self.n_kv_heads)  # every query head has its own key here
