@@ -83,9 +83,16 @@ class Harness:
         self._windows: dict[str, Any] = {}
 
     def windows(self, tokenizer: Any) -> dict[str, Any]:
+        """The evaluation windows; refuses a results file whose stored rows were scored on other windows (e.g.
+        before windows started with the tokenizer's BOS), so that no ratio mixes the two."""
         if not self._windows:
             self._windows = {s: eval_windows(s, tokenizer, self.tokens, self.seq_len) for s in self.sources}
-            self.data["eval"]["descriptions"] = {s: w.description for s, w in self._windows.items()}
+            new = {s: w.description for s, w in self._windows.items()}
+            old = self.data["eval"].get("descriptions")
+            if old and old != new and ("dense" in self.data or self.data["variants"]):
+                raise SystemExit(f"{self.path} holds rows scored on other windows ({old}; now {new}): run under a "
+                                 "new --name, or move the file away")
+            self.data["eval"]["descriptions"] = new
         return self._windows
 
     def evaluate(self, model: Any, tokenizer: Any, label: str) -> dict[str, Any]:
@@ -110,6 +117,7 @@ class Harness:
             return dict(done)
         dense = self.dense()
         model, tokenizer = load_model(self.model_name)
+        self.windows(tokenizer)  # before compressing: refuses stored rows scored on other windows
         start = time.time()
         report = compress(model, tokenizer, recipe)
         result = self.evaluate(model, tokenizer, key)

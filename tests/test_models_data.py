@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnslim.checksum import sha256_file
-from attnslim.data import calib_windows, eval_windows, load_text
+from attnslim.data import calib_windows, eval_windows, load_text, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.models import load as load_mod
 from attnslim.models import zoo
@@ -75,6 +75,23 @@ def test_windows_are_seeded_and_fixed():
     assert a.ids.shape == (3, 64) and "seed 5" in a.description
     e = eval_windows("tiny", tok, tokens=256, seq_len=64)
     assert e.ids.shape == (4, 64) and e.fingerprint() == eval_windows("tiny", tok, 256, 64).fingerprint()
+
+
+def test_windows_start_with_the_bos_of_a_tokenizer_that_adds_one():
+    """Each window is a sequence: where the tokenizer starts sequences with BOS (Gemma), every window starts with
+    it, then seq_len - 1 tokens of text in order; without one (SmolLM2) windows are the text alone."""
+    plain, bos = ByteTokenizer(), ByteTokenizer()
+    bos.bos_token_id, bos.add_bos_token = 127, True
+    for split, make in (("eval", lambda t: eval_windows("tiny", t, tokens=256, seq_len=64)),
+                        ("calib", lambda t: calib_windows("tiny", t, 3, 64, seed=5))):
+        text, seq = make(plain), make(bos)
+        assert seq.ids.shape == text.ids.shape and (seq.ids[:, 0] == 127).all(), split
+        assert "<bos>" in seq.description and "<bos>" not in text.description
+        stream = token_ids("tiny", split, bos).tolist()
+        for row in seq.ids[:, 1:].tolist():  # the rest of each window is a contiguous piece of the text
+            assert any(stream[i : i + 63] == row for i in range(len(stream) - 62)), split
+    ev, plain_ev = eval_windows("tiny", bos, 256, 64).ids[:, 1:], eval_windows("tiny", plain, 256, 64).ids
+    assert torch.equal(ev.flatten(), plain_ev.flatten()[: ev.numel()])  # consecutive text, 63 tokens a window
 
 
 def test_mixture_windows_interleave_parts_and_keep_each_part_seeded():

@@ -1,4 +1,10 @@
-"""Token windows: fixed evaluation windows and a seeded sampler of calibration windows."""
+"""Token windows: fixed evaluation windows and a seeded sampler of calibration windows.
+
+Every window is a sequence of its own, so where the tokenizer starts sequences with a BOS token (Gemma's <bos>;
+SmolLM2's adds none) every window starts with it, followed by seq_len − 1 tokens of text. A model trained with a
+BOS uses it as its attention sink: Gemma-3 270M scored on windows that start mid-text without it has about twice
+its perplexity (BENCHMARKS.md, "MLA on Gemma-3 270M", the dense rows with and without).
+"""
 
 from __future__ import annotations
 
@@ -44,32 +50,45 @@ def check_lengths(seq_len: int, tokens: int | None = None) -> None:
 def _token_ids(source: str, split: str, tokenizer_key: int, tokenizer: Any) -> torch.Tensor:
     text = load_text(source, split)
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if getattr(tokenizer, "add_bos_token", False) and bos is not None:
-        ids = [bos, *ids]
     return torch.tensor(ids, dtype=torch.long)
 
 
 def token_ids(source: str, split: str, tokenizer: Any) -> torch.Tensor:
-    """All token ids of a split, 1-D (memoised per tokenizer object)."""
+    """All token ids of a split's text, 1-D, no special tokens (memoised per tokenizer object)."""
     return _token_ids(source, split, id(tokenizer), tokenizer)
+
+
+def sequence_start(tokenizer: Any) -> int | None:
+    """The token id the tokenizer starts every sequence with (its BOS where it adds one), or None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return int(bos) if getattr(tokenizer, "add_bos_token", False) and bos is not None else None
+
+
+def _as_sequences(text: torch.Tensor, start: int | None) -> torch.Tensor:
+    """(n, w) windows of text -> (n, w + 1) with `start` in front, or unchanged where start is None."""
+    return text if start is None else torch.cat([text.new_full((text.shape[0], 1), start), text], dim=1)
+
+
+def _bos_note(start: int | None) -> str:
+    return "" if start is None else ", each window <bos> + text"
 
 
 def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int = 512) -> TokenWindows:
     """The first `tokens // seq_len` non-overlapping windows of the evaluation split (same for every model)."""
     check_lengths(seq_len, tokens)
     ids = token_ids(source, "eval", tokenizer)
-    n = tokens // seq_len
-    if ids.numel() < n * seq_len:
-        most = ids.numel() // seq_len * seq_len
+    start = sequence_start(tokenizer)
+    n, width = tokens // seq_len, seq_len - (start is not None)  # width: text tokens per window
+    if ids.numel() < n * width:
+        most = ids.numel() // width * seq_len
         fix = (f"lower --tokens to at most {most}" if most else
                f"lower --seq-len below {ids.numel()} or give a longer text")
         raise AttnslimError(
             f"the {source!r} evaluation split has {ids.numel()} tokens, fewer than the {n * seq_len} requested "
             f"({n} windows of {seq_len}); {fix}"
         )
-    desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens"
-    return TokenWindows(ids[: n * seq_len].view(n, seq_len), source, "eval", desc)
+    desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens{_bos_note(start)}"
+    return TokenWindows(_as_sequences(ids[: n * width].view(n, width), start), source, "eval", desc)
 
 
 def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0) -> TokenWindows:
@@ -87,17 +106,20 @@ def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int =
     order = [drawn[k % len(parts)][k // len(parts)] for k in range(n)]
     desc = " + ".join(f"{describe_split(p, 'calib')}, {c}x{seq_len} tokens" for p, c in zip(parts, counts, strict=True)
                       if c)
-    return TokenWindows(torch.stack(order), source, "calib", f"{desc}, seed {seed}")
+    return TokenWindows(torch.stack(order), source, "calib",
+                        f"{desc}{_bos_note(sequence_start(tokenizer))}, seed {seed}")
 
 
 def _draw(source: str, tokenizer: Any, n: int, seq_len: int, seed: int) -> torch.Tensor:
-    """(n, seq_len) windows at seeded random starts in one source's calibration split."""
+    """(n, seq_len) windows at seeded random starts in one source's calibration split (after the BOS, if any)."""
     ids = token_ids(source, "calib", tokenizer)
-    if ids.numel() < seq_len + 1:
+    start = sequence_start(tokenizer)
+    width = seq_len - (start is not None)
+    if ids.numel() < width + 1:
         raise AttnslimError(
             f"the {source!r} calibration split has {ids.numel()} tokens, too short for one window of {seq_len}; "
             "use a shorter seq_len or a longer text"
         )
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (n,), generator=gen)
-    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+    starts = torch.randint(0, ids.numel() - width, (n,), generator=gen)
+    return _as_sequences(torch.stack([ids[s : s + width] for s in starts.tolist()]), start)
