@@ -347,11 +347,12 @@ class MLAAttention(ReplacementAttention):
         (B_k lives in the absorbed query, B_v is applied per head above), so B's size is taken off here.
         The count is the algorithm's: the rotate-half rows `fused` adds (d_rope·(d + h·d_h) MACs, under 1% of a
         SmolLM2 decode step) trade a few FLOPs for fewer operations and are not in it. A key norm adds the
-        scaled keys (n_kv·T·(r + d_rope)); its projection W_k is a linear layer, which bench.flops counts."""
+        scaling of every score by its key's cached scale (h·T multiplies); its projection W_k is a linear layer,
+        which bench.flops counts."""
         h, r, e = self.n_heads, self.rank, self.rank + self.rope_dims
         flops = 2.0 * (h * context * (e + r) + h * self.head_dim * (e + r) - self.kv.b.numel())
         if self.key_norm is not None:
-            flops += 2.0 * self.n_kv_heads * context * e
+            flops += float(h * context)
         return flops
 
     def decode_weight_bytes(self) -> int:
