@@ -49,7 +49,9 @@ SECTIONS = {
     "mla-kv25-ablations": ("MLA at KV 0.25: FreqFold against one pair per frequency, d_rope under FreqFold, and the "
                            "global rank allocation (8192 evaluation tokens)", "benchmarks/mla.py"),
     "mla-gemma3": ("MLA on Gemma-3 270M: QK-norm layers with cached key scales, beside TransMLA (8192 evaluation "
-                   "tokens)", "benchmarks/mla.py"),
+                   "tokens, every window starting with <bos>)", "benchmarks/mla.py"),
+    "mla-gemma3-calib": ("MLA on Gemma-3 270M: which layers and how much calibration (the real test's configuration "
+                         "against the benchmark's; 2048 wiki tokens)", "benchmarks/mla.py"),
     "mla-gemma3-nobos": ("MLA on Gemma-3 270M: windows without <bos> (the first measurement, superseded)",
                          "benchmarks/mla.py"),
     "mla-gemma3-small": ("MLA on Gemma-3 270M (small run: 2048 evaluation tokens, 16 calibration windows): mla's "
@@ -103,7 +105,8 @@ def device_details(env: dict[str, Any]) -> str:
 # sections in this order (by method), then any other result file in name order
 ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole", "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
-         "mla-gemma3", "mla-gemma3-nobos", "mla-gemma3-small", "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t",
+         "mla-gemma3", "mla-gemma3-calib", "mla-gemma3-nobos", "mla-gemma3-small",
+         "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t",
          "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes",

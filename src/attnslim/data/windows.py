@@ -59,9 +59,14 @@ def token_ids(source: str, split: str, tokenizer: Any) -> torch.Tensor:
 
 
 def sequence_start(tokenizer: Any) -> int | None:
-    """The token id the tokenizer starts every sequence with (its BOS where it adds one), or None."""
+    """The token id the tokenizer starts every sequence with (its BOS where it adds one), or None. Asked of the
+    tokenizer's behaviour, not its `add_bos_token` flag: Gemma-3's is False in transformers 5.x, yet its
+    special tokens start every sequence with <bos>."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    return int(bos) if getattr(tokenizer, "add_bos_token", False) and bos is not None else None
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
 
 
 def _as_sequences(text: torch.Tensor, start: int | None) -> torch.Tensor:
