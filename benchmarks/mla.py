@@ -129,10 +129,10 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
     result["cpu_linear"] = cpu_linear
     costs: dict[str, dict[str, Any]] = {}
     for name, m in models.items():
-        kv = kv_bytes_per_token(m)["total"]
-        costs[name] = {"kv_bytes_per_token": kv, **{str(c): {**flops_per_token(m, c),
-                                                            "bytes_read": decode_bytes_per_token(m, c, kv)}
-                                                       for c in contexts}}
+        kv = kv_bytes_per_token(m)
+        costs[name] = {"kv_bytes_per_token": kv["total"], **{
+            str(c): {**flops_per_token(m, c), "bytes_read": decode_bytes_per_token(m, c, kv["per_layer"])}
+            for c in contexts}}
     h.data["speed"], h.data["costs"] = result, costs
     cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, the latent modules' layers (mla, "
                              "latentllm) append in place (ReservedRowsLayer)",

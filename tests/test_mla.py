@@ -216,16 +216,22 @@ def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
     """decode_weight_bytes is counted from shapes; it must equal the bytes of the tensors each decode path
     really uses: the fused path's derived weights (qwen2: q/k biases; opt: no RoPE), and, where q_proj is not a
     plain Linear (factorised by another step) or the layer has a key norm (gemma3: never fused, and W_k is read
-    for each new token's key scale), the unfused path's. bench.flops adds KV × context on top."""
+    for each new token's key scale), the unfused path's. bench.flops adds each layer's KV bytes × the rows its
+    cache holds, which must be the cache's own count (sliding layers hold only their window)."""
     model = TINY_BUILDERS[family]()
     _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
     module = get_adapter(model).attention(1)
     rest = sum(p.numel() for m in (module.o_proj, module.q_norm, module.key_norm) if m is not None
                for p in m.parameters())
     assert (module.key_norm is not None) == (module.q_norm is not None) == (family == "gemma3")
-    kv = kv_bytes_per_token(model)["total"]
-    read = decode_bytes_per_token(model, 300, kv)
-    assert read["kv"] == 300 * kv and read["total"] == read["weights"] + read["kv"]
+    kv = kv_bytes_per_token(model, tokens=4)["per_layer"]  # 4: within every sliding window of these tiny models
+    read = decode_bytes_per_token(model, 60, kv)
+    assert read["total"] == read["weights"] + read["kv"]
+    cache = _compat.new_cache(model.config)  # the cache's own count after 60 tokens
+    model(input_ids=torch.randint(0, 100, (1, 60)), past_key_values=cache, use_cache=True)
+    assert read["kv"] == sum(_compat.cache_bytes_per_layer(cache))
+    slides = "sliding_attention" in get_adapter(model).layer_types()  # fewer rows than tokens only where layers slide
+    assert read["kv"] < 60 * sum(kv) if slides else read["kv"] == 60 * sum(kv)
 
     def unfused_bytes():
         used = [*module.q_proj.parameters(), module.kv.a, module.absorbed_query(), module._value_map(),
@@ -243,7 +249,7 @@ def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
     module.q_proj = LowRankLinear(d, hd, 8, module.q_proj.bias is not None, False)
     assert module.fused() is None
     assert module.decode_weight_bytes() == unfused_bytes()
-    assert decode_bytes_per_token(model, 300, kv)["weights"] < read["weights"]  # a rank-8 q_proj reads less
+    assert decode_bytes_per_token(model, 60, kv)["weights"] < read["weights"]  # a rank-8 q_proj reads less
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

@@ -202,6 +202,13 @@ class Adapter:
         uniform = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
         return [uniform] * self.num_layers()
 
+    def cached_rows(self, i: int, context: int) -> int:
+        """Rows layer i's cache holds, and a decode step reads, at `context` tokens: all of them, or at most the
+        window in a sliding-window layer (HF's sliding cache layers keep only the window)."""
+        window = getattr(self.config, "sliding_window", None)
+        sliding = self.layer_types()[self._check_layer(i)] == "sliding_attention"
+        return min(context, int(window)) if sliding and window else context
+
     def embed_tokens(self) -> nn.Module:
         raise NotImplementedError
 

@@ -9,6 +9,7 @@ Embedding lookups are free; the LM head is counted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -53,12 +54,13 @@ def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def decode_bytes_per_token(model: Any, context: int, kv_bytes_per_token: float) -> dict[str, float]:
+def decode_bytes_per_token(model: Any, context: int, kv_per_layer: Sequence[float]) -> dict[str, float]:
     """Bytes one decode step reads at `context` cached tokens, the memory side of `flops_per_token`:
       weights  every decoder layer's parameters once, where the attention module's are replaced by what its
                decode reads where it says (`decode_weight_bytes`: MLA reads derived absorbed maps, not its
                factors), plus the LM head; the embedding lookup (one row) is left out
-      kv       kv_bytes_per_token (measured from the cache: bench.kv) × context
+      kv       each layer's bytes per cached token (measured from the cache: bench.kv's per_layer) × the rows it
+               holds at `context` (the adapter's `cached_rows`: a sliding-window layer holds at most its window)
     What a cache implementation copies on top (HF's dynamic cache concatenates dense layers' whole cache at
     every step) is not counted: that is the cache's cost, not the algorithm's."""
     adapter = get_adapter(model)
@@ -68,5 +70,5 @@ def decode_bytes_per_token(model: Any, context: int, kv_bytes_per_token: float) 
         reads = int(attn.decode_weight_bytes()) if hasattr(attn, "decode_weight_bytes") else _param_bytes(attn)
         weights += _param_bytes(layer) - _param_bytes(attn) + reads
     weights += _param_bytes(model.get_output_embeddings())
-    kv = float(kv_bytes_per_token) * context
+    kv = float(sum(b * adapter.cached_rows(i, context) for i, b in enumerate(kv_per_layer)))
     return {"weights": float(weights), "kv": kv, "total": weights + kv}
