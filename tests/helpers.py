@@ -20,6 +20,26 @@ class ByteTokenizer:
         pass
 
 
+class WordTokenizer(ByteTokenizer):
+    """ByteTokenizer plus decode: every third id is a whole word (" wordX"), the rest are fragments (enough for
+    zero-shot items)."""
+
+    def decode(self, ids: list[int]) -> str:
+        (i,) = ids
+        return f" word{chr(97 + i % 26)}" if i % 3 == 0 else "x1"
+
+
+class BosTokenizer(WordTokenizer):
+    """Starts sequences with BOS (id 200, outside the text's ids) when asked for special tokens, as Gemma's
+    tokenizer does while its add_bos_token flag says False."""
+
+    bos_token_id = 200
+
+    def __call__(self, text: str, add_special_tokens: bool = True, **kw: Any) -> dict[str, list[int]]:
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": [200, *ids] if add_special_tokens else ids}
+
+
 class SavingTokenizer(ByteTokenizer):
     """A ByteTokenizer that writes real (character-level) tokenizer files, so saved directories load."""
 

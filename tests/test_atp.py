@@ -26,7 +26,7 @@ from attnslim.modules.principal_serving import (
     pivot_tokens,
 )
 from conftest import tiny_gemma3, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, assert_cache_kinds_match, convert_atp, one_step
+from helpers import ByteTokenizer, WordTokenizer, assert_cache_kinds_match, convert_atp, one_step
 
 IDS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
 COMPRESSORS = ["principal", "principal-mix", "recent", "sink"]
@@ -407,14 +407,6 @@ def test_sliding_window_layers_refused():
 
 # --- analysis, multiple choice, LoRA recovery ----------------------------------------------------------------------
 
-class _WordTokenizer(ByteTokenizer):
-    """ByteTokenizer plus decode: every third id is a whole word (" wordX"), the rest are fragments."""
-
-    def decode(self, ids):
-        (i,) = ids
-        return f" word{chr(97 + i % 26)}" if i % 3 == 0 else "x1"
-
-
 def test_spectrum_stats_match_pca_definitions():
     from attnslim.analysis.lowrank import spectrum_stats
     from attnslim.linalg.pca import energy_kept, svd_entropy_rank
@@ -442,7 +434,7 @@ def test_choice_items_deterministic_and_scored_at_last_position(llama):
     from attnslim.data import token_ids
     from attnslim.eval.choice import choice_accuracy, choice_items
 
-    tok = _WordTokenizer()
+    tok = WordTokenizer()
     items = choice_items("tiny", tok, n=6, context=16, n_choices=3, seed=1)
     again = choice_items("tiny", tok, n=6, context=16, n_choices=3, seed=1)
     assert torch.equal(items.contexts, again.contexts) and torch.equal(items.choices, again.choices)

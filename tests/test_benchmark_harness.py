@@ -43,3 +43,25 @@ def test_resolved_fingerprint_sees_defaults_the_recipe_fingerprint_does_not(monk
     monkeypatch.setitem(METHODS, "mla", ChangedDefault)
     assert fingerprint(_recipe({"kv_ratio": 0.5})) == fingerprint(short)  # blind to the change
     assert resolved(_recipe({"kv_ratio": 0.5})) != before
+
+
+def test_harness_refuses_rows_scored_on_other_windows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A results file whose stored rows were scored on other windows (e.g. before windows began with <bos>) is
+    refused, so no ratio mixes the two; rows scored on the same windows are extended."""
+    import json
+
+    from helpers import BosTokenizer, ByteTokenizer
+
+    common = _common()
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    kw = {"sources": ("tiny",), "tokens": 128, "seq_len": 64}
+    first = common.Harness("h", **kw)
+    text = first.windows(ByteTokenizer())["tiny"]
+    first.data["variants"]["row"] = {"ppl": {"tiny": 1.0}}
+    (tmp_path / "h.json").write_text(json.dumps(first.data))
+    assert common.Harness("h", **kw).windows(ByteTokenizer())["tiny"].description == text.description
+    with pytest.raises(SystemExit, match="other windows.*new --name"):
+        common.Harness("h", **kw).windows(BosTokenizer())
+    empty = {**first.data, "variants": {}}
+    (tmp_path / "h.json").write_text(json.dumps(empty))  # no rows yet: the new windows are simply recorded
+    assert "<bos>" in common.Harness("h", **kw).windows(BosTokenizer())["tiny"].description

@@ -12,7 +12,7 @@ from attnslim.data import calib_windows, eval_windows, load_text, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.models import load as load_mod
 from attnslim.models import zoo
-from helpers import ByteTokenizer
+from helpers import BosTokenizer, ByteTokenizer, WordTokenizer
 
 
 def _fake_entry(tmp_path, monkeypatch):
@@ -80,25 +80,41 @@ def test_windows_are_seeded_and_fixed():
 def test_windows_start_with_the_bos_of_a_tokenizer_that_adds_one():
     """Each window is a sequence: where the tokenizer starts sequences with BOS (Gemma), every window starts with
     it, then seq_len - 1 tokens of text in order; without one (SmolLM2) windows are the text alone."""
-    class BosTokenizer(ByteTokenizer):  # starts sequences with BOS when asked for special tokens (as Gemma's does)
-        bos_token_id = 127
-
-        def __call__(self, text, add_special_tokens=True, **kw):
-            ids = super().__call__(text)["input_ids"]
-            return {"input_ids": [127, *ids] if add_special_tokens else ids}
-
     plain, bos = ByteTokenizer(), BosTokenizer()
-    plain.bos_token_id = 127  # a BOS id alone (SmolLM2 has one) does not make windows start with it
+    plain.bos_token_id = 200  # a BOS id alone (SmolLM2 has one) does not make windows start with it
     for split, make in (("eval", lambda t: eval_windows("tiny", t, tokens=256, seq_len=64)),
                         ("calib", lambda t: calib_windows("tiny", t, 3, 64, seed=5))):
         text, seq = make(plain), make(bos)
-        assert seq.ids.shape == text.ids.shape and (seq.ids[:, 0] == 127).all(), split
+        assert seq.ids.shape == text.ids.shape and (seq.ids[:, 0] == 200).all(), split
         assert "<bos>" in seq.description and "<bos>" not in text.description
         stream = token_ids("tiny", split, bos).tolist()
         for row in seq.ids[:, 1:].tolist():  # the rest of each window is a contiguous piece of the text
             assert any(stream[i : i + 63] == row for i in range(len(stream) - 62)), split
     ev, plain_ev = eval_windows("tiny", bos, 256, 64).ids[:, 1:], eval_windows("tiny", plain, 256, 64).ids
     assert torch.equal(ev.flatten(), plain_ev.flatten()[: ev.numel()])  # consecutive text, 63 tokens a window
+
+
+def test_prompts_start_with_the_bos_like_the_windows():
+    """Zero-shot items, LoRA batches and conversion-cost prompts are sequences too: with a tokenizer that starts
+    sequences with BOS each prompt is <bos> + the last context - 1 tokens of the text it has without one, and the
+    answer / target after it is the same token."""
+    from attnslim.analysis.conversion import calibration_prompts
+    from attnslim.eval.choice import choice_items
+    from attnslim.train.lora import LoraRecipe, batch_at
+
+    plain, bos = WordTokenizer(), BosTokenizer()
+    a, b = choice_items("tiny", plain, n=5, context=16, seed=3), choice_items("tiny", bos, n=5, context=16, seed=3)
+    assert torch.equal(a.choices, b.choices) and torch.equal(a.labels, b.labels) and "<bos>" in b.description
+    pairs = [(a.contexts, b.contexts),
+             (calibration_prompts(plain, "tiny", 4, 16, seed=2), calibration_prompts(bos, "tiny", 4, 16, seed=2))]
+    recipe = LoraRecipe(context=16, batch_size=3)
+    ids = token_ids("tiny", "calib", plain)
+    (p_plain, t_plain), (p_bos, t_bos) = batch_at(ids, recipe, 7), batch_at(ids, recipe, 7, start=200)
+    assert torch.equal(t_plain, t_bos)
+    pairs.append((p_plain, p_bos))
+    for text, seq in pairs:
+        assert seq.shape == text.shape and (seq[:, 0] == 200).all() and (text != 200).all()
+        assert torch.equal(seq[:, 1:], text[:, 1:])
 
 
 def test_mixture_windows_interleave_parts_and_keep_each_part_seeded():

@@ -31,19 +31,20 @@ from tqdm import tqdm
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
-from attnslim.data import token_ids
+from attnslim.data import sequence_start, sequences_ending_at, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method
 from attnslim.plan import LayerEntry
 
 
 def calibration_prompts(tokenizer: Any, source: str, n: int, context: int, seed: int = 0) -> torch.Tensor:
-    """(n, context) windows at seeded random offsets of the calibration split of `source`."""
+    """(n, context) sequences at seeded random offsets of the calibration split of `source` (each starts with the
+    tokenizer's BOS where it adds one, like the windows)."""
     ids = token_ids(source, "calib", tokenizer)
     if ids.numel() < context + 1:
         raise AttnslimError(f"the {source!r} calibration split has {ids.numel()} tokens; need > context={context}")
-    starts = torch.randint(0, ids.numel() - context, (n,), generator=torch.Generator().manual_seed(seed))
-    return torch.stack([ids[s : s + context] for s in starts.tolist()])
+    ends = torch.randint(0, ids.numel() - context, (n,), generator=torch.Generator().manual_seed(seed)) + context
+    return sequences_ending_at(ids, ends.tolist(), context, sequence_start(tokenizer))
 
 
 @torch.no_grad()

@@ -1,9 +1,18 @@
 """Named text sources (wiki, ptb, c4, tiny, file:PATH), fixed splits and token windows."""
 
 from attnslim.data.sources import SOURCES, check_source, describe_split, load_text, mixture
-from attnslim.data.windows import TokenWindows, calib_windows, check_lengths, eval_windows, token_ids
+from attnslim.data.windows import (
+    TokenWindows,
+    bos_note,
+    calib_windows,
+    check_lengths,
+    eval_windows,
+    sequence_start,
+    sequences_ending_at,
+    token_ids,
+)
 
 __all__ = [
-    "SOURCES", "TokenWindows", "calib_windows", "check_lengths", "check_source", "describe_split", "eval_windows",
-    "load_text", "mixture", "token_ids",
+    "SOURCES", "TokenWindows", "bos_note", "calib_windows", "check_lengths", "check_source", "describe_split",
+    "eval_windows", "load_text", "mixture", "sequence_start", "sequences_ending_at", "token_ids",
 ]

@@ -75,7 +75,16 @@ def _as_sequences(text: torch.Tensor, start: int | None) -> torch.Tensor:
     return text if start is None else torch.cat([text.new_full((text.shape[0], 1), start), text], dim=1)
 
 
-def _bos_note(start: int | None) -> str:
+def sequences_ending_at(ids: torch.Tensor, ends: list[int], length: int, start: int | None) -> torch.Tensor:
+    """(n, length) sequences whose text ends just before each of `ends` in the 1-D stream `ids`: `start` then
+    length − 1 text tokens where `start` is not None (sequence_start's answer), else `length` text tokens. The
+    prompt builders (zero-shot items, LoRA batches, conversion-cost prompts) use it, so their prompts are
+    sequences like the windows, and a token at `ends[i]` is never part of prompt i."""
+    width = length - (start is not None)  # text tokens per sequence
+    return _as_sequences(torch.stack([ids[e - width : e] for e in ends]), start)
+
+
+def bos_note(start: int | None) -> str:
     return "" if start is None else ", each window <bos> + text"
 
 
@@ -93,7 +102,7 @@ def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int =
             f"the {source!r} evaluation split has {ids.numel()} tokens, fewer than the {n * seq_len} requested "
             f"({n} windows of {seq_len}); {fix}"
         )
-    desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens{_bos_note(start)}"
+    desc = f"{describe_split(source, 'eval')}, first {n}x{seq_len} tokens{bos_note(start)}"
     return TokenWindows(_as_sequences(ids[: n * width].view(n, width), start), source, "eval", desc)
 
 
@@ -113,7 +122,7 @@ def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int =
     desc = " + ".join(f"{describe_split(p, 'calib')}, {c}x{seq_len} tokens" for p, c in zip(parts, counts, strict=True)
                       if c)
     return TokenWindows(torch.stack(order), source, "calib",
-                        f"{desc}{_bos_note(sequence_start(tokenizer))}, seed {seed}")
+                        f"{desc}{bos_note(sequence_start(tokenizer))}, seed {seed}")
 
 
 def _draw(source: str, tokenizer: Any, n: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from attnslim import _compat
-from attnslim.data import token_ids
+from attnslim.data import bos_note, sequence_start, sequences_ending_at, token_ids
 from attnslim.data.sources import describe_split
 from attnslim.errors import AttnslimError
 
@@ -71,7 +71,7 @@ def choice_items(
         raise AttnslimError(f"the {source!r} {split} split has only {positions.numel()} usable answer positions "
                             f"for context={context}; lower n or context")
     gen = torch.Generator().manual_seed(seed)
-    contexts, choices, labels, sizes = [], [], [], []
+    ends, choices, labels, sizes = [], [], [], []
     for p in positions[torch.randperm(positions.numel(), generator=gen)].tolist():
         answer = int(ids[p])
         nearby = ids[max(0, p - context) : p + context]
@@ -81,7 +81,7 @@ def choice_items(
         picks = [pool[i] for i in torch.randperm(len(pool), generator=gen)[: n_choices - 1].tolist()]
         label = int(torch.randint(n_choices, (1,), generator=gen))
         options = picks[:label] + [answer] + picks[label:]
-        contexts.append(ids[p - context : p])
+        ends.append(p)
         choices.append(options)
         labels.append(label)
         sizes.append([words[t] for t in options])
@@ -89,9 +89,11 @@ def choice_items(
             break
     if len(labels) < n:
         raise AttnslimError(f"could build only {len(labels)} of {n} items from {source!r} {split}; lower n")
+    start = sequence_start(tokenizer)
     desc = (f"{n} next-word items, {n_choices} choices, {context}-token prompts from "
-            f"{describe_split(source, split)} (seed {seed})")
-    return ChoiceItems(torch.stack(contexts), torch.tensor(choices), torch.tensor(labels), torch.tensor(sizes), desc)
+            f"{describe_split(source, split)}{bos_note(start)} (seed {seed})")
+    contexts = sequences_ending_at(ids, ends, context, start)  # (n, context), each a sequence ending before its answer
+    return ChoiceItems(contexts, torch.tensor(choices), torch.tensor(labels), torch.tensor(sizes), desc)
 
 
 @torch.no_grad()

@@ -204,7 +204,7 @@ class MLAAttention(ReplacementAttention):
             parts.append(torch.rsqrt(u.float().pow(2).mean(-1) + self.key_norm_eps).to(c.dtype))  # (b, t, n_kv)
         return (torch.cat(parts, dim=-1) if len(parts) > 1 else c)[:, None]
 
-    def _key_scales(self, store: torch.Tensor) -> torch.Tensor:
+    def _cached_scales(self, store: torch.Tensor) -> torch.Tensor:
         """QK-norm: the cached key scales (b, n_kv, T), one per KV head, a view of the cache."""
         return store[:, 0, :, self.rank + self.rope_dims :].transpose(1, 2)
 
@@ -222,7 +222,7 @@ class MLAAttention(ReplacementAttention):
         n_kv, r = self.n_kv_heads, self.rank
         if self.key_norm is not None:  # QK-norm: keys differ from the cached rows by a scale per KV head
             e = r + self.rope_dims
-            keys, scale = store[..., :e].expand(b, n_kv, -1, e), self._key_scales(store)  # views of the cache
+            keys, scale = store[..., :e].expand(b, n_kv, -1, e), self._cached_scales(store)  # views of the cache
             # many queries: values as wide as the queries (SDPA's fast kernels; as below); few: no scaled copy
             values = store[..., :e] if t > FEW_QUERIES else store[..., :r]
             lat = attend(q_cat, keys, values, keep, scaling, self.softcap, scale)[..., :r]
@@ -327,7 +327,7 @@ class MLAAttention(ReplacementAttention):
             k = torch.cat([k, store[..., self.rank : e].expand(b, h, kv, self.rope_dims)], dim=-1)
             q = torch.cat([q, q_r], dim=-1)  # (b, h, t, d_h + d_rope)
         if self.key_norm is not None:  # each query head's keys times its KV head's scale
-            scale = self._key_scales(store).repeat_interleave(h // self.n_kv_heads, dim=1)  # (b, h, kv)
+            scale = self._cached_scales(store).repeat_interleave(h // self.n_kv_heads, dim=1)  # (b, h, kv)
             k = k * scale[..., None]
         v = heads(F.linear(c, self.kv.b[self.nope_dims :]), self.head_dim)  # (b, n_kv, kv, d_h)
         v = repeat_kv(v, h // self.n_kv_heads)  # every query head has its own key here

@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
-from attnslim.data import token_ids
+from attnslim.data import sequence_start, sequences_ending_at, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.eval.choice import ChoiceItems, choice_items
 from attnslim.train.heal import hidden_distance
@@ -103,12 +103,13 @@ class LoraRecipe:
                                 f"warmup={self.warmup} (≥ 0)")
 
 
-def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts (batch, context) and their next tokens (batch,) for one step; deterministic in (seed, step)."""
+def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int, start: int | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (batch, context) and their next tokens (batch,) for one step; deterministic in (seed, step). Each
+    prompt is a sequence: `start` (the tokenizer's BOS, data.sequence_start) first where given."""
     gen = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
-    starts = torch.randint(0, ids.numel() - recipe.context - 1, (recipe.batch_size,), generator=gen)
-    prompts = torch.stack([ids[s : s + recipe.context] for s in starts.tolist()])
-    return prompts, ids[starts + recipe.context]
+    ends = torch.randint(0, ids.numel() - recipe.context - 1, (recipe.batch_size,), generator=gen) + recipe.context
+    return sequences_ending_at(ids, ends.tolist(), recipe.context, start), ids[ends]
 
 
 def choice_loss(model: Any, items: ChoiceItems, rows: slice) -> torch.Tensor:
@@ -269,7 +270,7 @@ def recover_with_lora(
             if name not in files.values():
                 (out / name).unlink(missing_ok=True)
 
-    ids = token_ids(recipe.source, "calib", tokenizer)
+    ids, bos = token_ids(recipe.source, "calib", tokenizer), sequence_start(tokenizer)
     if ids.numel() < recipe.context + 2:
         raise AttnslimError(f"the {recipe.source!r} training split is shorter than context={recipe.context}")
     items = (choice_items(recipe.source, tokenizer, split="calib", n=recipe.steps * recipe.batch_size,
@@ -281,7 +282,7 @@ def recover_with_lora(
                total=recipe.steps)
     start = time.time()
     for step in bar:
-        prompts, targets = batch_at(ids, recipe, step)
+        prompts, targets = batch_at(ids, recipe, step, bos)
         if recipe.loss == "layer":
             loss = layer_match_loss(peft_model.get_base_model(), teacher, matched, prompts.to(device))
         elif recipe.loss == "hidden":
