@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
 from report_serve import SERVE_SPECIAL  # noqa: E402
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
-SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL}
+SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
@@ -110,7 +111,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes",
-         "mla-gemma3-speed",
+         "mla-gemma3-speed", "gpu-h200",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")

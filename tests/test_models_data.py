@@ -137,3 +137,20 @@ def test_user_file_source(tmp_path):
         load_text(f"file:{tmp_path / 'missing.txt'}", "calib")
     with pytest.raises(AttnslimError, match="valid"):
         load_text("nope", "calib")
+
+
+def test_load_random_builds_the_config_with_seeded_weights(tmp_path):
+    """benchmarks/gpu.py builds the packaged models from config + tokenizer alone (weights cannot travel to a GPU
+    lease): the same seed gives the same weights, another seed others; a directory without them is named."""
+    from attnslim.models.load import load_random
+    from conftest import tiny_llama
+    from helpers import SavingTokenizer
+
+    tiny_llama().config.save_pretrained(tmp_path)
+    SavingTokenizer().save_pretrained(tmp_path)
+    (a, tok), (b, _), (c, _) = load_random(tmp_path), load_random(tmp_path), load_random(tmp_path, seed=1)
+    assert a.config.num_hidden_layers == 4 and tok("AB")["input_ids"] == [0, 1]
+    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    with pytest.raises(AttnslimError, match="could not be read as a config and tokenizer"):
+        load_random(tmp_path / "missing")

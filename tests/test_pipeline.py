@@ -294,3 +294,21 @@ def test_composed_recipe_rest_step_takes_the_layers_the_selecting_step_left(llam
     ref = llama(input_ids=IDS).logits
     loaded, _ = load(save(llama, SavingTokenizer(), tmp_path / "m", report.to_json()))
     assert torch.equal(loaded(input_ids=IDS).logits, ref)
+
+
+def test_in_memory_layers_leave_a_model_where_it_lives():
+    """A model compressed on its own device never moves: a GPU model used to be moved layer by layer to CPU (its
+    "home" was taken to be CPU). The meta device stands in for a GPU here: before the fix, leaving layer(0) copied
+    it to CPU, which a meta tensor refuses."""
+    from attnslim.calib.residency import InMemoryLayers, same_device
+    from conftest import tiny_llama
+
+    model = tiny_llama().to("meta")
+    layers = get_adapter(model).decoder_layers()
+    residency = InMemoryLayers(model, layers, "meta")
+    with residency.layer(0), residency.streamed():
+        pass
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert not same_device(torch.device("cuda:1"), torch.device("cuda:0"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda"))

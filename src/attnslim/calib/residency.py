@@ -7,12 +7,14 @@ forwards (the runner's capture of layer 0's inputs, the KV-bytes measurement) in
 on layer i's own weights during such a forward (a probe's trial conversion) goes inside `layer_in_stream(i)`. Two
 implementations:
 
-- `InMemoryLayers` (here): the whole model is in memory; on CPU every verb is a no-op, on another device the layer
-  (or, for `streamed`, the modules outside the decoder layers) is moved there for the duration and back after.
+- `InMemoryLayers` (here): the whole model is in memory; where the work runs on the model's own device every verb
+  is a no-op, on another device the layer (or, for `streamed`, the model) is moved there for the duration and back
+  after.
 - `attnslim.offload.OffloadedLayers`: weights stay in safetensors files on disk (memory-mapped); `layer(i)` reads
   layer i from the input checkpoint (or from its already-converted shard), and writes it back to its output shard
   when it was converted, then frees it.
-Both run the same pipeline code on CPU and GPU.
+Both run the same pipeline code on CPU and GPU. On a GPU, benchmarks/gpu.py's probe says which packaged recipes
+run (BENCHMARKS "attnslim on a CUDA GPU").
 """
 
 from __future__ import annotations
@@ -38,17 +40,25 @@ class Residency(Protocol):
     def layer_in_stream(self, i: int) -> AbstractContextManager[None]: ...
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one ("cuda" and "cuda:0" are, where either leaves the index open)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class InMemoryLayers:
-    """The whole model in CPU memory; each layer's work runs on `device` (moved there and back)."""
+    """The whole model in memory, where it was given (its home: the device of its first parameter); each layer's
+    work runs on `device`, moved there and back home after when the two differ. A model on the GPU compressed on
+    the GPU never moves (it used to be moved to CPU: benchmarks/gpu.py's probe found it)."""
 
     offloaded = False
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, device: torch.device | str = "cpu") -> None:
         self.model, self.layers, self.device = model, layers, torch.device(device)
+        self.home = next(model.parameters()).device
 
     @property
     def _moves(self) -> bool:
-        return self.device.type != "cpu"
+        return not same_device(self.device, self.home)
 
     @contextmanager
     def layer(self, i: int) -> Iterator[None]:
@@ -59,7 +69,7 @@ class InMemoryLayers:
         try:
             yield
         finally:
-            self.layers[i].to("cpu")
+            self.layers[i].to(self.home)
 
     def converted(self, i: int) -> None:
         """Nothing to do: the converted modules are already in the model."""
@@ -75,7 +85,7 @@ class InMemoryLayers:
         try:
             yield
         finally:
-            self.model.to("cpu")
+            self.model.to(self.home)
 
     def layer_in_stream(self, i: int) -> AbstractContextManager[None]:
         """Nothing to do: inside `streamed()` every layer is already where the forward runs."""

@@ -61,8 +61,10 @@ class InputStats:
         return cls(sxx=x64.T @ x64, sx=x64.sum(0), ax=x64.abs().sum(0), n=x64.shape[0])
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Add the tokens of x (b, t, d) (or (N, d)); `mask` (b, t) drops padding."""
-        x2 = flatten_tokens(x, mask)
+        """Add the tokens of x (b, t, d) (or (N, d)); `mask` (b, t) drops padding. The tokens come to the stats'
+        device (CPU unless made elsewhere), as JointStats does: calibration on a GPU used to fail here."""
+        dev = self.sxx.device
+        x2 = flatten_tokens(x.to(dev), None if mask is None else mask.to(dev))
         self.sxx += x2.T @ x2
         self.sx += x2.sum(0)
         self.ax += x2.abs().sum(0)

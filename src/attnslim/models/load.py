@@ -107,6 +107,24 @@ def load_skeleton(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[
     return model.eval(), tokenizer
 
 
+def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:
+    """(model with seeded random weights, tokenizer) from a directory holding only config.json and the tokenizer
+    files: what a machine can build when the weights cannot travel to it (benchmarks/mla_cuda.py on a GPU lease).
+    Speed and the modules' algebra do not depend on the weights' values; quality does, so such a model is never
+    scored for perplexity."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
+    except (OSError, ValueError) as err:
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail})") from err
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
 def refuse_compressed_input(name_or_path: str) -> None:
     """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
     steps, so the result could not load (and --out on the input would destroy it)."""
