@@ -15,6 +15,8 @@ Groups (--groups, comma-separated; default oneshot,speed):
            attention-core FLOPs per new token and the KV bytes per token of each model beside them (--kernels:
            each mla variant also with the grouped decode core, as KEY-grouped, against the split one;
            --cpu-linear onednn: every model's float32 linear layers on oneDNN, dense included)
+  recount  the stored speed run's FLOPs and MB read counted again by today's attnslim.bench.flops, without timing
+           (for a results file whose counts predate a fix of the counting; give the speed run's --kv)
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py                                  # 8192 tokens per set
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --name mla-small --tokens 2048 --windows 16 --kv 0.5
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 import warnings
 from typing import Any
@@ -104,12 +107,10 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
     return out
 
 
-def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
-          repeats: int, cache_kind: str, kernels: bool = False, cpu_linear: str = "torch") -> None:
-    """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them.
-    kernels: each mla variant also runs as KEY-grouped, a copy whose decode core never splits the cache
-    (MLAAttention.decode_kernel = "grouped"), so the split kernel is measured against it in the same run.
-    cpu_linear: every model's linear layers on this kernel (`set_cpu_linear`), dense included."""
+def speed_models(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], kernels: bool = False,
+                 cpu_linear: str = "torch") -> dict[str, Any]:
+    """Dense and each variant of `keys`, compressed (kernels: each mla variant also as KEY-grouped, a copy whose
+    decode core never splits the cache; cpu_linear: every model's linear layers on that kernel, dense included)."""
     dense, tokenizer = load_model(h.model_name)
     models: dict[str, Any] = {"dense": dense.eval()}
     for key in keys:
@@ -125,15 +126,51 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
                     m.decode_kernel = "grouped"
     for model in models.values():
         set_cpu_linear(model, cpu_linear)
-    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
-    result["cpu_linear"] = cpu_linear
+    return models
+
+
+def costs_of(models: dict[str, Any], contexts: list[int]) -> dict[str, dict[str, Any]]:
+    """Per model: KV bytes per token, and per context the FLOPs and bytes read per new token (attnslim.bench.flops)."""
     costs: dict[str, dict[str, Any]] = {}
     for name, m in models.items():
         kv = kv_bytes_per_token(m)
         costs[name] = {"kv_bytes_per_token": kv["total"], **{
             str(c): {**flops_per_token(m, c), "bytes_read": decode_bytes_per_token(m, c, kv["per_layer"])}
             for c in contexts}}
-    h.data["speed"], h.data["costs"] = result, costs
+    return costs
+
+
+def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], contexts: list[int], new_tokens: int,
+          repeats: int, cache_kind: str, kernels: bool = False, cpu_linear: str = "torch") -> None:
+    """Interleaved decode/prefill medians of dense and each variant, with FLOPs and KV bytes beside them."""
+    models = speed_models(h, recipes, keys, kernels, cpu_linear)
+    result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
+    result["cpu_linear"] = cpu_linear
+    h.data["speed"], h.data["costs"] = result, costs_of(models, contexts)
+    speed_notes(h)
+
+
+def recount(h: Harness, recipes: dict[str, dict[str, Any]]) -> None:
+    """The stored speed run's FLOPs and bytes counted again by today's attnslim.bench.flops (no timing): for a
+    results file whose counts predate a fix of the counting."""
+    result = h.data.get("speed")
+    if not result:
+        raise SystemExit(f"{h.path} holds no speed run to recount; run --groups speed first")
+    keys = [n for n in result["models"] if n != "dense" and not n.endswith("-grouped")]
+    if missing := [k for k in keys if k not in recipes]:
+        raise SystemExit(f"no recipe for {missing} under these arguments: give the speed run's --kv / --suffix")
+    kernels = any(n.endswith("-grouped") for n in result["models"])
+    models = speed_models(h, recipes, keys, kernels, result.get("cpu_linear", "torch"))
+    h.data["costs"] = costs_of(models, result["contexts"])
+    h.data["costs_recounted"] = h.data["environment"]["command"]
+    h.data["environment"] = json.loads(h.path.read_text())["environment"]  # the timings' machine, not this run's
+    speed_notes(h)
+
+
+def speed_notes(h: Harness) -> None:
+    """The speed table (decode, prefill, FLOPs, bytes) as the results file's notes; saves the file."""
+    result, costs = h.data["speed"], h.data["costs"]
+    contexts, cache_kind, cpu_linear = result["contexts"], result["cache"], result.get("cpu_linear", "torch")
     cache_name = {"dynamic": "HF DynamicCache: dense concatenates at every step, the latent modules' layers (mla, "
                              "latentllm) append in place (ReservedRowsLayer)",
                   "static": "HF StaticCache",
@@ -157,7 +194,10 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
                          f"{cost['total'] / 1e6:.1f} | {read['total'] / 1e6:.1f} ({read['weights'] / 1e6:.1f} + "
                          f"{read['kv'] / 1e6:.1f})")
         lines.append(f"| {name} | {costs[name]['kv_bytes_per_token']:,.0f} | {' | '.join(cells)} |")
-    h.data["notes"] = lines
+    if h.data.get("costs_recounted"):
+        lines += ["", f"FLOPs and MB read recounted without timing by `{h.data['costs_recounted']}` (the timings "
+                      "are the speed run's)."]
+    h.data["notes"] = lines + [""] + h.data.get("comments", [])  # comments: what a person wrote of the run
     h.save()
     print("\n".join(lines), flush=True)
 
@@ -227,6 +267,8 @@ def main() -> None:
             start = time.time()
             h.run(key, recipe)
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+    if "recount" in groups:  # --groups recount: the stored speed run's FLOPs and bytes, counted again
+        recount(h, recipes)
     if "speed" in groups:
         speed(h, recipes, args.speed_variants.split(","), [int(c) for c in args.contexts.split(",")],
               args.new_tokens, args.repeats, args.cache, args.kernels, args.cpu_linear)
