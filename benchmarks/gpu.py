@@ -12,6 +12,13 @@ difference on the same kernels), dtypes and devices, and speed. Perplexity is me
     .venv/bin/python benchmarks/gpu.py --pack DIR                          # here: configs, tokenizers, a text
     python3 benchmarks/gpu.py --from DIR --out FILE --convert-on cpu       # on the GPU machine (PYTHONPATH=src)
 
+How the H200 run in BENCHMARKS was made (this workplace's device tool; the GPU image had transformers 5.17, so the
+pinned 5.23 travelled as a 4.5 MB archive of the venv's pure-Python package): here, `echo /.device/ >>
+.git/info/exclude`, `--pack .device/pack`, and `tar --exclude=__pycache__ -cJf .device/tf.tar.xz -C
+.venv/lib/python3.11/site-packages transformers transformers-5.23.0.dist-info`; there, with `.device` carried,
+`mkdir -p /tmp/site && tar -xJf .device/tf.tar.xz -C /tmp/site && PYTHONPATH=/tmp/site:src python3
+benchmarks/gpu.py --from .device/pack --out $OUT/gpu.json` (a probe of all 17 recipes needs more than 150 s).
+
 Probe: every packaged recipe on the SmolLM2-135M-shaped model on the GPU (float32), calibration 4 windows x 128
 tokens of the pack's text, every training, recovery and heal cut to 2 steps: the result is "ok" or the error and
 the attnslim frame it came from. MLA: one-shot `mla` at KV 0.5 (benchmarks/mla.py's mla-kv50), 16 windows x 512,

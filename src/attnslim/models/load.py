@@ -109,7 +109,7 @@ def load_skeleton(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[
 
 def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:
     """(model with seeded random weights, tokenizer) from a directory holding only config.json and the tokenizer
-    files: what a machine can build when the weights cannot travel to it (benchmarks/mla_cuda.py on a GPU lease).
+    files: what a machine can build when the weights cannot travel to it (benchmarks/gpu.py on a GPU lease).
     Speed and the modules' algebra do not depend on the weights' values; quality does, so such a model is never
     scored for perplexity."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
