@@ -79,6 +79,7 @@ class Harness:
         previous = self.data.get("eval", {})
         if "descriptions" in previous and all(previous.get(k) == v for k, v in evaluation.items()):
             evaluation["descriptions"] = previous["descriptions"]  # a run that reuses the stored dense rows
+        self.stored_environment: dict[str, Any] = self.data.get("environment", {})  # the file's last writer
         self.data.update({"model": model, "eval": evaluation, "environment": environment()})
         self._windows: dict[str, Any] = {}
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 import warnings
 from typing import Any
@@ -163,7 +162,7 @@ def recount(h: Harness, recipes: dict[str, dict[str, Any]]) -> None:
     models = speed_models(h, recipes, keys, kernels, result.get("cpu_linear", "torch"))
     h.data["costs"] = costs_of(models, result["contexts"])
     h.data["costs_recounted"] = h.data["environment"]["command"]
-    h.data["environment"] = json.loads(h.path.read_text())["environment"]  # the timings' machine, not this run's
+    h.data["environment"] = h.stored_environment  # the timings' machine, not this run's
     speed_notes(h)
 
 

@@ -233,6 +233,23 @@ def test_family_specific_spec_fields() -> None:
     assert qwen.attention_spec(0).q_bias is not None and qwen.attention_spec(0).o_bias is None
 
 
+@pytest.mark.parametrize("family", ["gemma3", "opt", "qwen2"])
+def test_spec_to_moves_every_tensor_a_fit_reads(family: str) -> None:
+    """A fit computes where its statistics are (CPU) from `spec.to(device)`: a tensor field it forgot would mix a
+    GPU layer's weights with CPU statistics, which no CPU test sees; the meta device stands in for the GPU here.
+    Gemma-3 has both norm gains, OPT every bias, Qwen2 q/k/v biases."""
+    spec = get_adapter(TINY_BUILDERS[family]()).attention_spec(0)
+    moved = spec.to(torch.device("meta"))
+    tensors = {name: value for name, value in vars(moved).items() if isinstance(value, torch.Tensor)}
+    tensors.update({f"{name}.gain": value.gain for name, value in vars(moved).items()
+                    if name.endswith("_norm_rms") and value is not None})
+    expected = {"gemma3": {"k_norm_rms.gain", "q_norm_rms.gain"}, "opt": {"q_bias", "k_bias", "v_bias", "o_bias"},
+                "qwen2": {"q_bias", "k_bias", "v_bias"}}[family]
+    assert {"q", "k", "v", "o"} | expected <= tensors.keys()
+    assert {name: t.device.type for name, t in tensors.items()} == {name: "meta" for name in tensors}
+    assert spec.q.device.type == "cpu" and moved.q.shape == spec.q.shape  # a copy: the model's spec is untouched
+
+
 def test_opt_post_norm_has_no_attention_norm() -> None:
     adapter = get_adapter(TINY_BUILDERS["opt"](do_layer_norm_before=False))
     with pytest.raises(AttnslimError, match="do_layer_norm_before=False"):

@@ -7,7 +7,7 @@ import `transformers.models.*`. One adapter per family, registered by `config.mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -76,6 +76,20 @@ class AttentionSpec:
 
     def bias(self, name: str) -> torch.Tensor | None:
         return {"q": self.q_bias, "k": self.k_bias, "v": self.v_bias, "o": self.o_bias}[name]
+
+    def to(self, device: torch.device) -> AttentionSpec:
+        """The same spec with its weights, biases and norm gains on `device`: a fit computes where its statistics
+        live (CPU), whatever device the model's layer is on. The norm modules stay where they are."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        def move_norm(n: RMSNormSpec | None) -> RMSNormSpec | None:
+            return None if n is None else RMSNormSpec(n.gain.to(device), n.eps)
+
+        return replace(self, q=self.q.to(device), k=self.k.to(device), v=self.v.to(device), o=self.o.to(device),
+                       q_bias=move(self.q_bias), k_bias=move(self.k_bias), v_bias=move(self.v_bias),
+                       o_bias=move(self.o_bias), k_norm_rms=move_norm(self.k_norm_rms),
+                       q_norm_rms=move_norm(self.q_norm_rms))
 
 
 @dataclass

@@ -74,7 +74,7 @@ class LatentCollector(Collector[LayerStats]):
 
     def __call__(self, site: str, x: torch.Tensor) -> None:
         if site in self.gram_sites:
-            self.grams.setdefault(site, InputStats.empty(x.shape[-1])).update(x.to("cpu"))
+            self.grams.setdefault(site, InputStats.empty(x.shape[-1])).update(x)
         if site == "mlp_in" and self.reservoir is not None:
             self.reservoir.add(x)
 

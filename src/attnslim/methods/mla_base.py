@@ -141,7 +141,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        linear = fit_spec(spec, st)
+        linear = fit_spec(spec.to(st.sxx.device), st)  # fitted where the statistics are (CPU), as latentllm does
         split = self._split(adapter, linear, st, entry.rope_dims, where)
         factors = self._fit(linear, split, st, entry.rank, where)
         module = self._install(adapter, layer, spec, entry)
@@ -279,6 +279,7 @@ def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: i
     if spec.rope is not None:
         d_rot = spec.rope.rotary_dims
         angles, scale = _rotary_info(adapter, spec, where)
+        angles = angles.to(st.sxx.device)
     q_mom = head_moments(spec.q, spec.q_bias, st, spec.n_heads) if select == "query" else None
     return split_rotary(
         second_moment(spec.k, spec.k_bias, st), q_mom,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from attnslim.checksum import sha256_file
 from attnslim.errors import AttnslimError
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
 from attnslim.outdir import check_writable_parent, staged_output
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CACHE_FORMAT = 1
 WEIGHTS = "model.safetensors"
@@ -69,8 +72,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
                                                      **_compat.SAFE_LOADING)
         tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
-        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
+        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({_detail(err)}); check that it "
                             "holds config.json, the weights and the tokenizer files of one model") from err
     return model.eval(), tokenizer
 
@@ -93,16 +95,11 @@ def load_skeleton(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[
     config.json under accelerate's `init_empty_weights`, so it costs no memory; attnslim.offload fills it one
     decoder layer at a time. Buffers (rotary tables) are real, tied parameters are tied as from_pretrained ties."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
-    except (OSError, ValueError) as err:
-        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise AttnslimError(f"{directory} could not be read as a Hugging Face model ({detail})") from err
+    config, tokenizer = _config_and_tokenizer(directory)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.tie_weights()
     return model.eval(), tokenizer
 
@@ -112,17 +109,31 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
     files: what a machine can build when the weights cannot travel to it (benchmarks/gpu.py on a GPU lease).
     Speed and the modules' algebra do not depend on the weights' values; quality does, so such a model is never
     scored for perplexity."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer = _config_and_tokenizer(directory)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
+def _config_and_tokenizer(directory: Path) -> tuple[PretrainedConfig, Any]:
+    """A checkpoint directory's config and tokenizer, without its weights; an unreadable one is an AttnslimError."""
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
         tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
-        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail})") from err
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval(), tokenizer
+        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({_detail(err)}); check "
+                            "that it holds config.json and the tokenizer files of one model") from err
+    return config, tokenizer
+
+
+def _detail(err: Exception) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type when it has none."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def refuse_compressed_input(name_or_path: str) -> None:
