@@ -275,7 +275,7 @@ def run_progressive(store: Store, group: dict[str, Any], model: Any, tokenizer: 
         print(f"[stage {s}] {len(log['layers'])} layers {log['layers']}: acc {res.acc:.3f}", flush=True)
 
     work = Path(args.lora_dir) / name.replace(" ", "_").replace("/", "-").replace(",", "").replace("→", "-")
-    args_atp = {"rank": 0.5, "form": "paper", "value_scale": "inv_sqrt_len"}
+    args_atp: dict[str, Any] = {"rank": 0.5, "form": "paper", "value_scale": "inv_sqrt_len"}
     progressive_recovery(model, tokenizer, Atp(**args_atp), counts, recipe, teacher, work, after_stage=evaluate)
     last = stages[-1]
     group["results"][name] = {"acc": last["acc"], "acc_norm": last["acc_norm"], "items": last["items"],

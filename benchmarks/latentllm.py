@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 from common import Harness, calibration
+from torch import nn
 
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
@@ -89,7 +90,7 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
                                                                "mlp": "joint_ud", "kv_ratio": 0.5})]
         out[f"latentllm-localmlp-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
                                                                    "mlp": "local"})]
-        kappa = kappa_for_total(shapes, n_layers, total, ratio, "left")  # the same total with dense factors
+        kappa = kappa_for_total([shapes] * n_layers, total, ratio, "left")  # the same total with dense factors
         out[f"svdllm-total-{p}"] = [step("svdllm", {"ratio": round(kappa, 6), "linears": ALL_LINEARS})]
     return out
 
@@ -115,8 +116,14 @@ def kv_variants() -> dict[str, list[dict[str, Any]]]:
 def model_shapes(model_name: str) -> tuple[dict[str, tuple[int, int]], int, int]:
     model, _ = load_model(model_name)
     adapter = get_adapter(model)
-    shapes = {n: tuple(adapter.linear(0, n).weight.shape) for n in ALL_LINEARS}
-    return shapes, adapter.num_layers(), adapter.param_groups()["total"]  # type: ignore[return-value]
+    shapes = {n: _out_in(adapter.linear(0, n)) for n in ALL_LINEARS}
+    return shapes, adapter.num_layers(), adapter.param_groups()["total"]
+
+
+def _out_in(linear: nn.Module) -> tuple[int, int]:
+    """(d_out, d_in) of an nn.Linear."""
+    assert isinstance(linear, nn.Linear)
+    return linear.out_features, linear.in_features
 
 
 def speed(h: Harness, keys: list[str], recipes: dict[str, dict[str, Any]], contexts: list[int],

@@ -40,7 +40,8 @@ from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig
 
-ABLATIONS = {"align-only": {"compensate": False}, "diff-only": {"align": False, "integrate": "add"}}
+ABLATIONS: dict[str, dict[str, Any]] = {"align-only": {"compensate": False},
+                                        "diff-only": {"align": False, "integrate": "add"}}
 
 
 def key_cache_bytes(model: Any, tokens: int = 64) -> list[float]:

@@ -96,7 +96,7 @@ def compare(directory: str, args: argparse.Namespace, names: list[str]) -> dict[
 
 def full_dense(model_name: str, names: list[str], batch_size: int) -> dict[str, Any]:
     model, tokenizer = load_model(model_name)
-    out = {}
+    out: dict[str, Any] = {}
     for name in names:
         started = time.perf_counter()
         ((items, lls),) = attnslim_lls(model, tokenizer, [name], None, batch_size).values()

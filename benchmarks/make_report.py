@@ -184,7 +184,8 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
     title, script = SECTIONS.get(name, (name, f"benchmarks/{name}.py"))
     env = data["environment"]
     ev = data.get("eval")  # absent from kernel micro-benchmarks, which evaluate no model
-    cal = next(iter(data.get("variants", {}).values()), {}).get("calibration", {})
+    variants: dict[str, dict[str, Any]] = data.get("variants", {})
+    cal = next(iter(variants.values()), {}).get("calibration", {})
     out = [f"## {title}", ""]
     command = env.get("command", script)
     command = command if command.startswith("benchmarks/") else f"benchmarks/{command}"

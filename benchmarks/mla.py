@@ -44,8 +44,9 @@ from attnslim.modules.cpu_linear import set_cpu_linear
 from attnslim.modules.mla import MLAAttention
 from attnslim.recipe import recipe_from_dict
 
-HEAL = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4, "source": "wiki+c4+tiny"}  # default.yaml's
-HEAL_ABLATIONS = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3},
+HEAL: dict[str, Any] = {"steps": 40, "batch_size": 4, "seq_len": 256, "lr": 1.0e-4,
+                        "source": "wiki+c4+tiny"}  # default.yaml's
+HEAL_ABLATIONS: dict[str, dict[str, Any]] = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3": {"lr": 1.0e-3},
                   **{f"all-lr{lr}": {"lr": float(lr), "params": "all"} for lr in ("2e-4", "3e-4", "5e-4", "1e-3")},
                   # the hidden-state term (train/heal.py) beside the logit KL
                   **{f"all-lr3e-4-hidden{w}": {"lr": 3.0e-4, "params": "all", "hidden": float(w)}
@@ -243,7 +244,7 @@ def main() -> None:
         variants = {k: [{**st, "layers": args.layers} for st in s] for k, s in variants.items()}
     variants = {k + args.suffix: s for k, s in variants.items()}
     recipes = {k: {"name": k, "calibration": cal, "steps": s} for k, s in variants.items()}
-    heals = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
+    heals: dict[str, dict[str, Any]] = {f"{k}-heal40": {**recipes[k], "name": f"{k}-heal40", "heal": HEAL}
              for k in variants if k.startswith(("mla-kv", "mla-legacy-kv", "transmla-kv", "mla-global-fold-kv",
                                                 "mla-refit-kv", "mla-global-fold-refit-kv", "mla-refit-local-kv",
                                                 "mla-global-fold-refit-local-kv"))}

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     env = environment()  # its `threads` is the process's; each row names the threads it ran on
-    runs: dict[str, dict[str, dict[str, float | int]]] = {}
+    runs: dict[str, dict[str, float | int]] = {}
     lines = ["SmolLM2-135M's shapes at KV 0.5 (9 query heads; dense: 3 KV heads of 64; MLA: cached rows of a "
              "160-wide latent and a 32-wide rotary key). Decode attention core of one new token, µs per layer "
              "(median of repetitions, each over 30 distinct layer caches); ratio = dense's time over the kernel's "

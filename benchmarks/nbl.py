@@ -44,13 +44,13 @@ from attnslim.calib.runner import LayerRunner
 from attnslim.data import calib_windows
 from attnslim.eval import perplexity
 from attnslim.linalg.cca import cca_bound, lmmse_map
-from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, Nbl, NblEntry
+from attnslim.methods.nbl import DEFAULT_CRITERION, LayerFit, LinearityCollector, Nbl, NblEntry
 from attnslim.models import load_model
 from attnslim.recipe import fingerprint, recipe_from_dict
 
 SELECTIONS = tuple(c for c in ("cca", "similarity", "resid", "random", "highest") if c != DEFAULT_CRITERION)
 # NBL (X = norm(h)) with the other layer choices
-PAPER = {"criterion": "cca", "input": "residual"}  # the paper's configuration
+PAPER: dict[str, Any] = {"criterion": "cca", "input": "residual"}  # the paper's configuration
 
 
 def nbl(args: dict[str, Any], layers: Any = "all") -> list[dict[str, Any]]:
@@ -74,6 +74,7 @@ class SharedFits:
         self.diagnostics: dict[int, dict[str, float]] = {}
         for i in range(adapter.num_layers()):
             collector = Nbl(m=0).collector(adapter, i)  # X = norm(h); it also streams (h, Y) for the bound
+            assert isinstance(collector, LinearityCollector)
             with torch.no_grad():
                 runner.run_layer(i, collector.sites, collector, advance=True)
             fit = collector.result()
@@ -102,9 +103,9 @@ class SharedFits:
         adapter = get_adapter(model)
         fits = self.fits[method.input]
         plan = method.plan(adapter, list(range(self.n_layers)), fits)
-        for i in plan["chosen"]:
-            method.convert(adapter, i, plan["layers"][str(i)], fits[i])
-        return plan
+        for i, entry in plan.layers.items():
+            plan.record(i, method.convert(adapter, i, entry, fits[i]))
+        return plan.to_json()
 
     def single_layer_damage(self, h: Harness, cal: dict[str, Any]) -> dict[int, float]:
         """NLL increase when only layer i is linearized, on 2 windows of the calibration split (seed + 1)."""
@@ -115,7 +116,7 @@ class SharedFits:
         out = {}
         for i in range(self.n_layers):
             original = adapter.attention(i)
-            Nbl(criterion="given").convert(adapter, i, {"input": "normed"}, self.fits["normed"][i])
+            Nbl(criterion="given").convert(adapter, i, NblEntry("normed"), self.fits["normed"][i])
             out[i] = perplexity(model, probe, progress=False).nll - base
             adapter.replace_attention(i, original)
             print(f"  damage layer {i}: {out[i]:+.4f} nats", flush=True)

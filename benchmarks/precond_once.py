@@ -31,7 +31,7 @@ class _NoMemo(dict):  # type: ignore[type-arg]
 
 def run(recipe: Any, shared: bool) -> tuple[float, dict[str, torch.Tensor]]:
     saved = precond._BUILT
-    precond._BUILT = precond.WeakTensorKeyDictionary() if shared else _NoMemo()
+    precond._BUILT = precond.WeakTensorKeyDictionary() if shared else _NoMemo()  # type: ignore[assignment]
     try:
         model, tokenizer = load_model("smollm2-135m")
         start = time.perf_counter()

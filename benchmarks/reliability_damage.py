@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 WEIGHTS = "model.safetensors"
 
 
-def _weights(d: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+def _weights(d: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     tensors = load_file(str(d / WEIGHTS))
     edit(tensors)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": "pt"})

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from reliability_damage import DAMAGE, HOLDS
 
@@ -34,7 +35,7 @@ NOT_WRITABLE = "/proc/attnslim-probe/out"  # /proc takes no new entries, not eve
 Check = Callable[[], bool]
 
 
-def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, stdin: str | None = None) -> dict[str, object]:
+def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, stdin: str | None = None) -> dict[str, Any]:
     proc = subprocess.run(CLI + argv, cwd=cwd, capture_output=True, text=True, timeout=900, input=stdin,
                           stdin=None if stdin is not None else subprocess.DEVNULL, env={**os.environ, **(env or {})})
     lines = proc.stderr.strip().splitlines()
@@ -55,7 +56,7 @@ def classify(res: dict[str, object], check: Check | None) -> str:
 class Probe:
     def __init__(self, work: Path) -> None:
         self.w = work
-        self.results: list[dict[str, object]] = []
+        self.results: list[dict[str, Any]] = []
         base = run(["compress", *CHEAP, "--out", "svd2", "--overwrite"], work)
         assert base["rc"] == 0, base
         d = work / "svd2"

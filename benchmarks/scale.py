@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, environment  # noqa: E402
 
-SHAPES = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-          "vocab_size": 128256, "head_dim": 128}
-SHAPES_70B = {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
-              "vocab_size": 128256, "head_dim": 128, "layers": 80}
+SHAPES: dict[str, Any] = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                          "intermediate_size": 14336, "vocab_size": 128256, "head_dim": 128}
+SHAPES_70B: dict[str, Any] = {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+                              "intermediate_size": 28672, "vocab_size": 128256, "head_dim": 128, "layers": 80}
 RECIPES = {  # method -> (args, steps' layers); nbl picks m of the candidates
     # qk split: the joint-QK Tucker did not finish one 4096-wide layer in 22 minutes on 2 cores
     "latentllm": {"ratio": 0.8, "qk": "split", "vo": "separate", "mlp": "none", "cache": "latent"},
@@ -49,7 +49,8 @@ def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> None:
     from attnslim.models.load import checkpoint_directory
 
     directory.mkdir(parents=True)
-    config = LlamaConfig(**SHAPES, num_hidden_layers=layers, rope_theta=500000.0, max_position_embeddings=8192,
+    config = LlamaConfig(**SHAPES, num_hidden_layers=layers,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, max_position_embeddings=8192,
                          tie_word_embeddings=False, dtype="bfloat16")
     config.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # ids < 49152 < vocab: any tokenizer of that size does
