@@ -182,11 +182,12 @@ def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
         assert torch.allclose(a, d, atol=1e-5), t
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3"])
 def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_changes(family):
-    """Outside autograd, decode runs on derived weights ([W_q; A; W_kr] in one GEMM, the absorbed and rotary query
-    maps in another). They must give the unfused values (qwen2: q/k biases; opt: no RoPE) and be rebuilt when a
-    parameter changes in place (heal), never serve stale weights."""
+    """Outside autograd, decode runs on derived weights ([W_q; A; W_kr (; W_k)] in one GEMM, the absorbed and rotary
+    query maps in another). They must give the unfused values (qwen2: q/k biases; opt: no RoPE; gemma3: QK-norm,
+    the key scales from W_k's rows of the GEMM, and sliding layers) and be rebuilt when a parameter changes in
+    place (heal), never serve stale weights."""
     model = TINY_BUILDERS[family]()
     _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
     module = get_adapter(model).attention(1)
@@ -209,20 +210,26 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
         module.q_proj.weight.add_(0.1)
     assert torch.allclose(decode(False), decode(True), atol=1e-5)
     assert not torch.allclose(decode(False), fused, atol=1e-3)
+    if module.key_norm is not None:  # the key scales come from W_k's rows of the fused weights: changes reach them
+        changed = decode(False)
+        with torch.no_grad():
+            module.key_norm.weight.mul_(torch.linspace(0.5, 2.0, module.key_norm.weight.shape[0])[:, None])
+        assert torch.allclose(decode(False), decode(True), atol=1e-5)
+        assert not torch.allclose(decode(False), changed, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3"])
 def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
     """decode_weight_bytes is counted from shapes; it must equal the bytes of the tensors each decode path
     really uses: the fused path's derived weights (qwen2: q/k biases; opt: no RoPE), and, where q_proj is not a
-    plain Linear (factorised by another step) or the layer has a key norm (gemma3: never fused, and W_k is read
-    for each new token's key scale), the unfused path's. bench.flops adds each layer's KV bytes × the rows its
-    cache holds, which must be the cache's own count (sliding layers hold only their window)."""
+    plain Linear (factorised by another step), the unfused path's. A key norm's W_k (gemma3), read for each new
+    token's key scale, is a row block of the fused input weights, and a tensor of its own on the unfused path.
+    bench.flops adds each layer's KV bytes × the rows its cache holds, which must be the cache's own count
+    (sliding layers hold only their window)."""
     model = TINY_BUILDERS[family]()
     _compress(model, "mla", {"kv_ratio": 0.5, **({"rope_dims": 0} if family == "opt" else {})})
     module = get_adapter(model).attention(1)
-    rest = sum(p.numel() for m in (module.o_proj, module.q_norm, module.key_norm) if m is not None
-               for p in m.parameters())
+    rest = sum(p.numel() for m in (module.o_proj, module.q_norm) if m is not None for p in m.parameters())
     assert (module.key_norm is not None) == (module.q_norm is not None) == (family == "gemma3")
     kv = kv_bytes_per_token(model, tokens=4)["per_layer"]  # 4: within every sliding window of these tiny models
     read = decode_bytes_per_token(model, 60, kv)
@@ -235,16 +242,14 @@ def test_decode_weight_bytes_are_the_tensors_decode_reads(family):
 
     def unfused_bytes():
         used = [*module.q_proj.parameters(), module.kv.a, module.absorbed_query(), module._value_map(),
-                *([] if module.k_rope is None else [*module.k_rope.parameters(), module.q_rope])]
+                *([] if module.k_rope is None else [*module.k_rope.parameters(), module.q_rope]),
+                *([] if module.key_norm is None else [module.key_norm.weight])]
         return 4 * (sum(t.numel() for t in used) + rest)
 
     fused = module.fused()
-    if family == "gemma3":
-        assert fused is None
-        assert module.decode_weight_bytes() == unfused_bytes()
-    else:
-        used = [fused.w_in, fused.maps, fused.value_t] + ([fused.b_in] if fused.b_in is not None else [])
-        assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in used) + rest)
+    assert fused is not None
+    used = [fused.w_in, fused.maps, fused.value_t] + ([fused.b_in] if fused.b_in is not None else [])
+    assert module.decode_weight_bytes() == 4 * (sum(t.numel() for t in used) + rest)
     d, hd = module.q_proj.in_features, module.q_proj.out_features
     module.q_proj = LowRankLinear(d, hd, 8, module.q_proj.bias is not None, False)
     assert module.fused() is None
@@ -469,8 +474,8 @@ def _real_paths_agree(model, ids: torch.Tensor) -> None:
         out[kernel] = _prefill_and_step(model, ids)
     for m in modules:
         m.path, m.decode_kernel = "auto", "auto"
-    # the absorbed run used the fused decode weights (QK-norm layers: the unfused path, by design)
-    assert modules and (modules[0]._fused is not None or modules[0].key_norm is not None)
+    # the absorbed run used the fused decode weights (QK-norm layers too)
+    assert modules and all(m._fused is not None for m in modules)
     for kernel in ("grouped", "split"):
         diff = (out[kernel] - out["auto"]).abs().max() / out["auto"].abs().max()
         assert diff < 1e-4, (kernel, diff)

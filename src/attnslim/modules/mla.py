@@ -11,7 +11,8 @@ QK-norm (Gemma-3: k = g ⊙ u / rms(u) per KV head, before RoPE): the factors ab
 (methods/mla_base.fit_spec), and each new token's s_j = 1/rms(u_j) per KV head j is computed once, from the
 model's own pre-norm key u = W_k x (`key_norm`, the original k_proj), and cached: logit_i = s_j(i) · (as above).
 The scale is the model's whatever the rank (not rebuilt from the latent: Gemma-3's gains have zeros, so g ⊙ u
-cannot give back u); it costs n_kv values per token, W_k's weights, and an unfused decode.
+cannot give back u); it costs n_kv values per token and W_k's weights, which the fused decode's one input GEMM
+includes.
 The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing (b, 1, t, 0) in the
 value slot: r + d_rope (+ n_kv) values per token and layer. In a dynamic cache (generate()'s default) the layer
 becomes a `_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
@@ -199,10 +200,14 @@ class MLAAttention(ReplacementAttention):
         k_r = self.k_rope(x) if self.k_rope is not None else None  # (b, t, d_rope)
         parts = [c] if k_r is None else [c, self._rope(k_r[:, None], past)[:, 0]]
         if self.key_norm is not None:
-            assert self.key_norm_eps is not None
-            u = self.key_norm(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (b, t, n_kv, d_h)
-            parts.append(torch.rsqrt(u.float().pow(2).mean(-1) + self.key_norm_eps).to(c.dtype))  # (b, t, n_kv)
+            parts.append(self._key_scales(self.key_norm(x)))
         return (torch.cat(parts, dim=-1) if len(parts) > 1 else c)[:, None]
+
+    def _key_scales(self, u: torch.Tensor) -> torch.Tensor:
+        """QK-norm: pre-norm keys u (..., n_kv·d_h) -> 1/rms per KV head (..., n_kv), in u's dtype."""
+        assert self.key_norm_eps is not None
+        u = u.unflatten(-1, (self.n_kv_heads, self.head_dim))  # (..., n_kv, d_h)
+        return torch.rsqrt(u.float().pow(2).mean(-1) + self.key_norm_eps).to(u.dtype)
 
     def _cached_scales(self, store: torch.Tensor) -> torch.Tensor:
         """QK-norm: the cached key scales (b, n_kv, T), one per KV head, a view of the cache."""
@@ -258,9 +263,9 @@ class MLAAttention(ReplacementAttention):
     # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
     def fused(self) -> FusedDecode | None:
         """Derived weights for decode outside autograd (modules/mla_fused.py), or None where q_proj is not a plain
-        Linear (e.g. factorised by another step) or the layer has a key norm (`_fusable`): the unfused path then
-        runs, with the same values. Built on first use and checked against the parameters when a sequence starts
-        (`attend` at an empty cache, or without one: `_forget_stale`), not at every decode step: reading every
+        Linear (e.g. factorised by another step; `_fusable`): the unfused path then runs, with the same values.
+        Built on first use and checked against the parameters when a sequence starts (`attend` at an empty cache,
+        or without one: `_forget_stale`), not at every decode step: reading every
         source tensor's version and address in every layer showed in profiles of a small model's decode step. So
         parameters changed in the middle of a cached sequence are seen from the next sequence on; the sequence's
         cached rows were computed with the old weights anyway."""
@@ -274,19 +279,20 @@ class MLAAttention(ReplacementAttention):
             rotary = RotaryParts(self.k_rope.weight, self.k_rope.bias, self.q_rope)
         with torch.no_grad():
             value = fuse_decode_weights(self.q_proj, self.kv.dense_latent(), self.absorbed_query(),
-                                        self._value_map(), self.scaling, rotary)
+                                        self._value_map(), self.scaling, rotary,
+                                        None if self.key_norm is None else self.key_norm.weight)
         assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
         self._fused = (self._source_key(), value)
         return value
 
     def _fusable(self) -> bool:
-        """Whether decode runs on `fused` weights: q_proj a plain Linear, and no key norm (the fused input rows do
-        not include W_k, whose output gives each new token's key scale; such layers decode on the unfused path)."""
-        return isinstance(self.q_proj, nn.Linear) and self.key_norm is None
+        """Whether decode runs on `fused` weights: where q_proj is a plain Linear (a key norm's W_k joins the
+        fused input rows)."""
+        return isinstance(self.q_proj, nn.Linear)
 
     def _source_key(self) -> tuple[tuple[int, int], ...]:
         """The state of every tensor `fused` derives from (mla_fused.source_key)."""
-        return source_key((self.q_proj, self.kv, self.k_rope, self))
+        return source_key((self.q_proj, self.kv, self.k_rope, self.key_norm, self))
 
     def _forget_stale(self) -> None:
         """Drop the derived decode weights if a tensor they derive from changed since they were built."""
@@ -299,11 +305,12 @@ class MLAAttention(ReplacementAttention):
         self._fused = self._absorbed = None
 
     def _decode_inputs(self, x: torch.Tensor, fused: FusedDecode, past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (b, t, d) -> new cache rows [c, RoPE(k_r)] (b, 1, t, r + d_rope) and
-        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], both views of fresh GEMM outputs."""
+        """x (b, t, d) -> new cache rows [c, RoPE(k_r) (, key scales)] (b, 1, t, r + d_rope (+ n_kv)) and
+        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], views of fresh GEMM outputs (the rows
+        of a QK-norm layer are one small concatenation: its scales are not linear in x)."""
         t = x.shape[1]
         hd, e = self.n_heads * self.head_dim, self.rank + self.rope_dims
-        y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, h·d_h + r + 2·d_rope): [q, c, k_r, P k_r]
+        y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, hd + r + 2·d_rope (+ n_kv·d_h))
         q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
@@ -311,8 +318,11 @@ class MLAAttention(ReplacementAttention):
         if self.rope_dims:
             cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
             rotate_in_place(q_cat[..., self.rank :], cos, sin)
-            rotate_in_place(y[..., hd + self.rank :], cos, sin)
-        return y[:, None, :, hd : hd + e], q_cat[..., :e]
+            rotate_in_place(y[..., hd + self.rank : hd + e + self.rope_dims], cos, sin)  # [k_r, P k_r]
+        new = y[:, None, :, hd : hd + e]
+        if self.key_norm is not None:
+            new = torch.cat([new, self._key_scales(y[:, None, :, hd + e + self.rope_dims :])], dim=-1)
+        return new, q_cat[..., :e]
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
@@ -358,19 +368,20 @@ class MLAAttention(ReplacementAttention):
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (bench.flops.decode_bytes_per_token), counted from the shapes:
         where decode is fused (`_fusable`), the tensors `fused` derives (input rows [W_q; A written out; W_kr;
-        P W_kr], the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head), else the unfused path's
-        (q_proj, A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head); o_proj, the q-norm and the key norm's
-        W_k either way.
+        P W_kr (; the key norm's W_k)], the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head),
+        else the unfused path's (q_proj, A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head, W_k); o_proj
+        and the q-norm either way.
         Not the parameter count: decode never reads B, and reads the absorbed products instead."""
         h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
         if self._fusable():
             has_bias = self.q_proj.bias is not None or (self.k_rope is not None and self.k_rope.bias is not None)
-            count = fused_weight_count(h, d_h, r, e, self.kv.in_features, n_kv, has_bias)
+            count = fused_weight_count(h, d_h, r, e, self.kv.in_features, n_kv, has_bias, self.key_norm is not None)
         else:
             k_rope = 0 if self.k_rope is None else sum(p.numel() for p in self.k_rope.parameters())
-            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope \
+            key_norm = 0 if self.key_norm is None else self.key_norm.weight.numel()
+            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope + key_norm \
                 + h * d_h * (r + e) + n_kv * r * d_h
-        rest = [m for m in (self.o_proj, self.q_norm, self.key_norm) if m is not None]
+        rest = [m for m in (self.o_proj, self.q_norm) if m is not None]
         count += sum(p.numel() for m in rest for p in m.parameters())
         return count * self.kv.b.element_size()
 

@@ -1,7 +1,9 @@
 """The derived weights `MLAAttention` decodes with outside autograd (modules/mla.py): the same algebra as its unfused
 absorbed path, in fewer, larger operations. Pure functions of tensors; the module decides when to build them.
 
-    w_in (h·d_h + r + 2·d_rope, d)   [W_q; A; W_kr; P W_kr]   one GEMM gives [q, c, k_r, P k_r] per new token
+    w_in (h·d_h + r + 2·d_rope (+ n_kv·d_h), d)   [W_q; A; W_kr; P W_kr (; W_k)]   one GEMM gives [q, c, k_r, P k_r
+                                     (, u)] per new token; u = W_k x, the pre-norm key of a QK-norm layer, whose
+                                     1/rms per KV head the module caches
     maps (h, d_h, r + 2·d_rope)      scaling · [B_kᵀ N_q,i; R_q,i; P R_q,i]ᵀ per head: q -> [absorbed query;
                                      rotary query; its rotate-half], the softmax scale folded in
     value_t (n_kv, r, d_h)           B_vᵀ per KV head, contiguous
@@ -22,8 +24,8 @@ from attnslim.linalg.rope import rotate_half
 
 
 class FusedDecode(NamedTuple):
-    w_in: torch.Tensor  # (h·d_h + r + 2·d_rope, d)
-    b_in: torch.Tensor | None  # (h·d_h + r + 2·d_rope,)
+    w_in: torch.Tensor  # (h·d_h + r + 2·d_rope (+ n_kv·d_h), d)
+    b_in: torch.Tensor | None  # (h·d_h + r + 2·d_rope (+ n_kv·d_h),)
     maps: torch.Tensor  # (h, d_h, r + 2·d_rope)
     value_t: torch.Tensor  # (n_kv, r, d_h) B_vᵀ per KV head
 
@@ -36,9 +38,11 @@ class RotaryParts(NamedTuple):
 
 @torch.no_grad()
 def fuse_decode_weights(q_proj: nn.Linear, latent: torch.Tensor, absorbed: torch.Tensor, value_map: torch.Tensor,
-                        scaling: float, rotary: RotaryParts | None) -> FusedDecode:
+                        scaling: float, rotary: RotaryParts | None, key_norm: torch.Tensor | None = None
+                        ) -> FusedDecode:
     """The module docstring's tensors, detached. latent (r, d): A with its block identity written out; absorbed
-    (h, r, d_h) B_kᵀ N_q,i; value_map (n_kv, r, d_h) B_vᵀ; rotary None where every key dim is non-rotary."""
+    (h, r, d_h) B_kᵀ N_q,i; value_map (n_kv, r, d_h) B_vᵀ; rotary None where every key dim is non-rotary;
+    key_norm (n_kv·d_h, d) the pre-norm key projection W_k of a QK-norm layer (its rows come last), else None."""
     rows = [q_proj.weight, latent]
     biases: list[torch.Tensor | None] = [q_proj.bias, None]
     maps = [absorbed]  # (h, r, d_h)
@@ -47,6 +51,9 @@ def fuse_decode_weights(q_proj: nn.Linear, latent: torch.Tensor, absorbed: torch
         rows += [w_kr, rotate_half(w_kr.T).T]
         biases += [b_kr, None if b_kr is None else rotate_half(b_kr)]
         maps += [q_r, rotate_half(q_r.transpose(1, 2)).transpose(1, 2)]
+    if key_norm is not None:
+        rows.append(key_norm)
+        biases.append(None)
     bias = None if all(x is None for x in biases) else torch.cat(
         [x if x is not None else w.new_zeros(w.shape[0]) for x, w in zip(biases, rows, strict=True)])
     return FusedDecode(torch.cat(rows).detach(), None if bias is None else bias.detach(),
@@ -55,9 +62,9 @@ def fuse_decode_weights(q_proj: nn.Linear, latent: torch.Tensor, absorbed: torch
 
 
 def fused_weight_count(n_heads: int, head_dim: int, rank: int, rope_dims: int, hidden: int, n_kv_heads: int,
-                       has_bias: bool) -> int:
+                       has_bias: bool, key_norm: bool = False) -> int:
     """Elements of `fuse_decode_weights`' output, from the shapes alone (what one fused decode step reads)."""
-    rows = n_heads * head_dim + rank + 2 * rope_dims
+    rows = n_heads * head_dim + rank + 2 * rope_dims + (n_kv_heads * head_dim if key_norm else 0)
     return rows * hidden + (rows if has_bias else 0) + n_heads * head_dim * (rank + 2 * rope_dims) \
         + n_kv_heads * rank * head_dim
 
