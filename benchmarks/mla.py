@@ -147,6 +147,8 @@ def speed(h: Harness, recipes: dict[str, dict[str, Any]], keys: list[str], conte
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats, cache_kind=cache_kind)
     result["cpu_linear"] = cpu_linear
     h.data["speed"], h.data["costs"] = result, costs_of(models, contexts)
+    h.data.pop("costs_recounted", None)  # these counts are the run's own
+    h.data.pop("comments", None)  # a person's comments were about the previous run
     speed_notes(h)
 
 
