@@ -1,0 +1,78 @@
+"""Every recipe a benchmark script builds is a valid recipe of today's methods.
+
+The scripts run for hours and only on demand, so a method argument renamed or removed in `src/` would surface only
+when somebody re-runs one (two scripts were found broken that way: mypy on benchmarks/ now catches signature drift,
+and this catches argument drift, which mypy cannot see in plain-data recipes). Each recipe goes through
+`recipe_from_dict` and `api.check_recipe`, which builds every step's method from its arguments, as `compress`
+does before it loads a model."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from attnslim.api import check_recipe
+from attnslim.recipe import recipe_from_dict
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SMOLLM2_SHAPES = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),
+                  "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536)}
+
+
+@pytest.fixture(scope="module")
+def script() -> Iterator[Any]:
+    """Import a benchmarks/ script by name (they import each other by bare name, as when run from there)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield lambda name: importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _check(recipes: dict[str, dict[str, Any]]) -> int:
+    for key, recipe in recipes.items():
+        methods = check_recipe(recipe_from_dict(recipe))
+        assert len(methods) == len(recipe["steps"]), key
+    return len(recipes)
+
+
+def _named(steps_by_key: dict[str, list[dict[str, Any]]], cal: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: {"name": k, "calibration": cal, "steps": s} for k, s in steps_by_key.items()}
+
+
+@pytest.mark.parametrize("kv", [0.5, 0.375, 0.25])
+def test_mla_benchmark_recipes_are_valid(script: Any, kv: float) -> None:
+    mla: ModuleType = script("mla")
+    common: ModuleType = script("common")
+    recipes = _named(mla.oneshot_variants(kv, True, (16, 32)), common.calibration())
+    assert any(s["method"] == "transmla" for r in recipes.values() for s in r["steps"])  # the peer is built too
+    heals = {f"{k}-heal40-{tag}": {**r, "name": f"{k}-heal40-{tag}", "heal": {**mla.HEAL, **change}}
+             for k, r in recipes.items() for tag, change in mla.HEAL_ABLATIONS.items()}
+    assert _check(recipes) > 10 and _check(heals) == len(recipes) * len(mla.HEAL_ABLATIONS)
+
+
+def test_latentllm_benchmark_recipes_are_valid(script: Any) -> None:
+    latentllm: ModuleType = script("latentllm")
+    common: ModuleType = script("common")
+    steps = {**latentllm.attention_variants(0.8), **latentllm.precond_variants(), **latentllm.kv_variants(),
+             **latentllm.whole_variants(SMOLLM2_SHAPES, 30, 134_515_008)}
+    cal = common.calibration()
+    heals = {k: {"name": k, "calibration": cal, "steps": s, "heal": heal}
+             for k, (s, heal) in latentllm.heal_variants(steps, 40).items()}
+    assert _check(_named(steps, cal)) == len(steps) and _check(heals) == len(heals) > 0
+
+
+def test_nbl_and_composed_benchmark_recipes_are_valid(script: Any) -> None:
+    nbl: ModuleType = script("nbl")
+    composed: ModuleType = script("composed")
+    common: ModuleType = script("common")
+    cal = common.calibration()
+    args = [{"m": 6}, {"m": 6, **nbl.PAPER}] + [{"m": 6, "criterion": c} for c in nbl.SELECTIONS]
+    assert _check({f"nbl-{i}": nbl.recipe(f"nbl-{i}", cal, nbl.nbl(a)) for i, a in enumerate(args)}) == len(args)
+    assert _check(composed.variants(16)) == len(composed.variants(16))
