@@ -35,11 +35,11 @@ def script() -> Iterator[Any]:
         sys.path.remove(str(BENCHMARKS))
 
 
-def _check(recipes: dict[str, dict[str, Any]]) -> int:
-    for key, recipe in recipes.items():
-        methods = check_recipe(recipe_from_dict(recipe))
-        assert len(methods) == len(recipe["steps"]), key
-    return len(recipes)
+def _check(recipes: dict[str, dict[str, Any]]) -> None:
+    """Raises (AttnslimError naming the recipe, step and argument) where a recipe is not valid today."""
+    assert recipes  # a builder that yields nothing would pass vacuously
+    for recipe in recipes.values():
+        check_recipe(recipe_from_dict(recipe))
 
 
 def _named(steps_by_key: dict[str, list[dict[str, Any]]], cal: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -54,7 +54,8 @@ def test_mla_benchmark_recipes_are_valid(script: Any, kv: float) -> None:
     assert any(s["method"] == "transmla" for r in recipes.values() for s in r["steps"])  # the peer is built too
     heals = {f"{k}-heal40-{tag}": {**r, "name": f"{k}-heal40-{tag}", "heal": {**mla.HEAL, **change}}
              for k, r in recipes.items() for tag, change in mla.HEAL_ABLATIONS.items()}
-    assert _check(recipes) > 10 and _check(heals) == len(recipes) * len(mla.HEAL_ABLATIONS)
+    _check(recipes)
+    _check(heals)
 
 
 def test_latentllm_benchmark_recipes_are_valid(script: Any) -> None:
@@ -65,7 +66,8 @@ def test_latentllm_benchmark_recipes_are_valid(script: Any) -> None:
     cal = common.calibration()
     heals = {k: {"name": k, "calibration": cal, "steps": s, "heal": heal}
              for k, (s, heal) in latentllm.heal_variants(steps, 40).items()}
-    assert _check(_named(steps, cal)) == len(steps) and _check(heals) == len(heals) > 0
+    _check(_named(steps, cal))
+    _check(heals)
 
 
 def test_nbl_and_composed_benchmark_recipes_are_valid(script: Any) -> None:
@@ -74,5 +76,5 @@ def test_nbl_and_composed_benchmark_recipes_are_valid(script: Any) -> None:
     common: ModuleType = script("common")
     cal = common.calibration()
     args = [{"m": 6}, {"m": 6, **nbl.PAPER}] + [{"m": 6, "criterion": c} for c in nbl.SELECTIONS]
-    assert _check({f"nbl-{i}": nbl.recipe(f"nbl-{i}", cal, nbl.nbl(a)) for i, a in enumerate(args)}) == len(args)
-    assert _check(composed.variants(16)) == len(composed.variants(16))
+    _check({f"nbl-{i}": nbl.recipe(f"nbl-{i}", cal, nbl.nbl(a)) for i, a in enumerate(args)})
+    _check(composed.variants(16))

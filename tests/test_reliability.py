@@ -535,3 +535,13 @@ def test_d12_local_path_typos_and_incomplete_dirs_fail_fast(tmp_path, monkeypatc
     tiny_llama().config.save_pretrained(only_config)
     with pytest.raises(AttnslimError, match="has no tokenizer files"):  # cases 10, 11
         load_mod.load_model(str(only_config))
+
+
+def test_wrapped_errors_quote_the_first_line_and_survive_an_empty_message() -> None:
+    """AttnslimErrors quote the library error they wrap by its first line (errors.first_line); an exception
+    without a message gave `str(err).splitlines()[0]` an IndexError, which hid the real error."""
+    from attnslim.errors import first_line
+
+    assert first_line(RuntimeError("  first\nsecond  ")) == "first"
+    assert first_line(RuntimeError("x" * 50), 10) == "x" * 10
+    assert first_line(RuntimeError()) == ""

@@ -18,7 +18,7 @@ from attnslim.adapters import get_adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows
-from attnslim.errors import AttnslimError
+from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
@@ -220,7 +220,7 @@ def _named_meta_errors(residency: Residency, method: str) -> Iterator[None]:
         if not (residency.offloaded and "meta" in str(err)):
             raise
         raise AttnslimError(f"method {method!r} cannot run with --offload: it reads weights outside the decoder "
-                            f"layer being converted ({str(err).splitlines()[0][:160]}); compress in memory") from err
+                            f"layer being converted ({first_line(err, 160)}); compress in memory") from err
 
 
 def refuse_offloaded(recipe: Recipe, methods: list[Method]) -> None:

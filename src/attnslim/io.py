@@ -24,7 +24,7 @@ import torch
 
 from attnslim import _compat
 from attnslim.checksum import sha256_file
-from attnslim.errors import AttnslimError
+from attnslim.errors import AttnslimError, first_line
 from attnslim.outdir import MARKER, staged_output
 
 FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) still loads
@@ -124,8 +124,7 @@ def load(directory: str | Path, dtype: torch.dtype = torch.float32, offload: boo
     except AttnslimError as err:
         raise AttnslimError(f"{directory}: {err}") from err
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
-        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-        raise AttnslimError(f"{directory} is damaged ({type(err).__name__}: {detail}); "
+        raise AttnslimError(f"{directory} is damaged ({type(err).__name__}: {first_line(err)}); "
                             "re-create it with attnslim compress") from err
 
 

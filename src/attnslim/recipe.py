@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from attnslim.data.sources import check_source
-from attnslim.errors import AttnslimError
+from attnslim.errors import AttnslimError, first_line
 from attnslim.settings import HealConfig
 
 RECIPES_DIR = Path(__file__).parent / "recipes"  # package data; the checkout's recipes/ links here
@@ -265,7 +265,7 @@ def yaml_value(raw: str, where: str) -> Any:
     try:
         return yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as err:
-        problem = str(err).splitlines()[0]
+        problem = first_line(err, 10_000)
         raise AttnslimError(f"{where}: the value {raw!r} is not valid YAML ({problem}); quote strings, write "
                             "lists as [1, 2]") from None
 

@@ -198,7 +198,7 @@ class MLA(MLABase):
         _, rope = self._sizes(adapter, layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        spec = fit_spec(adapter.attention_spec(layer).to(st.sxx.device), st)
+        spec = fit_spec(adapter.attention_spec(layer), st)
         split = self._split(adapter, spec, st, rope, where)
         found = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
         return MLAStats({} if self.sequential else stats.grams, found)

@@ -141,7 +141,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        linear = fit_spec(spec.to(st.sxx.device), st)  # fitted where the statistics are (CPU), as latentllm does
+        linear = fit_spec(spec, st)
         split = self._split(adapter, linear, st, entry.rope_dims, where)
         factors = self._fit(linear, split, st, entry.rank, where)
         module = self._install(adapter, layer, spec, entry)
@@ -190,7 +190,9 @@ def fit_spec(spec: AttentionSpec, st: InputStats) -> AttentionSpec:
       queries  they only weight the fit (the query-weighted rotary choice, key error against value error), so they
                are put in the units the softmax sees: with a query norm g_q ⊙ q / rms(q), and divided by the key's
                rms(u) too, each rms at its calibration mean (a key error e moves a logit by about q_n · e / rms(u)).
-    The spec itself without a key norm."""
+    The spec as it is without a key norm. Either way on the statistics' device (CPU), whatever device the model's
+    layer is on: the fit computes there, as latentllm's does."""
+    spec = spec.to(st.sxx.device)
     if spec.k_norm_rms is None:
         return spec
     k_gain = spec.k_norm_rms.gain.to(spec.k.dtype).repeat(spec.n_kv_heads)  # (n_kv·d_h,)

@@ -11,7 +11,7 @@ import torch
 
 from attnslim import _compat
 from attnslim.checksum import sha256_file
-from attnslim.errors import AttnslimError
+from attnslim.errors import AttnslimError, first_line
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
 from attnslim.outdir import check_writable_parent, staged_output
 
@@ -72,7 +72,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
                                                      **_compat.SAFE_LOADING)
         tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
-        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({_detail(err)}); check that it "
+        detail = first_line(err) or type(err).__name__
+        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
                             "holds config.json, the weights and the tokenizer files of one model") from err
     return model.eval(), tokenizer
 
@@ -125,15 +126,10 @@ def _config_and_tokenizer(directory: Path) -> tuple[PretrainedConfig, Any]:
         config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
         tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
-        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({_detail(err)}); check "
-                            "that it holds config.json and the tokenizer files of one model") from err
+        detail = first_line(err) or type(err).__name__
+        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail}); check that it "
+                            "holds config.json and the tokenizer files of one model") from err
     return config, tokenizer
-
-
-def _detail(err: Exception) -> str:
-    """The first line of an exception's message (at most 300 characters), or its type when it has none."""
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def refuse_compressed_input(name_or_path: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from attnslim.errors import AttnslimError
+from attnslim.errors import AttnslimError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
         torch.nn.functional.linear(a, a).sum().item()
     except RuntimeError as err:
         raise AttnslimError(f"--dtype {str(dtype).removeprefix('torch.')} cannot run on {device} "
-                            f"({str(err).splitlines()[0][:200]}); use --dtype float32") from err
+                            f"({first_line(err, 200)}); use --dtype float32") from err
 
 
 def memory_available() -> int:
