@@ -65,6 +65,7 @@ def measure(context: int, repeats: int) -> dict[str, float | int]:
         "dense": lambda i: F.scaled_dot_product_attention(q_dense, keys[i], values[i], enable_gqa=True),
         "grouped": lambda i: grouped_attention(q, rows[i], rows[i][..., :RANK], None, 1.0),
         "split": lambda i: split_attention(q, rows[i], None, 1.0, 2),
+        "flash": lambda i: split_attention(q, rows[i], None, 1.0, 1),
     }, repeats))
     out["auto_pieces"] = split_count(q, context)
     return out
@@ -84,8 +85,9 @@ def main() -> None:
              "(median of repetitions, each over 30 distinct layer caches); ratio = dense's time over the kernel's "
              "(above 1: faster than dense). `auto` is what MLAAttention runs: `split` where it advises 2 or more "
              "pieces, else `grouped`.", "",
-             "| threads | context | dense µs | grouped µs (×dense) | split, 2 pieces µs (×dense) | auto picks |",
-             "|---|---|---|---|---|---|"]
+             "| threads | context | dense µs | grouped µs (×dense) | split, 2 pieces µs (×dense) | "
+             "flash, 1 piece µs (×dense) | auto picks |",
+             "|---|---|---|---|---|---|---|"]
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for context in (int(c) for c in args.contexts.split(",")):
@@ -94,7 +96,7 @@ def main() -> None:
             d = row["dense"]
             pick = "split" if int(row["auto_pieces"]) > 1 else "grouped"
             lines.append(f"| {threads} | {context} | {d:.0f} | {row['grouped']:.0f} ({d / row['grouped']:.2f}×) | "
-                         f"{row['split']:.0f} ({d / row['split']:.2f}×) | {pick} |")
+                         f"{row['split']:.0f} ({d / row['split']:.2f}×) | {row['flash']:.0f} ({d / row['flash']:.2f}×) | {pick} |")
             print(lines[-1], flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{args.name}.json"

@@ -9,6 +9,7 @@ import torch
 from attnslim.linalg import split_attention as split
 from attnslim.linalg.attention import grouped_attention, repeat_kv, softmax_attention
 from attnslim.linalg.lowrank import LowRankFactors
+from attnslim.linalg.scores import heads, merge_heads
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
 
 
@@ -145,3 +146,14 @@ def test_a_decode_mask_that_keeps_every_row_is_dropped() -> None:
     assert attention_keep(full, 1, 9, full.device, 4, None) is not None  # the window hides the first rows
     causal = torch.ones(2, 9, dtype=torch.bool).tril(7)[None, None]  # two queries: not all rows
     assert attention_keep(causal, 2, 9, full.device, None, None) is not None
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_heads_and_merge_heads_undo_each_other_on_views_of_wider_rows(t: int) -> None:
+    """`heads` takes the first h·d columns of a fused projection's output (a view with a wider row stride);
+    one token goes through a view with no transpose: the same values as the transposing form."""
+    y = torch.randn(2, t, 5 * 4 + 7)[..., : 5 * 4]  # (b, t, h·d) of a wider GEMM output
+    split = heads(y, 4)  # (b, h, t, d)
+    assert torch.equal(split, y.reshape(2, t, 5, 4).transpose(1, 2))
+    assert torch.equal(merge_heads(split), y)
+    assert torch.equal(merge_heads(split.transpose(1, 2).contiguous().transpose(1, 2)), y)  # non-contiguous

@@ -4,6 +4,8 @@ copy rows only when its buffer is full, and count its spare rows as cache bytes.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -13,13 +15,15 @@ from conftest import tiny_llama, tiny_qwen2
 from test_pipeline import _compress
 
 
-def _rows(seed: int, t: int, b: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(seed: int, t: int, b: int = 2, value_width: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, 3, t, 8, generator=g), torch.randn(b, 3, t, 4, generator=g)
+    return torch.randn(b, 3, t, 8, generator=g), torch.randn(b, 3, t, value_width, generator=g)
 
 
-def test_holds_what_a_dynamic_layer_holds_through_every_cache_operation():
+@pytest.mark.parametrize("value_width", [4, 0])  # 0: a latent cache's empty value slot (modules/mla.py)
+def test_holds_what_a_dynamic_layer_holds_through_every_cache_operation(value_width):
     ref, got = DynamicLayer(), _compat.ReservedRowsLayer()
+    rows = functools.partial(_rows, value_width=value_width)
 
     def both(op: str, *args: object) -> None:
         for layer in (ref, got):
@@ -27,17 +31,17 @@ def test_holds_what_a_dynamic_layer_holds_through_every_cache_operation():
         assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values), op
         assert got.get_seq_length() == ref.get_seq_length()
 
-    both("update", *_rows(0, 5))  # prefill
+    both("update", *rows(0, 5))  # prefill
     for step in range(1, 80):  # decode past the first growth (64 spare rows)
-        both("update", *_rows(step, 1))
+        both("update", *rows(step, 1))
     both("crop", -7)  # assisted decoding rejects draft tokens: the cut rows are overwritten next
-    both("update", *_rows(100, 3))
+    both("update", *rows(100, 3))
     both("reorder_cache", torch.tensor([1, 0]))  # beam search
-    both("update", *_rows(101, 1))
+    both("update", *rows(101, 1))
     both("batch_repeat_interleave", 2)
-    both("update", *_rows(102, 1, b=4))
+    both("update", *rows(102, 1, b=4))
     both("batch_select_indices", torch.tensor([0, 3]))
-    both("update", *_rows(103, 2))
+    both("update", *rows(103, 2))
     got.reset()
     assert got.reserved_bytes() == 0 and not got.is_initialized
 

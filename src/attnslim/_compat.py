@@ -157,7 +157,10 @@ class ReservedRowsLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = self._append(0, self.keys, key_states)
-        self.values = self._append(1, self.values, value_states)
+        if value_states.shape[-1] == 0:  # a latent cache's empty value slot: rows to count, nothing to copy
+            self.values = self.keys[..., :0]
+        else:
+            self.values = self._append(1, self.values, value_states)
         return self.keys, self.values
 
     def _append(self, slot: int, filled: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,18 @@ if TYPE_CHECKING:
 
 
 def heads(y: torch.Tensor, dim: int) -> torch.Tensor:
-    """(b, t, n*dim) -> (b, n, t, dim)."""
+    """(b, t, n*dim) -> (b, n, t, dim). One token (decode): a view with no transpose, one operator less."""
+    if y.shape[1] == 1:
+        return y.view(y.shape[0], -1, 1, dim)
     return y.view(*y.shape[:2], -1, dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(b, n, t, dim) -> (b, t, n*dim), `heads` undone. One token: a view where x is contiguous."""
+    b, n, t, dim = x.shape
+    if t == 1 and x.is_contiguous():
+        return x.view(b, 1, n * dim)
+    return x.transpose(1, 2).reshape(b, t, n * dim)
 
 
 def qk_scores(

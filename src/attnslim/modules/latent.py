@@ -36,7 +36,7 @@ from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import grouped_attention, repeat_kv, sliding_keep, softmax_attention
 from attnslim.linalg.rope import apply_rope
-from attnslim.linalg.scores import heads
+from attnslim.linalg.scores import heads, merge_heads
 from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
@@ -160,8 +160,7 @@ class LatentAttention(ReplacementAttention):
         else:
             k = k_store
         out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
-        out = out.transpose(1, 2).reshape(b, t, h * self.head_dim)  # (b, t, h·d_h)
-        return self.o_proj(out)
+        return self.o_proj(merge_heads(out))  # (b, t, h·d_h) in
 
     def _cache_update(self, cache: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both slots into the HF cache, every row so far back. A static cache allocates both slots with the first
@@ -246,7 +245,9 @@ def attention_keep(attention_mask: Any, t: int, kv: int, device: torch.device, s
     window_free = sliding_window is None or kv <= sliding_window
     if attention_mask is None and window_free and softcap is None and t in (1, kv):
         return None
-    keep = sliding_keep(_compat.keep_mask(attention_mask, t, kv, device), sliding_window)
+    keep = _compat.keep_mask(attention_mask, t, kv, device)
+    if not window_free:  # within the window every key is at most kv − 1 < window positions back
+        keep = sliding_keep(keep, sliding_window)
     if t == 1 and softcap is None and keep.device.type == "cpu" and bool(keep.all()):
         return None
     return keep

@@ -48,7 +48,7 @@ from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
 from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope
-from attnslim.linalg.scores import heads
+from attnslim.linalg.scores import heads, merge_heads
 from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.cpu_linear import linear
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
@@ -190,8 +190,7 @@ class MLAAttention(ReplacementAttention):
                 out = self._absorb(q, q_r, store, keep)
             else:
                 out = self._decompress(q, q_r, store, keep)
-        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h·d_h)
-        return self.o_proj(out)
+        return self.o_proj(merge_heads(out))  # (b, t, h·d_h) in
 
     def _new_rows(self, x: torch.Tensor, past: int) -> torch.Tensor:
         """x (b, t, d) -> the cache rows of new tokens (b, 1, t, r + d_rope + key_scales): [c, RoPE(k_r)], and with
@@ -309,19 +308,23 @@ class MLAAttention(ReplacementAttention):
         q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], views of fresh GEMM outputs (the rows
         of a QK-norm layer are one small concatenation: its scales are not linear in x)."""
         t = x.shape[1]
-        hd, e = self.n_heads * self.head_dim, self.rank + self.rope_dims
+        r, d_r, hd = self.rank, self.rope_dims, self.n_heads * self.head_dim
+        e = r + d_r
         y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, hd + r + 2·d_rope (+ n_kv·d_h))
-        q = heads(y[..., :hd], self.head_dim)  # (b, h, t, d_h)
+        # views, one operator: q (hd), c (r), k_r, P k_r (d_rope each), the pre-norm key u (n_kv·d_h, or none)
+        q_rows, _, k_r, p_k_r, u = y.split([hd, r, d_r, d_r, y.shape[-1] - hd - e - d_r], dim=-1)
+        q = heads(q_rows, self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q_cat = q @ fused.maps  # (b, h, t, r + 2·d_rope): [absorbed query, q_r, P q_r]
-        if self.rope_dims:
+        if d_r:
             cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
-            rotate_in_place(q_cat[..., self.rank :], cos, sin)
-            rotate_in_place(y[..., hd + self.rank : hd + e + self.rope_dims], cos, sin)  # [k_r, P k_r]
+            _, q_r, p_q_r = q_cat.split([r, d_r, d_r], dim=-1)
+            rotate_in_place(q_r, p_q_r, cos, sin)
+            rotate_in_place(k_r, p_k_r, cos, sin)
         new = y[:, None, :, hd : hd + e]
         if self.key_norm is not None:
-            new = torch.cat([new, self._key_scales(y[:, None, :, hd + e + self.rope_dims :])], dim=-1)
+            new = torch.cat([new, self._key_scales(u[:, None])], dim=-1)
         return new, q_cat[..., :e]
 
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None

@@ -9,7 +9,9 @@ absorbed path, in fewer, larger operations. Pure functions of tensors; the modul
     value_t (n_kv, r, d_h)           B_vᵀ per KV head, contiguous
 
 P is RoPE's rotate-half ([x1, x2] -> [−x2, x1]), a fixed linear map: with P·y computed by the same GEMM,
-RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`rotate_in_place`).
+RoPE(y) = y·cos + (P y)·sin is two in-place element-wise ops (`rotate_in_place`). The module takes the GEMMs'
+outputs apart with one `split` each: at a small model's decode every dispatched operator counts
+(benchmarks/decode_ops.py).
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ def source_key(modules: Iterable[nn.Module | None]) -> tuple[tuple[int, int], ..
                  for d in (m._parameters, m._buffers) for p in d.values() if p is not None)
 
 
-def rotate_in_place(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """z (..., t, 2·d_rope) = [y, P y] -> its first d_rope columns become RoPE(y) = y·cos + (P y)·sin."""
-    d = cos.shape[-1]
-    z[..., :d].mul_(cos).addcmul_(z[..., d:], sin)
+def rotate_in_place(y: torch.Tensor, p_y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """y, p_y (..., t, d_rope) = y and P y, views of one GEMM's output -> y becomes RoPE(y) = y·cos + (P y)·sin."""
+    y.mul_(cos).addcmul_(p_y, sin)
