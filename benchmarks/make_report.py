@@ -89,8 +89,16 @@ SECTIONS = {
                         "own fast kernels), 2 threads", "benchmarks/mla.py"),
     "mla-speed-bytes": ("MLA: decode against dense with the bytes each new token reads (weights + KV cache), 2 "
                         "threads", "benchmarks/mla.py"),
-    "mla-speed-512": ("MLA: decode against dense at 512 tokens of context, 21 repetitions (the issue's 512-token "
+    "mla-speed-512": ("MLA: decode against dense at 512 tokens of context, many repetitions (the issue's 512-token "
                       "target), 2 threads", "benchmarks/mla.py"),
+    "mla-kernels-intel": ("MLA: decode core kernels on an Intel host (grouped GEMMs, the split flash kernel and one "
+                          "flash call) beside dense's core", "benchmarks/mla_kernels.py"),
+    "decode-ops-smollm2-135m-before": ("What one decode step dispatches, SmolLM2-135M dense against MLA, before the "
+                                       "decode-path cuts", "benchmarks/decode_ops.py"),
+    "decode-ops-smollm2-135m": ("What one decode step dispatches, SmolLM2-135M dense against MLA",
+                                "benchmarks/decode_ops.py"),
+    "decode-ops-gemma3-270m": ("What one decode step dispatches, Gemma-3 270M dense against MLA",
+                               "benchmarks/decode_ops.py"),
     "mla-gemma3-speed": ("MLA on Gemma-3 270M: decode and prefill against dense, with the bytes each new token reads, "
                          "2 threads", "benchmarks/mla.py"),
 }
@@ -115,7 +123,8 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t",
          "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
-         "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-speed-512",
+         "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-kernels-intel",
+         "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m",
          "mla-gemma3-speed", "gpu-h200",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",

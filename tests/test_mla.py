@@ -182,7 +182,7 @@ def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
         assert torch.allclose(a, d, atol=1e-5), t
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3", "mistral"])
 def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_changes(family):
     """Outside autograd, decode runs on derived weights ([W_q; A; W_kr (; W_k)] in one GEMM, the absorbed and rotary
     query maps in another). They must give the unfused values (qwen2: q/k biases; opt: no RoPE; gemma3: QK-norm,
@@ -203,8 +203,19 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
 
     unfused = decode(True)
     assert module._fused is None
+    straight = []  # decode steps that took `_decode_step` (steps 2 and 3: the first builds the fused weights)
+    step = module._decode_step
+    module._decode_step = lambda *a: straight.append(step(*a)) or straight[-1]
     fused = decode(False)
+    del module._decode_step
     assert module._fused is not None and torch.allclose(fused, unfused, atol=1e-5)
+    # the straight path serves plain layers; a key norm (gemma3) or a sliding window (mistral: 4, past after the
+    # prefill) take the general path
+    plain = module.key_norm is None and module.sliding_window is None
+    assert sum(out is not None for out in straight) == (2 if plain else 0)
+    module.path = "absorb"  # the general path for every step: the same values
+    assert torch.allclose(decode(False), fused, atol=1e-5)
+    module.path = "auto"
     with torch.no_grad():
         module.kv.b.mul_(1.5)  # in place: same storage, new version
         module.q_proj.weight.add_(0.1)

@@ -45,6 +45,9 @@ class AttentionCall(NamedTuple):
 
 def attention_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AttentionCall:
     """HF's positional/keyword attention arguments -> AttentionCall (other keywords, e.g. cache_position, unused)."""
+    if not args and "hidden_states" in kwargs:  # how HF's decoder layers call attention: keywords only
+        return AttentionCall(kwargs["hidden_states"], kwargs.get("position_embeddings"), kwargs.get("attention_mask"),
+                             kwargs.get("past_key_values"))
     values = dict(zip(_CALL_KEYWORDS, args, strict=False)) | {k: kwargs[k] for k in _CALL_KEYWORDS if k in kwargs}
     if "hidden_states" not in values:
         raise TypeError("attention called without hidden_states")
@@ -178,9 +181,13 @@ class ReservedRowsLayer(DynamicLayer):
             if rows and filled is not None:
                 buf[..., :rows, :] = filled
             self._reserve[slot] = buf
-        buf[..., rows:need, :] = new
-        view = self._views[slot] = buf[..., :need, :]
+        buf.narrow(-2, rows, need - rows).copy_(new)  # narrow, not `buf[..., a:b, :]`: no Python index parsing
+        view = self._views[slot] = buf.narrow(-2, 0, need)
         return view
+
+    def rows(self) -> int:
+        """Tokens held (get_seq_length without its checks: read at every decode step)."""
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def reserved_bytes(self) -> int:
         """Bytes of both buffers, spare rows included (0 before the first update)."""
@@ -200,6 +207,16 @@ def reserve_rows(cache: Any, layer_idx: int) -> None:
             layers[layer_idx] = ReservedRowsLayer()
     elif getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         install_cache_layer(cache, layer_idx, ReservedRowsLayer())
+
+
+def filled_reserved_layer(cache: Any, layer_idx: int) -> ReservedRowsLayer | None:
+    """Layer `layer_idx` of `cache` where it is a `ReservedRowsLayer` already holding rows (a decode step of a
+    sequence under way, appending in place), else None."""
+    layers = None if cache is None else cache.layers
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    return layer if type(layer) is ReservedRowsLayer and layer.is_initialized else None
 
 
 CACHE_KINDS = ("dynamic", "static", "reserved")

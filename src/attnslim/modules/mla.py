@@ -46,7 +46,7 @@ from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
-from attnslim.linalg.attention import repeat_kv
+from attnslim.linalg.attention import grouped_attention, repeat_kv
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads, merge_heads
 from attnslim.modules.base import ReplacementAttention
@@ -105,7 +105,9 @@ class MLAAttention(ReplacementAttention):
                                                                       dtype=dtype)
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
         self.layer_type = layer_type
-        self.path = "auto"  # or "absorb" / "decompress" for every call (tests, benchmarks)
+        # "auto": decode steps of a sequence under way take `_decode_step`, other calls with few queries absorb,
+        # many decompress; or "absorb" / "decompress" (the general path) for every call (tests, benchmarks)
+        self.path = "auto"
         self.decode_kernel = "auto"  # see DECODE_KERNELS
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
         self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -127,7 +129,7 @@ class MLAAttention(ReplacementAttention):
         """cos and sin (1, end − start, d_rope) of positions start .. end − 1 at the kept frequencies, in like's
         dtype and device."""
         table = self._table
-        if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
+        if table is None or table[0].shape[1] < end or table[0].dtype != like.dtype or table[0].device != like.device:
             cap = max(256, 1 << (end - 1).bit_length())  # grow geometrically: O(1) amortised per token
             pos = torch.arange(cap, device=like.device)[None]  # (1, cap)
             cos, sin = _compat.rotary_cos_sin(self._rotary[0], like, pos, self.layer_type)  # (1, cap, d_rot)
@@ -135,7 +137,7 @@ class MLAAttention(ReplacementAttention):
             idx = torch.cat([self.rope_freq, self.rope_freq]).to(like.device)  # half-split: pair p at p and m + p
             table = (cos[..., idx], sin[..., idx])
             self._table = table
-        return table[0][:, start:end], table[1][:, start:end]
+        return table[0].narrow(1, start, end - start), table[1].narrow(1, start, end - start)
 
     # --- projections ------------------------------------------------------------------------------------
     def _value_map(self) -> torch.Tensor:
@@ -165,6 +167,10 @@ class MLAAttention(ReplacementAttention):
         hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, t, d)
         b, t, _ = x.shape
+        if t == 1 and attention_mask is None and self._fused is not None and self.path == "auto":
+            out = self._decode_step(x, past_key_values)
+            if out is not None:
+                return out
         path = self.path if self.path != "auto" else ("absorb" if t <= FEW_QUERIES else "decompress")
         if path not in PATHS[1:]:
             raise AttnslimError(f"layer {self.layer_idx}: MLAAttention path = {self.path!r}; valid: {PATHS}")
@@ -191,6 +197,30 @@ class MLAAttention(ReplacementAttention):
             else:
                 out = self._decompress(q, q_r, store, keep)
         return self.o_proj(merge_heads(out))  # (b, t, h·d_h) in
+
+    def _decode_step(self, x: torch.Tensor, cache: Any) -> torch.Tensor | None:
+        """x (b, 1, d), one new token of a sequence under way -> the layer's output (b, 1, d), on the fused weights
+        with nothing but the absorbed path's operators; None where this step is not the plain case (a cache layer
+        that is not appending in place, autograd, a key norm, a softcap or a sliding window): `attend`'s general
+        path then runs,
+        with the same values (tested). At a small model's decode the Python around each operator counts: the
+        general path's checks and wrappers cost SmolLM2 a few % of its decode speed at 512 tokens (BENCHMARKS
+        "What one decode step dispatches")."""
+        layer = _compat.filled_reserved_layer(cache, self.layer_idx)
+        if layer is None or self.key_norm is not None or self.softcap is not None or torch.is_grad_enabled() \
+                or self.sliding_window is not None:  # a window over a cache that keeps every row needs a mask
+            return None
+        assert self._fused is not None
+        fused = self._fused[1]
+        new, q_cat = self._decode_inputs(x, fused, layer.rows())  # (b, 1, 1, r + d_rope), (b, h, 1, ·)
+        store = layer.update(new, new[..., :0])[0]  # (b, 1, T, r + d_rope)
+        b, r, n_kv = x.shape[0], self.rank, self.n_kv_heads
+        if (splits := self._splits(q_cat, store.shape[-2])) > 1:
+            lat = split_attention.split_attention(q_cat, store, None, 1.0, splits)[..., :r]  # (b, h, 1, r)
+        else:
+            lat = grouped_attention(q_cat, store, store[..., :r], None, 1.0)  # `scaling` is in the fused maps
+        out = lat.reshape(b, n_kv, self.n_heads // n_kv, r) @ fused.value_t  # (b, n_kv, g, d_h)
+        return self.o_proj(out.view(b, 1, self.n_heads * self.head_dim))
 
     def _new_rows(self, x: torch.Tensor, past: int) -> torch.Tensor:
         """x (b, t, d) -> the cache rows of new tokens (b, 1, t, r + d_rope + key_scales): [c, RoPE(k_r)], and with
@@ -312,14 +342,14 @@ class MLAAttention(ReplacementAttention):
         e = r + d_r
         y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, hd + r + 2·d_rope (+ n_kv·d_h))
         # views, one operator: q (hd), c (r), k_r, P k_r (d_rope each), the pre-norm key u (n_kv·d_h, or none)
-        q_rows, _, k_r, p_k_r, u = y.split([hd, r, d_r, d_r, y.shape[-1] - hd - e - d_r], dim=-1)
+        q_rows, _, k_r, p_k_r, u = y.split_with_sizes([hd, r, d_r, d_r, y.shape[-1] - hd - e - d_r], dim=-1)
         q = heads(q_rows, self.head_dim)  # (b, h, t, d_h)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q_cat = q @ fused.maps  # (b, h, t, r + 2·d_rope): [absorbed query, q_r, P q_r]
         if d_r:
             cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
-            _, q_r, p_q_r = q_cat.split([r, d_r, d_r], dim=-1)
+            _, q_r, p_q_r = q_cat.split_with_sizes([r, d_r, d_r], dim=-1)
             rotate_in_place(q_r, p_q_r, cos, sin)
             rotate_in_place(k_r, p_k_r, cos, sin)
         new = y[:, None, :, hd : hd + e]
