@@ -67,9 +67,7 @@ def grouped_attention(
     b, h, t, e = q.shape
     n = k.shape[1]
     g = h // n
-    # (b, n, g·t, kv) as the transpose of k qᵀ (b, n, kv, g·t): BLAS reads the cached rows in their own layout,
-    # where q kᵀ has it read them transposed, measured 1.5x slower on the CPU (benchmarks/mla_kernels.py)
-    scores = (k @ q.reshape(b, n, g * t, e).transpose(-1, -2)).transpose(-1, -2)
+    scores = q.reshape(b, n, g * t, e) @ k.transpose(-1, -2)  # (b, n, g·t, kv)
     if scaling != 1.0:  # callers that fold the scale into the query pass 1.0
         scores = scores * scaling
     if key_scale is not None:
