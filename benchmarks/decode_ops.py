@@ -84,7 +84,8 @@ def decode_profile(model: Any, context: int, steps: int, top: int) -> dict[str, 
         "attention_ops_per_layer": in_attention / steps / layers,
         "self_ms_per_step": sum(e.self_cpu_time_total for e in totals if e.key != ATTENTION) / steps / 1e3,
         "attention_ms_per_step": sum(lab.cpu_time_total for lab in labels) / steps / 1e3,
-        "top": [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / steps / 1e3}
+        "top": [{"op": e.key, "calls_per_step": e.count / steps,
+                 "self_ms_per_step": e.self_cpu_time_total / steps / 1e3}
                 for e in sorted((e for e in totals if e.key != ATTENTION), key=lambda e: -e.self_cpu_time_total)[:top]],
     }
 
@@ -108,10 +109,10 @@ def main() -> None:
     runs = {"dense": decode_profile(dense.eval(), args.context, args.steps, args.top),
             recipe.name: decode_profile(compressed.eval(), args.context, args.steps, args.top)}
     d, c = runs["dense"], runs[recipe.name]
-    lines = [f"{args.model}, one greedy decode step after {args.context} tokens of context (HF dynamic cache, float32), "
-             f"counted over {args.steps} steps: operators dispatched (top-level aten calls; exact), those inside "
-             "the attention modules per layer, and torch.profiler's self CPU time (noisy, profiler-inflated: where "
-             f"time goes, not speed). `{recipe.name}`: {args.recipe} without its heal.", "",
+    lines = [f"{args.model}, one greedy decode step after {args.context} tokens of context (HF dynamic cache, "
+             f"float32), counted over {args.steps} steps: operators dispatched (top-level aten calls; exact), those "
+             "inside the attention modules per layer, and torch.profiler's self CPU time (noisy, profiler-inflated: "
+             f"where time goes, not speed). `{recipe.name}`: {args.recipe} without its heal.", "",
              "| model | ops per step | attention ops per layer | profiled ms per step | of it in attention |",
              "|---|---|---|---|---|"]
     for name, run in runs.items():

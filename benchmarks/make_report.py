@@ -97,6 +97,8 @@ SECTIONS = {
                                        "decode-path cuts", "benchmarks/decode_ops.py"),
     "decode-ops-smollm2-135m": ("What one decode step dispatches, SmolLM2-135M dense against MLA",
                                 "benchmarks/decode_ops.py"),
+    "decode-ops-gemma3-270m-before": ("What one decode step dispatches, Gemma-3 270M dense against MLA, before the "
+                                      "decode-path cuts", "benchmarks/decode_ops.py"),
     "decode-ops-gemma3-270m": ("What one decode step dispatches, Gemma-3 270M dense against MLA",
                                "benchmarks/decode_ops.py"),
     "mla-gemma3-speed": ("MLA on Gemma-3 270M: decode and prefill against dense, with the bytes each new token reads, "
@@ -124,7 +126,8 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-speed-fold", "mla-speed-static",
          "mla-speed-reserved", "mla-speed-kernels", "mla-kernels", "mla-speed-kernels-mkl-intel",
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-kernels-intel",
-         "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m",
+         "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
+         "decode-ops-gemma3-270m",
          "mla-gemma3-speed", "gpu-h200",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",

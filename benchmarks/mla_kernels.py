@@ -8,6 +8,7 @@ of r = 160 plus a rotary key of 32 per token) attends to T cached tokens:
   split    `split_attention`: the cache in 2 pieces, torch's CPU flash kernel per piece in parallel, merged by
            log-sum-exps (decode_kernel = "auto" picks it as `split_count` advises: from 2 threads, and 1024 cached
            tokens where MKL runs its fast kernels, 512 where it runs generic code)
+  flash    the same kernel in one call over the whole cache (one piece: one thread runs it)
 Each repetition runs each kernel in turn over 30 distinct caches, one per layer, as a decode step does, so the caches
 are read from memory rather than from a warm cache of the same 3 MB. The value up-projection and everything
 else outside the core is the same for both MLA kernels and not timed.
@@ -96,7 +97,8 @@ def main() -> None:
             d = row["dense"]
             pick = "split" if int(row["auto_pieces"]) > 1 else "grouped"
             lines.append(f"| {threads} | {context} | {d:.0f} | {row['grouped']:.0f} ({d / row['grouped']:.2f}×) | "
-                         f"{row['split']:.0f} ({d / row['split']:.2f}×) | {row['flash']:.0f} ({d / row['flash']:.2f}×) | {pick} |")
+                         f"{row['split']:.0f} ({d / row['split']:.2f}×) | "
+                         f"{row['flash']:.0f} ({d / row['flash']:.2f}×) | {pick} |")
             print(lines[-1], flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{args.name}.json"
