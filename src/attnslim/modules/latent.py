@@ -160,7 +160,7 @@ class LatentAttention(ReplacementAttention):
         else:
             k = k_store
         out = self._attend(q, k, v_store, keep, value_path)  # (b, h, t, d_h)
-        return self.o_proj(merge_heads(out))  # (b, t, h·d_h) in
+        return self.o_proj(merge_heads(out))  # o_proj of (b, t, h·d_h)
 
     def _cache_update(self, cache: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both slots into the HF cache, every row so far back. A static cache allocates both slots with the first

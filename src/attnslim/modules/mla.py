@@ -196,16 +196,15 @@ class MLAAttention(ReplacementAttention):
                 out = self._absorb(q, q_r, store, keep)
             else:
                 out = self._decompress(q, q_r, store, keep)
-        return self.o_proj(merge_heads(out))  # (b, t, h·d_h) in
+        return self.o_proj(merge_heads(out))  # o_proj of (b, t, h·d_h)
 
     def _decode_step(self, x: torch.Tensor, cache: Any) -> torch.Tensor | None:
         """x (b, 1, d), one new token of a sequence under way -> the layer's output (b, 1, d), on the fused weights
         with nothing but the absorbed path's operators; None where this step is not the plain case (a cache layer
         that is not appending in place, autograd, a key norm, a softcap or a sliding window): `attend`'s general
-        path then runs,
-        with the same values (tested). At a small model's decode the Python around each operator counts: the
-        general path's checks and wrappers cost SmolLM2 a few % of its decode speed at 512 tokens (BENCHMARKS
-        "What one decode step dispatches")."""
+        path then runs, with the same values (tested). At a small model's decode the Python around each operator
+        counts: the general path's checks and wrappers cost SmolLM2 a few % of its decode speed at 512 tokens
+        (BENCHMARKS "What one decode step dispatches" and "MLA: decode against dense at 512 tokens ...")."""
         layer = _compat.filled_reserved_layer(cache, self.layer_idx)
         if layer is None or self.key_norm is not None or self.softcap is not None or torch.is_grad_enabled() \
                 or self.sliding_window is not None:  # a window over a cache that keeps every row needs a mask
