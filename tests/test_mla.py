@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -182,6 +184,25 @@ def test_absorbed_equals_decompressed_in_prefill_and_decode(family):
         assert torch.allclose(a, d, atol=1e-5), t
 
 
+@contextmanager
+def _straight_steps() -> Iterator[list[bool]]:
+    """Whether each single-token call of an MLA module inside the block took `_decode_step` (False: the general
+    path ran)."""
+    served: list[bool] = []
+    real = MLAAttention._decode_step
+
+    def spy(self: MLAAttention, x: torch.Tensor, cache: object) -> torch.Tensor | None:
+        out = real(self, x, cache)
+        served.append(out is not None)
+        return out
+
+    MLAAttention._decode_step = spy  # type: ignore[method-assign]
+    try:
+        yield served
+    finally:
+        MLAAttention._decode_step = real  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gemma3", "mistral"])
 def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_changes(family):
     """Outside autograd, decode runs on derived weights ([W_q; A; W_kr (; W_k)] in one GEMM, the absorbed and rotary
@@ -203,16 +224,13 @@ def test_fused_inference_decode_equals_the_unfused_path_and_follows_weight_chang
 
     unfused = decode(True)
     assert module._fused is None
-    straight = []  # decode steps that took `_decode_step` (steps 2 and 3: the first builds the fused weights)
-    step = module._decode_step
-    module._decode_step = lambda *a: straight.append(step(*a)) or straight[-1]
-    fused = decode(False)
-    del module._decode_step
+    with _straight_steps() as served:  # steps 2 and 3 (the first builds the fused weights)
+        fused = decode(False)
     assert module._fused is not None and torch.allclose(fused, unfused, atol=1e-5)
     # the straight path serves plain layers; a key norm (gemma3) or a sliding window (mistral: 4, past after the
     # prefill) take the general path
     plain = module.key_norm is None and module.sliding_window is None
-    assert sum(out is not None for out in straight) == (2 if plain else 0)
+    assert served == [False, plain, plain]
     module.path = "absorb"  # the general path for every step: the same values
     assert torch.allclose(decode(False), fused, atol=1e-5)
     module.path = "auto"
@@ -556,7 +574,9 @@ def test_real_smollm2_mla_beats_plain_svd_and_transmla_at_the_same_kv_budget():
     def check(model, ids):  # on real weights: the fused absorbed decode == the decompressed path, prefill and step
         _real_paths_agree(model, ids[:1, :65])
         _real_onednn_agrees(model, ids[:1, :65])
-        assert_cache_kinds_match(model, ids[:1, :32])
+        with _straight_steps() as served:  # dynamic and reserved caches take the straight path, a static one (its
+            assert_cache_kinds_match(model, ids[:1, :32])  # layers, HF's mask) the general one: both, real weights
+        assert any(served), served
 
     ppl = _real_half_cache("smollm2-135m", list(range(0, 6)), check)
     assert ppl["mla"] < ppl["transmla"] and ppl["mla"] < ppl["svd"], ppl

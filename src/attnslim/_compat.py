@@ -185,10 +185,6 @@ class ReservedRowsLayer(DynamicLayer):
         view = self._views[slot] = buf.narrow(-2, 0, need)
         return view
 
-    def rows(self) -> int:
-        """Tokens held (get_seq_length without its checks: read at every decode step)."""
-        return 0 if self.keys is None else self.keys.shape[-2]
-
     def reserved_bytes(self) -> int:
         """Bytes of both buffers, spare rows included (0 before the first update)."""
         return sum(b.numel() * b.element_size() for b in self._reserve if b is not None)

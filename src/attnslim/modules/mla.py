@@ -167,10 +167,8 @@ class MLAAttention(ReplacementAttention):
         hidden_states, position_embeddings, attention_mask, past_key_values = call
         x = hidden_states  # (b, t, d)
         b, t, _ = x.shape
-        if t == 1 and attention_mask is None and self._fused is not None and self.path == "auto":
-            out = self._decode_step(x, past_key_values)
-            if out is not None:
-                return out
+        if t == 1 and attention_mask is None and (out := self._decode_step(x, past_key_values)) is not None:
+            return out
         path = self.path if self.path != "auto" else ("absorb" if t <= FEW_QUERIES else "decompress")
         if path not in PATHS[1:]:
             raise AttnslimError(f"layer {self.layer_idx}: MLAAttention path = {self.path!r}; valid: {PATHS}")
@@ -205,13 +203,14 @@ class MLAAttention(ReplacementAttention):
         path then runs, with the same values (tested). At a small model's decode the Python around each operator
         counts: the general path's checks and wrappers cost SmolLM2 a few % of its decode speed at 512 tokens
         (BENCHMARKS "What one decode step dispatches" and "MLA: decode against dense at 512 tokens ...")."""
-        layer = _compat.filled_reserved_layer(cache, self.layer_idx)
-        if layer is None or self.key_norm is not None or self.softcap is not None or torch.is_grad_enabled() \
+        if self._fused is None or self.path != "auto" or self.key_norm is not None or self.softcap is not None \
                 or self.sliding_window is not None:  # a window over a cache that keeps every row needs a mask
             return None
-        assert self._fused is not None
+        layer = _compat.filled_reserved_layer(cache, self.layer_idx)
+        if layer is None or torch.is_grad_enabled():
+            return None
         fused = self._fused[1]
-        new, q_cat = self._decode_inputs(x, fused, layer.rows())  # (b, 1, 1, r + d_rope), (b, h, 1, ·)
+        new, q_cat = self._decode_inputs(x, fused, _compat.cache_seq_length(cache, self.layer_idx))
         store = layer.update(new, new[..., :0])[0]  # (b, 1, T, r + d_rope)
         b, r, n_kv = x.shape[0], self.rank, self.n_kv_heads
         if (splits := self._splits(q_cat, store.shape[-2])) > 1:
