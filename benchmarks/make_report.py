@@ -1,4 +1,5 @@
-"""Regenerate BENCHMARKS.md from benchmarks/results/*.json (never edit BENCHMARKS.md by hand).
+"""Regenerate BENCHMARKS.md, and the Summary table in README.md, from benchmarks/results/*.json (never edit
+either by hand).
 
     .venv/bin/python benchmarks/make_report.py
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report_gpu import GPU_SPECIAL  # noqa: E402
+from report_reliability import reliability_section, write_summary  # noqa: E402
 from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
 from report_serve import SERVE_SPECIAL  # noqa: E402
 
@@ -242,15 +244,18 @@ def main() -> None:
         "",
     ]
     results = {}
-    for path in sorted(RESULTS.glob("*.json")):
+    probes = sorted(RESULTS.glob("reliability*.json"))
+    for path in sorted(set(RESULTS.glob("*.json")) - set(probes)):
         data = json.loads(path.read_text())
         if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
             print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
             continue
         results[path.stem] = data
     lines += summary(results)
+    write_summary(ROOT.parent / "README.md", summary(results))
     for name in sorted(results, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         lines += SPECIAL[name](results[name]) if name in SPECIAL else section(name, results[name])
+    lines += reliability_section(probes)
     (ROOT.parent / "BENCHMARKS.md").write_text("\n".join(lines))
     print(f"wrote {ROOT.parent / 'BENCHMARKS.md'}")
 
