@@ -7,7 +7,8 @@ X′ instead of the L tokens (paper Eq. 6–8, variant A of methods/atp.md §3.3
     Q  = U·(X′W_q) + b_q                    (query="lowrank", paper)   or  X W_q + b_q (query="full")
     K′ = Uᵀ·RoPE(U·(X′W_k) + b_k)           (key_path="cheap", notes §3.5)  or  Uᵀ·RoPE(X W_k + b_k) ("full")
     V′ = X′W_v + (Uᵀ1)·b_v  (= UᵀV)
-    out = softmax(Q K′ᵀ · scaling) V′       (b, H, L, r): no L×L tensor, O(L·r·d′)
+    out = softmax(Q K′ᵀ · scaling) V′       (b, H, L, r): no L×L tensor, O(L·r·d′)      (kernel="softmax")
+    out = (1U + s) V′ / (L + s (1U)ᵀ)        the paper's Eq. 8 as written, first-order Taylor (kernel="taylor")
 
 RoPE does not commute with U, so keys are rotated at their token positions *before* the projection onto the
 principal subspace (K′ = Uᵀ·RoPE(K), the paper's "project the key matrix with U"); values need no rotation.
@@ -33,7 +34,7 @@ from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.adapters.base import AttentionSpec
 from attnslim.errors import AttnslimError
-from attnslim.linalg.attention import repeat_kv, softmax_attention
+from attnslim.linalg.attention import repeat_kv, softmax_attention, taylor_attention
 from attnslim.linalg.pca import component_mask, principal_components, resolve_rank
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads
@@ -44,6 +45,7 @@ SvdMethod = Literal["exact", "approx"]
 QUERY_MODES = ("lowrank", "full")
 KEY_PATHS = ("cheap", "full")
 VALUE_SCALES = ("none", "inv_sqrt_len")
+KERNELS = ("softmax", "taylor")
 
 
 def check_rank(rank: int | float, where: str) -> None:
@@ -144,18 +146,20 @@ class PrincipalKeyAttention(SpecAttention):
     def __init__(
         self, spec: AttentionSpec, rank: int | float = 0.5, svd: SvdMethod = "exact", iters: int = 2,
         query: str = "lowrank", key_path: str = "cheap", value_scale: str = "none", dtype: torch.dtype | None = None,
+        kernel: str = "softmax",
     ) -> None:
         check_rank(rank, f"layer {spec.layer}")
         if (svd not in ("exact", "approx") or query not in QUERY_MODES or key_path not in KEY_PATHS or iters < 1
-                or value_scale not in VALUE_SCALES):
+                or value_scale not in VALUE_SCALES or kernel not in KERNELS):
             raise AttnslimError(
                 f"layer {spec.layer}: svd={svd!r} query={query!r} key_path={key_path!r} iters={iters} "
-                f"value_scale={value_scale!r} invalid; valid: svd exact|approx, query {'|'.join(QUERY_MODES)}, "
-                f"key_path {'|'.join(KEY_PATHS)}, iters ≥ 1, value_scale {'|'.join(VALUE_SCALES)}"
+                f"value_scale={value_scale!r} kernel={kernel!r} invalid; valid: svd exact|approx, query "
+                f"{'|'.join(QUERY_MODES)}, key_path {'|'.join(KEY_PATHS)}, iters ≥ 1, value_scale "
+                f"{'|'.join(VALUE_SCALES)}, kernel {'|'.join(KERNELS)}"
             )
         super().__init__(spec, dtype)
         self.rank, self.svd, self.iters, self.query, self.key_path = rank, svd, iters, query, key_path
-        self.value_scale = value_scale
+        self.value_scale, self.kernel = value_scale, kernel
 
     def decompose(self, x: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """U (b, L, R) detached, X′ = UᵀX (b, R, d) differentiable, component mask (b, R)."""
@@ -198,6 +202,12 @@ class PrincipalKeyAttention(SpecAttention):
         vp = self.heads(vp)
         groups = self.n_heads // self.n_kv_heads
         kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)  # (b, H, R, hd)
+        if self.kernel == "taylor":  # masked components have zero keys and zero column sums: no weight
+            n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1], device=x.device)
+            scores = (q @ kp.transpose(-1, -2)) * self.scaling  # (b, H, L, R)
+            out = taylor_attention(scores, vp, colsum[:, None, None, :].to(q.dtype),
+                                   n.to(q.dtype)[:, None, None, None])
+            return self.merge(out)
         keep = valid[:, None, None, :]  # (b, 1, 1, R): every query sees every real component (non-causal)
         out = softmax_attention(q, kp, vp, keep, self.scaling)  # (b, H, L, hd)
         return self.merge(out)
@@ -234,12 +244,12 @@ class PrincipalKeyAttention(SpecAttention):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "PrincipalKeyAttention", "rank": self.rank, "svd": self.svd, "query": self.query,
-                "key_path": self.key_path, "value_scale": self.value_scale, "causal": False}
+                "key_path": self.key_path, "value_scale": self.value_scale, "kernel": self.kernel, "causal": False}
 
     def extra_repr(self) -> str:
         r = f"r={self.rank}·L" if isinstance(self.rank, float) else f"r={self.rank}"
-        return (f"layer={self.layer_idx}, {r}, svd={self.svd}, query={self.query}, key_path={self.key_path} "
-                "(non-causal; prompt-level scoring only)")
+        return (f"layer={self.layer_idx}, {r}, svd={self.svd}, query={self.query}, key_path={self.key_path}, "
+                f"kernel={self.kernel} (non-causal; prompt-level scoring only)")
 
 
 def _bias(linear: nn.Module) -> torch.Tensor | float:
