@@ -320,6 +320,14 @@ def test_v30_damaged_json_refused_through_the_cli(fake_venv: Path, served: Path,
     assert "compression.json is damaged" in _refused(execs, capsys, str(served))
 
 
+def test_v30_deeply_nested_plan_refused(served: Path) -> None:
+    """A compression.json nested 200,000 deep (review j13) was a RecursionError in the reader."""
+    path = served / "compression.json"
+    path.write_text(path.read_text().replace('"steps":', '"notes": ' + "[" * 200_000 + "]" * 200_000 + ', "steps":', 1))
+    with pytest.raises(AttnslimError, match="nested too deeply"):
+        layer_kinds(served)
+
+
 def test_v30_nbl_input_agrees_with_the_module() -> None:
     """The reader runs inside vLLM and cannot import LinearizedAttention; its copy of the inputs must match."""
     from attnslim.modules.linearized import INPUTS
