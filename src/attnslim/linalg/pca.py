@@ -1,4 +1,4 @@
-"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; methods/atp.md).
+"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; paper §4, Eq. 5, Alg. 1).
 
 ATP writes one sequence's hidden states X (L, d) as X ≈ U X′ with U (L, r) orthonormal columns and X′ (r, d)
 whose row i is σ_i v_iᵀ (uncentred truncated SVD, Eq. 5), then attends over the r rows of X′ instead of the
@@ -180,8 +180,8 @@ def extend_components(
     xp: torch.Tensor, colsum: torch.Tensor, x_new: torch.Tensor, length: int,
     carried: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (), sign: SignRule = "colsum",
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The block (Brand) update of one sequence's rank-r decomposition when c tokens are appended (ATP notes G2,
-    D1/D2), without the L earlier tokens or U itself.
+    """The block (Brand) update of one sequence's rank-r decomposition when c tokens are appended (decoding with a
+    cache, which the ATP paper does not address), without the L earlier tokens or U itself.
 
     xp (r, d) = UᵀX and colsum (r,) = Uᵀ1 of the `length` tokens so far, x_new (c, d) the new tokens' inputs;
     each carried pair (P (r, k) = UᵀY, Y_new (c, k)) is a row-aligned quantity projected alike (ATP's rotated keys

@@ -54,7 +54,7 @@ class Atp(Method[AtpEntry, None]):
     iters: int = 2  # Alg. 1 inner iterations (paper: 2)
     query: str = "lowrank"  # paper form: lowrank (Q = U·X′W_q, paper) | full
     key_path: str = "cheap"  # paper form: cheap (RoPE(U·X′W_k)) | full (RoPE(X W_k)), both projected by Uᵀ
-    value_scale: str = "none"  # paper form: none (paper) | inv_sqrt_len (notes G8 ablation: V′ / √L)
+    value_scale: str = "none"  # paper form: none (paper) | inv_sqrt_len (an ablation not in the paper: V′ / √L)
     kernel: str = "softmax"  # paper form: softmax (Fig. 2, Table 1) | taylor (Eq. 8's first-order form, an ablation)
     window: int = 32  # serving form: exact recent tokens kept beside the compressed prompt
     compress: str = "hybrid"  # serving form: hybrid | principal | principal-mix | recent | sink

@@ -1,4 +1,4 @@
-"""LISA's memory arithmetic (paper §5.1, "Theoretical analysis"; notes §3.6), with the GQA correction.
+"""LISA's memory arithmetic (paper §5.1, "Theoretical analysis"), with the GQA correction.
 
 A LISA layer caches K_LR (g KV heads × r values per token) instead of K (g × d_k); a DS layer caches only V and a
 one-value position marker per KV head (what an HF cache needs to count tokens). In exchange one pre-softmax score

@@ -2,10 +2,10 @@
 
 Per sequence the layer input X (L, d) is decomposed as X ≈ U X′ (linalg/pca.principal_components: uncentred
 truncated SVD, exact or the paper's Alg. 1, canonical signs Σ_l U_li > 0), and attention runs over the r rows of
-X′ instead of the L tokens (paper Eq. 6–8, variant A of methods/atp.md §3.3):
+X′ instead of the L tokens (paper Eq. 6–8; the softmax reading of Fig. 2 and Table 1):
 
     Q  = U·(X′W_q) + b_q                    (query="lowrank", paper)   or  X W_q + b_q (query="full")
-    K′ = Uᵀ·RoPE(U·(X′W_k) + b_k)           (key_path="cheap", notes §3.5)  or  Uᵀ·RoPE(X W_k + b_k) ("full")
+    K′ = Uᵀ·RoPE(U·(X′W_k) + b_k)           (key_path="cheap")  or  Uᵀ·RoPE(X W_k + b_k) ("full")
     V′ = X′W_v + (Uᵀ1)·b_v  (= UᵀV)
     out = softmax(Q K′ᵀ · scaling) V′       (b, H, L, r): no L×L tensor, O(L·r·d′)      (kernel="softmax")
     out = (1U + s) V′ / (L + s (1U)ᵀ)        the paper's Eq. 8 as written, first-order Taylor (kernel="taylor")
@@ -18,7 +18,8 @@ where the paper does — prompt-level scoring read at the last position (eval/ch
 teacher-forced next-token losses or generation. It refuses to decode with a KV cache; the leak-free serving
 form is `PrincipalCacheAttention` (modules/principal_serving.py, method `atp` with form="serving").
 
-U is detached (notes G12: the SVD backward is unstable with repeated/zero σ); X′ = UᵀX keeps the gradient to X.
+U is detached (the SVD backward is unstable with repeated or zero σ; the paper is silent); X′ = UᵀX keeps the
+gradient to X.
 Padding: real tokens are read from the attention mask; pad rows are zeroed before the SVD, r = ⌈f·L_b⌉ uses
 each sample's real length and the batch uses R = max r_b with the extra components masked.
 """
@@ -196,7 +197,7 @@ class PrincipalKeyAttention(SpecAttention):
         kp = torch.einsum("blr,bhld->bhrd", u, k)  # K′ = Uᵀ RoPE(K): (b, n_kv, R, hd)
         colsum = u.sum(dim=1)  # (b, R) = Uᵀ1, carries the value bias
         vp = weight_only(self.v_proj, xp) + colsum[..., None] * _bias(self.v_proj)  # (b, R, n_kv*hd) = UᵀV
-        if self.value_scale == "inv_sqrt_len":  # notes G8: v′_1 ≈ √L·mean(v) inflates the output by ~√L
+        if self.value_scale == "inv_sqrt_len":  # not in the paper: v′_1 ≈ √L·mean(v) inflates the output by ~√L
             n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1], device=x.device)
             vp = vp / n.to(vp.dtype).clamp_min(1).sqrt()[:, None, None]
         vp = self.heads(vp)
