@@ -83,3 +83,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def refuse_special_files(directory: Path) -> None:
+    """An AttnslimError naming the first entry of `directory` that is, after resolving links, a device, FIFO or
+    socket: transformers opens the directory's files by name (tokenizer, generation config, weights), and such a file
+    would hang a read or never end. Checked before anything in the directory is read."""
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue  # a dangling link: whatever opens it by name fails with a clear "no such file"
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise AttnslimError(f"{directory}: {entry.name} is a device, FIFO or socket, not a regular file; replace "
+                                "it with the real file (or remove it)")

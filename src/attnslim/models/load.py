@@ -14,6 +14,8 @@ from attnslim.checksum import sha256_file
 from attnslim.errors import AttnslimError, first_line
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
 from attnslim.outdir import check_writable_parent, staged_output
+from attnslim.safe_files import read_json
+from attnslim.verify import matches_sha256
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -21,7 +23,6 @@ if TYPE_CHECKING:
 CACHE_FORMAT = 1
 WEIGHTS = "model.safetensors"
 MANIFEST = "attnslim-cache.json"
-VERIFIED = "attnslim-verified.json"  # [inode, mtime_ns, size] of the weights when their full sha256 last matched
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: bool = False,
@@ -193,49 +194,28 @@ def ensure_cached(entry: ZooEntry) -> Path:
 
 
 def _cache_problem(directory: Path) -> str | None:
-    """None when the cache entry is complete and its weights match the recorded size and full sha256.
+    """None when the cache entry is complete and its weights match the recorded size and sha256.
 
-    The full sha256 (about 1 s for 540 MB) runs once per weights file: a stamp keyed on its inode, mtime and size
-    records that it passed, so later runs only stat the file. Any change to the file changes its mtime."""
+    The full sha256 (about 1 s for 540 MB) is skipped only when a stamp in the cache vouches for the unchanged file
+    (attnslim.verify: device, inode, size, mtime and ctime, at most STAMP_DAYS days old; ATTNSLIM_VERIFY=1 forces
+    it), so damage written in place with the mtime restored is still found."""
     manifest_path = directory / MANIFEST
     if not manifest_path.exists():
         return "no manifest" if directory.exists() else "missing"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(manifest_path, "cache manifest", limit=1 << 16)
         if not isinstance(manifest, dict):
             return "unreadable manifest: not a JSON object"
         weights = directory / WEIGHTS
         if manifest.get("format") != CACHE_FORMAT:
             return f"cache format {manifest.get('format')} != {CACHE_FORMAT}"
-        if not weights.exists() or weights.stat().st_size != manifest["size"]:
+        if not weights.is_file() or weights.stat().st_size != manifest["size"]:
             return "weights missing or truncated"
-        if _file_identity(weights) != _read_stamp(directory):
-            if sha256_file(weights) != manifest["sha256"]:
-                return "weights checksum mismatch"
-            _write_stamp(directory, _file_identity(weights))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable manifest: {err}"
+        if not matches_sha256(weights, str(manifest["sha256"])):
+            return "weights checksum mismatch"
+    except (OSError, ValueError, KeyError, TypeError) as err:  # AttnslimError is a ValueError
+        return f"unreadable manifest: {first_line(err)}"
     return None
-
-
-def _file_identity(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_ino, st.st_mtime_ns, st.st_size]
-
-
-def _read_stamp(directory: Path) -> list[int] | None:
-    try:
-        value = json.loads((directory / VERIFIED).read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, list) else None
-
-
-def _write_stamp(directory: Path, identity: list[int]) -> None:
-    try:
-        (directory / VERIFIED).write_text(json.dumps(identity))
-    except OSError:
-        pass  # a read-only cache: the full check simply runs again next time
 
 
 def _convert(entry: ZooEntry, directory: Path) -> None:
