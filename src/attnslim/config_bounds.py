@@ -47,8 +47,8 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def hf_weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face directory: the shards its index names (plain names inside the
-    directory), else model.safetensors; [] when it has neither."""
+    """The safetensors files of a Hugging Face directory: the shards its index names (plain file names), else
+    model.safetensors; [] when it has neither."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         value = read_json(index, "weights index", fix="copy the complete checkpoint")
@@ -61,12 +61,12 @@ def hf_weight_files(directory: Path) -> list[Path]:
 
 
 def plain_file(directory: Path, name: str) -> Path:
-    """`directory/name` for a plain file name whose file, after resolving links, lies in `directory` itself."""
-    path = (directory / name).resolve()
-    if "/" in name or "\\" in name or name in ("", ".", "..") or path.parent != directory.resolve():
-        raise AttnslimError(f"{directory}: weights file {name!r} is not a file of the directory itself (a path or "
-                            "a link leading out of it); copy the file itself into the directory")
-    return path
+    """`directory/name` for a weights file name taken from an index: a plain file name, not a path (absolute or
+    with `..`). A link may lead elsewhere: Hugging Face snapshot directories link every file into ../../blobs."""
+    if "/" in name or "\\" in name or name in ("", ".", ".."):
+        raise AttnslimError(f"{directory}: the index names weights file {name!r}, a path rather than a file of the "
+                            "directory; copy the complete checkpoint")
+    return directory / name
 
 
 def check_config_sizes(config: dict[str, Any], files: list[Path], where: Path) -> None:

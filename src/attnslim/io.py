@@ -199,19 +199,20 @@ def _check_weights(directory: Path, info: dict[str, Any], offload: bool, verify:
 
         record = info["weights_shards"]
         verify_shards(directory, record, verify)
-        if offload:  # offloaded layers are read through the index: it may name only the checked shards
-            from attnslim.offload import WeightSource
+        files = [directory / name for name in sorted(record)]
+    else:
+        files = [regular_file(directory / WEIGHTS, WEIGHTS)]
+        expected = info.get("weights_sha256")
+        if expected is not None and sha256_file(files[0]) != expected:
+            raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
+                                "damaged or replaced); re-create the directory with attnslim compress")
+    if offload:  # offloaded layers are read through the index, if any: it may name only the checked files
+        from attnslim.offload import WeightSource
 
-            if extra := sorted(set(WeightSource(directory).shards) - set(record)):
-                raise AttnslimError(f"model.safetensors.index.json names {extra[:3]}, which {COMPRESSION_JSON} "
-                                    "does not record; re-create the directory with attnslim compress")
-        return [directory / name for name in sorted(record)]
-    weights = regular_file(directory / WEIGHTS, WEIGHTS)
-    expected = info.get("weights_sha256")
-    if expected is not None and sha256_file(weights) != expected:
-        raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
-                            "damaged or replaced); re-create the directory with attnslim compress")
-    return [weights]
+        if extra := sorted(set(WeightSource(directory).shards) - {f.name for f in files}):
+            raise AttnslimError(f"model.safetensors.index.json names {extra[:3]}, which {COMPRESSION_JSON} does "
+                                "not record (unchecked weights); re-create the directory with attnslim compress")
+    return files
 
 
 def _load_shards(model: Any, directory: Path, shards: list[str]) -> None:

@@ -68,7 +68,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         kind = "symbolic link" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
         raise AttnslimError(f"{path} is a {kind}, not a regular file; attnslim will not write through it. Remove it "
                             "(or move it away) and run the command again")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise AttnslimError(f"could not write {path}: cannot create a file in {path.parent} ({first_line(err)}); "
+                            "make the directory writable or copy it somewhere writable") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -11,10 +11,11 @@ import torch
 
 from attnslim import _compat
 from attnslim.checksum import sha256_file
+from attnslim.config_bounds import check_config_sizes, hf_weight_files
 from attnslim.errors import AttnslimError, first_line
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
-from attnslim.outdir import check_writable_parent, staged_output
-from attnslim.safe_files import read_json
+from attnslim.outdir import check_writable_parent, describe_copies, staged_output
+from attnslim.safe_files import read_json, refuse_special_files
 from attnslim.verify import matches_sha256
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
 
     offload=True keeps each decoder layer's weights in the directory's safetensors files, read while the layer
     runs on `device` (attnslim.offload.dispatch): a model larger than memory can be evaluated. Local models only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(name_or_path).expanduser()
     if not name_or_path.strip():
@@ -46,7 +47,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
         if not (path / "config.json").is_file():
             raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
-                                f"({', '.join(sorted(ZOO))})")
+                                f"({', '.join(sorted(ZOO))})" + describe_copies(path))
         directory = path
     elif path.exists() or _looks_local(name_or_path):
         raise AttnslimError(f"{name_or_path} is not a model: {_local_problem(path)}")
@@ -68,15 +69,43 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
         model, tokenizer = load_skeleton(directory, dtype)
         dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device or torch.device("cpu"), dtype)
         return model, tokenizer
+    check_directory(directory)
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa",
                                                      **_compat.SAFE_LOADING)
-        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         detail = first_line(err) or type(err).__name__
         raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
                             "holds config.json, the weights and the tokenizer files of one model") from err
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(directory)
+
+
+def check_directory(directory: Path) -> None:
+    """Before anything of a Hugging Face directory is read: no device, FIFO or socket among its files, and
+    config.json's sizes backed by the weights' shapes (attnslim.config_bounds), so a hostile config cannot make
+    the model build allocate without bound. A missing directory or config.json is left to the caller's message."""
+    if not (directory / "config.json").exists():
+        return
+    refuse_special_files(directory)
+    config = read_json(directory / "config.json", "config.json", fix="restore the model's own config.json")
+    if not isinstance(config, dict):
+        raise AttnslimError(f"{directory / 'config.json'} is not a JSON object; restore the model's own config.json")
+    check_config_sizes(config, hf_weight_files(directory), directory / "config.json")
+
+
+def load_tokenizer(directory: Path, **kwargs: Any) -> Any:
+    """The directory's tokenizer; damaged tokenizer files are an AttnslimError naming them."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs, **_compat.SAFE_LOADING)
+    except AttnslimError:
+        raise
+    except Exception as err:  # the tokenizers library raises plain Exception for a malformed tokenizer.json
+        raise AttnslimError(f"{directory}: the tokenizer files are damaged ({type(err).__name__}: "
+                            f"{first_line(err) or 'no detail'}); copy the model's own tokenizer files") from err
 
 
 def checkpoint_directory(name_or_path: str) -> Path:
@@ -121,16 +150,16 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
 
 def _config_and_tokenizer(directory: Path) -> tuple[PretrainedConfig, Any]:
     """A checkpoint directory's config and tokenizer, without its weights; an unreadable one is an AttnslimError."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    check_directory(directory)
     try:
         config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
-        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
         detail = first_line(err) or type(err).__name__
         raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail}); check that it "
                             "holds config.json and the tokenizer files of one model") from err
-    return config, tokenizer
+    return config, load_tokenizer(directory)
 
 
 def refuse_compressed_input(name_or_path: str) -> None:

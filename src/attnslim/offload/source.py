@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from attnslim.config_bounds import plain_file
 from attnslim.errors import AttnslimError
 
 SINGLE = "model.safetensors"
@@ -30,7 +31,7 @@ class WeightSource:
         self.shards: list[str] = []
         self.where: dict[str, str] = {}  # tensor name -> shard file name
         for shard, names in _shard_plan(directory).items():
-            path = directory / shard
+            path = plain_file(directory, shard)  # a name from the index: no path, no link leading out
             if not path.is_file():
                 raise AttnslimError(f"{directory}: shard {shard} is missing (the checkpoint names it); copy the "
                                     "complete checkpoint")
