@@ -55,7 +55,12 @@ def hf_weight_files(directory: Path) -> list[Path]:
         weight_map = value.get("weight_map") if isinstance(value, dict) else None
         if not isinstance(weight_map, dict):
             raise AttnslimError(f"{index} has no weight_map; copy the complete checkpoint")
-        return [plain_file(directory, str(name)) for name in sorted(set(map(str, weight_map.values())))]
+        files = [plain_file(directory, str(name)) for name in sorted(set(map(str, weight_map.values())))]
+        for path in files:
+            if not path.exists():
+                raise AttnslimError(f"{directory}: shard {path.name} is missing (the checkpoint names it); copy the "
+                                    "complete checkpoint")
+        return files
     single = directory / "model.safetensors"
     return [single] if single.exists() or single.is_symlink() else []
 
