@@ -101,7 +101,7 @@ def test_s07_report_md_link_to_an_rc_file_is_never_written(bases, tmp_path):
     (d / "report.md").symlink_to(rc)
     with pytest.raises(AttnslimError, match="report.md is a symbolic link"):
         write_report(d)
-    assert rc.read_text() == "# my shell rc\n"
+    assert rc.read_text() == "# my shell rc\n" and not (d / "report.html").exists(), "neither file is written"
 
 
 def test_s08_loading_a_sharded_output_writes_nothing_into_it(bases, tmp_path):

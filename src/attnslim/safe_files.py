@@ -55,19 +55,24 @@ def read_json(path: Path, what: str, limit: int = JSON_LIMIT, fix: str = DAMAGED
         raise AttnslimError(f"{what} {path} is damaged (nested too deeply to read); {fix}") from None
 
 
+def check_write_target(path: Path) -> None:
+    """An AttnslimError unless `path` is absent or a regular file (not a link, directory or special file)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "symbolic link" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
+        raise AttnslimError(f"{path} is a {kind}, not a regular file; attnslim will not write through it. Remove it "
+                            "(or move it away) and run the command again")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same directory and `os.replace`.
 
     The target, if it exists, must be a regular file and not a link: a link is refused, never followed (writing
     through it would replace whatever it points at). The old file stays whole until the new one is complete."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        kind = "symbolic link" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
-        raise AttnslimError(f"{path} is a {kind}, not a regular file; attnslim will not write through it. Remove it "
-                            "(or move it away) and run the command again")
+    check_write_target(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:

@@ -18,7 +18,7 @@ from attnslim.io import read_compression_json
 from attnslim.report.charts import heal_chart, kv_layer_chart, metric_charts, step_charts
 from attnslim.report.facts import better, heal_pairs, ratio, read_config, sample_size, summary, verdict
 from attnslim.report.text import args_text, fmt_float, layer_ranges, plan_notes, plan_table, summary_pairs
-from attnslim.safe_files import write_text_atomic
+from attnslim.safe_files import check_write_target, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,8 @@ def write_report(directory: str | Path) -> tuple[Path, Path]:
     old reports whole."""
     html, md = render(directory)
     out_html, out_md = Path(directory) / "report.html", Path(directory) / "report.md"
+    for target in (out_html, out_md):
+        check_write_target(target)  # both before either is written
     write_text_atomic(out_html, html)
     write_text_atomic(out_md, md)
     return out_html, out_md
