@@ -507,6 +507,13 @@ def test_t06_damaged_tokenizer_json_is_a_clear_error(bases, tmp_path):
         load_model(str(d))
 
 
+def test_t06_compressed_dir_with_a_damaged_tokenizer_is_a_clear_error(bases, tmp_path):
+    d = _copy(bases, "svd", tmp_path)
+    _edit_json(d / "tokenizer.json", lambda v: v.update(model={"type": "Bogus"}))  # tokenizers: plain Exception
+    with pytest.raises(AttnslimError, match="the tokenizer files are damaged"):
+        load(d)
+
+
 def test_hf_dir_still_loads_and_matches(bases, tmp_path):
     """The checks above refuse nothing real: the tiny HF directory loads with its own weights."""
     from transformers import AutoModelForCausalLM

@@ -127,7 +127,7 @@ def load(directory: str | Path, dtype: torch.dtype = torch.float32, offload: boo
     try:
         return _load(directory, info, dtype, offload, device or torch.device("cpu"), verify)
     except AttnslimError as err:
-        raise AttnslimError(f"{directory}: {err}") from err
+        raise AttnslimError(str(err) if str(err).startswith(str(directory)) else f"{directory}: {err}") from err
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
         raise AttnslimError(f"{directory} is damaged ({type(err).__name__}: {first_line(err)}); "
                             "re-create it with attnslim compress") from err
@@ -149,7 +149,7 @@ def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
 def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device,
           verify: bool) -> tuple[Any, Any]:
     from safetensors.torch import load_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from attnslim.modules import MODULES
     from attnslim.registry import lookup
@@ -188,8 +188,20 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bo
         load_model(model, str(directory / WEIGHTS), strict=True)
     # the base model's config: without it AutoTokenizer reads config.json as a bare config and warns that model
     # type "attnslim" is being instantiated as another type, at every load
-    tokenizer = AutoTokenizer.from_pretrained(directory, config=model.config, **_compat.SAFE_LOADING)
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(directory, config=model.config)
+
+
+def load_tokenizer(directory: Path, **kwargs: Any) -> Any:
+    """The directory's tokenizer; damaged tokenizer files are an AttnslimError naming them."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs, **_compat.SAFE_LOADING)
+    except AttnslimError:
+        raise
+    except Exception as err:  # the tokenizers library raises plain Exception for a malformed tokenizer.json
+        raise AttnslimError(f"{directory}: the tokenizer files are damaged ({type(err).__name__}: "
+                            f"{first_line(err) or 'no detail'}); copy the model's own tokenizer files") from err
 
 
 def _check_weights(directory: Path, info: dict[str, Any], offload: bool, verify: bool) -> list[Path]:

@@ -13,6 +13,7 @@ from attnslim import _compat
 from attnslim.checksum import sha256_file
 from attnslim.config_bounds import check_config_sizes, hf_weight_files
 from attnslim.errors import AttnslimError, first_line
+from attnslim.io import load_tokenizer
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
 from attnslim.outdir import check_writable_parent, describe_copies, staged_output
 from attnslim.safe_files import read_json, refuse_special_files
@@ -93,19 +94,6 @@ def check_directory(directory: Path) -> None:
     if not isinstance(config, dict):
         raise AttnslimError(f"{directory / 'config.json'} is not a JSON object; restore the model's own config.json")
     check_config_sizes(config, hf_weight_files(directory), directory / "config.json")
-
-
-def load_tokenizer(directory: Path, **kwargs: Any) -> Any:
-    """The directory's tokenizer; damaged tokenizer files are an AttnslimError naming them."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory, **kwargs, **_compat.SAFE_LOADING)
-    except AttnslimError:
-        raise
-    except Exception as err:  # the tokenizers library raises plain Exception for a malformed tokenizer.json
-        raise AttnslimError(f"{directory}: the tokenizer files are damaged ({type(err).__name__}: "
-                            f"{first_line(err) or 'no detail'}); copy the model's own tokenizer files") from err
 
 
 def checkpoint_directory(name_or_path: str) -> Path:
