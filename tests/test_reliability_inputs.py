@@ -115,10 +115,14 @@ def test_m27_m27b_rope_span_is_bounded_before_loading(case, span):
 
 
 def test_h08_heal_steps_beyond_the_data_are_refused_before_the_compression():
-    model = tiny_llama()
-    with pytest.raises(AttnslimError, match=r"heal.steps=1000000000 x heal.batch_size=1 asks for 1,000,000,000 "
-                                            r"windows of 32 tokens.*at most [\d,]+ windows of 32 \(4x the tokens"):
-        compress(model, ByteTokenizer(), _heal_recipe(steps=10**9), progress=False)
+    from attnslim.data import token_ids
+
+    model, tokenizer = tiny_llama(), ByteTokenizer()
+    most = 4 * token_ids("tiny", "calib", tokenizer).numel() // 32  # windows of 32: 4x the split's tokens
+    with pytest.raises(AttnslimError, match=rf"heal.steps=1000000000 x heal.batch_size=4 asks for 4,000,000,000 "
+                                            rf"windows of 32 tokens.*at most {most:,} windows of 32 \(4x the tokens.*"
+                                            rf"give heal.steps <= {most // 4:,} \(4 windows a step\)"):
+        compress(model, tokenizer, _heal_recipe(steps=10**9, batch_size=4), progress=False)
     assert _dense(model)  # refused before the svd step ran
 
 

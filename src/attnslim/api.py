@@ -106,7 +106,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     heal_config = None if recipe.heal is None else HealConfig.from_dict(recipe.heal)
     if heal_config is not None:  # the heal's data, refused here rather than after every step has run
         check_draw(heal_config.source, tokenizer, heal_config.steps * heal_config.batch_size, heal_config.seq_len,
-                   heal_draw(heal_config))
+                   heal_draw(heal_config), ("heal.steps", heal_config.batch_size))
     done: list[dict[str, Any]] = []
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
