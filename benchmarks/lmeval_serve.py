@@ -41,7 +41,8 @@ def served_scores(directory: str, names: list[str], limit: int, log: Path) -> tu
     argv = [sys.executable, "-m", "attnslim", "serve", directory, "--port", str(port), "--dtype", "float32",
             "--max-model-len", "1024", "--kv-cache-gib", "1"]
     with log.open("w") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}  # a keyless loopback server
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
         args = (f"model={directory},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,"

@@ -1,11 +1,13 @@
 """Re-run, on the real model through the CLI, the cases of ../shared/reviews/reliability.md that ended in data loss,
 code execution, silent acceptance, DoS or a traceback; write benchmarks/results/reliability.json.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/reliability_probe.py [--work DIR] [--only 145,146]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/reliability_probe.py [--work DIR] [--groups cli,outputs,load,round3]
 
 Each case runs `attnslim ...` in a subprocess (stdin closed unless the case pipes "y") and is classified:
 "clear error" (rc 2 and an `attnslim: error:` line), "held" (rc 0), "traceback", or "FAILED CHECK" when the case's
-own check (the input intact, no PWNED file, nothing left behind) fails. The tiny-model regression tests of the same
+own check (the input intact, no PWNED file, nothing left behind) fails, or "DoS" when it ran past its timeout or out
+of its memory cap. Every group run writes benchmarks/results/reliability.json; a subset writes
+reliability-GROUPS.json. The tiny-model regression tests of the same
 cases are in tests/test_reliability.py. Cases that need strace-widened race windows (155, 207, 209) are covered there
 and not re-run here.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability_damage import DAMAGE, HOLDS
+from reliability_round3 import round3_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "attnslim"]
@@ -35,15 +39,27 @@ NOT_WRITABLE = "/proc/attnslim-probe/out"  # /proc takes no new entries, not eve
 Check = Callable[[], bool]
 
 
-def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, stdin: str | None = None) -> dict[str, Any]:
-    proc = subprocess.run(CLI + argv, cwd=cwd, capture_output=True, text=True, timeout=900, input=stdin,
-                          stdin=None if stdin is not None else subprocess.DEVNULL, env={**os.environ, **(env or {})})
+def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, stdin: str | None = None,
+        timeout: float = 900, cap: int | None = None) -> dict[str, Any]:
+    """`attnslim argv` in a subprocess; `cap` bytes of address space (a runaway allocation then fails there); a run
+    past `timeout` seconds or out of memory is marked `dos`."""
+    limit = None if cap is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    try:
+        proc = subprocess.run(CLI + argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=stdin,
+                              stdin=None if stdin is not None else subprocess.DEVNULL,
+                              env={**os.environ, **(env or {})}, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "error": "", "traceback": False, "dos": True, "stderr": f"still running after {timeout} s"}
+    (cwd / ".last_stderr").write_text(proc.stderr)
     lines = proc.stderr.strip().splitlines()
     return {"rc": proc.returncode, "error": next((x for x in lines if "attnslim: error:" in x), ""),
-            "traceback": "Traceback (most recent call last)" in proc.stderr, "stderr": proc.stderr[-300:]}
+            "traceback": "Traceback (most recent call last)" in proc.stderr, "stderr": proc.stderr[-300:],
+            "dos": "MemoryError" in proc.stderr or "Cannot allocate memory" in proc.stderr}
 
 
 def classify(res: dict[str, object], check: Check | None) -> str:
+    if res["dos"]:
+        return "DoS"
     if res["traceback"]:
         return "traceback"
     if check is not None and not check():
@@ -62,9 +78,9 @@ class Probe:
         d = work / "svd2"
         self.sha = (d / "model.safetensors").stat().st_size, (d / "compression.json").read_text()
 
-    def copy(self, name: str) -> Path:
+    def copy(self, name: str, source: str = "svd2") -> Path:
         shutil.rmtree(self.w / name, ignore_errors=True)
-        shutil.copytree(self.w / "svd2", self.w / name)
+        shutil.copytree(self.w / source, self.w / name)
         return self.w / name
 
     def intact(self) -> bool:
@@ -72,8 +88,9 @@ class Probe:
         return ((d / "model.safetensors").stat().st_size, (d / "compression.json").read_text()) == self.sha
 
     def case(self, name: str, argv: list[str], check: Check | None = None, env: dict[str, str] | None = None,
-             stdin: str | None = None, expect: str = "clear error") -> None:
-        res = run(argv, self.w, env, stdin)
+             stdin: str | None = None, expect: str = "clear error", timeout: float = 900,
+             cap: int | None = None) -> None:
+        res = run(argv, self.w, env, stdin, timeout, cap)
         result = classify(res, check)
         self.results.append({"case": name, "argv": argv[:10], "result": result, "expected": expect,
                              "error": res["error"] or res["stderr"][-200:]})
@@ -228,22 +245,32 @@ def hf_cases(p: Probe) -> None:
                  (proc.stdout.strip() or proc.stderr.strip().splitlines()[-1])[:200])
 
 
+GROUPS: dict[str, Callable[[Probe], None]] = {"cli": cli_cases, "outputs": output_cases, "load": load_cases,
+                                              "round3": round3_cases}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", default=None)
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="attnslim-probe-"))
     work.mkdir(parents=True, exist_ok=True)
     probe = Probe(work)
-    for group in (cli_cases, output_cases, load_cases):
-        group(probe)
+    unknown = set(args.groups.split(",")) - set(GROUPS)
+    if unknown:
+        parser.error(f"unknown groups {sorted(unknown)}; choose from {', '.join(GROUPS)}")
+    for name in args.groups.split(","):
+        GROUPS[name](probe)
     counts: dict[str, int] = {}
     for r in probe.results:
         counts[r["result"]] = counts.get(r["result"], 0) + 1
-    out = ROOT / "benchmarks" / "results" / "reliability.json"
-    out.write_text(json.dumps({"cases": probe.results, "counts": counts,
-                               "command": "OMP_NUM_THREADS=2 .venv/bin/python benchmarks/reliability_probe.py"},
-                              indent=1))
+    groups = args.groups.split(",")
+    suffix = "" if sorted(groups) == sorted(GROUPS) else "-" + "-".join(groups)
+    out = ROOT / "benchmarks" / "results" / f"reliability{suffix}.json"
+    command = "OMP_NUM_THREADS=2 .venv/bin/python benchmarks/reliability_probe.py" + (
+        f" --groups {args.groups}" if suffix else "")
+    out.write_text(json.dumps({"cases": probe.results, "counts": counts, "command": command}, indent=1))
     print(f"{counts}\nwrote {out}")
 
 

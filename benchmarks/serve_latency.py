@@ -48,7 +48,8 @@ def latency(directory: str, dtype: str, kv_gib: str, log: Path) -> dict[str, Any
     argv = [sys.executable, "-m", "attnslim", "serve", directory, "--port", str(port), "--dtype", dtype,
             "--max-model-len", "1024", "--kv-cache-gib", kv_gib]
     with log.open("w") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}  # a keyless loopback server
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)

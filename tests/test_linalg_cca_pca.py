@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import (
     JointStats,
     canonical_correlations,
@@ -18,6 +19,7 @@ from attnslim.linalg.pca import (
     canonical_signs,
     component_mask,
     energy_kept,
+    extend_components,
     principal_components,
     resolve_rank,
     svd_entropy_rank,
@@ -274,3 +276,45 @@ def test_rank_validation() -> None:
         principal_components(x, 2, method="qr")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="iters"):
         principal_components(x, 2, method="approx", iters=0)
+
+
+def _rotate(y: torch.Tensor, start: int) -> torch.Tensor:
+    """A RoPE-like rotation of each row (t, 2m) by its absolute position: pairs (i, i+m) turned by pos·θ_i."""
+    t, two_m = y.shape
+    m = two_m // 2
+    angle = torch.arange(start, start + t, dtype=y.dtype)[:, None] / (10.0 ** (torch.arange(m, dtype=y.dtype) / m))
+    a, b = y[:, :m], y[:, m:]
+    return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], dim=1)
+
+
+@pytest.mark.parametrize("appended", [1, 5])
+def test_extend_components_equals_a_fresh_decomposition_of_the_extended_sequence(appended: int) -> None:
+    """ATP notes §7 #13: for X of rank ≤ r, the block update of (X′, Uᵀ1, K′ = Uᵀ·RoPE(K), V′) after appending
+    tokens equals a fresh decomposition of the extended sequence, signs and singular values included, with keys
+    rotated at their positions (stored post-rotation, so the update is linear)."""
+    g = torch.Generator().manual_seed(3)
+    length, d, rank, r = 24, 12, 4, 6
+    x = torch.randn(length + appended, rank, generator=g, dtype=torch.float64) @ torch.randn(
+        rank, d, generator=g, dtype=torch.float64)  # exact rank 4 ≤ r
+    wk, wv = torch.randn(d, 8, generator=g, dtype=torch.float64), torch.randn(d, 8, generator=g, dtype=torch.float64)
+    keys, values = _rotate(x @ wk, 0), x @ wv  # (L + c, 8)
+    u, xp = principal_components(x[:length], r)
+    xp_ext, col_ext, (k_ext, v_ext) = extend_components(
+        xp, u.sum(0), x[length:], length, ((u.mT @ keys[:length], keys[length:]), (u.mT @ values[:length],
+                                                                                  values[length:])))
+    u_f, xp_f = principal_components(x, r)
+    assert torch.allclose(xp_ext, xp_f, atol=1e-9)  # rows σ_i v_iᵀ: singular values and signs match
+    assert torch.allclose(col_ext, u_f.sum(0), atol=1e-9)
+    assert torch.allclose(k_ext, u_f.mT @ keys, atol=1e-9) and torch.allclose(v_ext, u_f.mT @ values, atol=1e-9)
+    assert component_mask(xp_ext).sum() == rank  # the null components stay zero rows
+
+
+def test_extend_components_is_an_approximation_below_the_rank() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 10, generator=g, dtype=torch.float64)  # full rank 10 > r
+    u, xp = principal_components(x[:25], 3)
+    xp_ext, _, _ = extend_components(xp, u.sum(0), x[25:], 25)
+    _, xp_f = principal_components(x, 3)
+    assert (xp_ext.norm(dim=1) - xp_f.norm(dim=1)).abs().max() > 1e-3  # the earlier tail was already dropped
+    with pytest.raises(AttnslimError, match="extend_components takes"):
+        extend_components(xp, u.sum(0), x[25:, :4], 25)

@@ -341,8 +341,10 @@ def test_analysis_reports_on_tiny_model():
     js = torch.tensor(sim["js_matrix"])
     assert js.shape == (4, 4) and js.diagonal().abs().max() < 1e-6 and torch.allclose(js, js.T, atol=1e-6)
     hm = sim["head_matching"]
-    assert all(o <= d + 1e-9 and o <= g + 1e-9 for o, d, g in zip(hm["oracle"], hm["direct"], hm["global"],
-                                                                  strict=True))
+    # one value per adjacent pair and kind, and a head of layer n-1 for every head of layer n (the matching's own
+    # quality is tested on a constructed permutation in test_properties_lisa.py)
+    assert all(len(hm[k]) == 3 for k in ("direct", "random", "oracle", "global"))
+    assert all(set(m) <= {0, 1, 2, 3} and len(m) == 4 for m in hm["global_match"])
     assert "A1" in format_similarity(sim)
     sens = sensitivity_report(model, ByteTokenizer(), "tiny", n=1, seq_len=16, progress=False)
     assert set(sens["single"]["ds"]) == {"1", "2", "3"} and sens["suffix"]["avg"]["3"] == sens["single"]["avg"]["3"]

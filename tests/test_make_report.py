@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_report.py"
 
@@ -29,3 +32,24 @@ def test_notes_are_paragraphs_and_table_rows_stay_contiguous() -> None:
     assert lines[start : start + 4] == notes[2:6]  # no blank line inside the table: markdown renders one table
     assert lines[start - 1] == "" and lines[start - 2] == "Decode against dense:"
     assert lines[start + 4 : start + 6] == ["", "A closing remark."]  # prose after it is its own paragraph
+
+
+def test_readme_summary_is_the_generated_table(tmp_path: Path) -> None:
+    """README's Summary block is what make_report writes from the results: it cannot go stale silently."""
+    report = _report()
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(report.RESULTS.glob("*.json"))
+               if not p.stem.startswith("reliability") and "environment" in json.loads(p.read_text())}
+    readme = REPORT.parents[1] / "README.md"
+    copy = tmp_path / "README.md"
+    copy.write_text(readme.read_text())
+    report.write_summary(copy, report.summary(results))
+    assert copy.read_text() == readme.read_text(), "README's summary is stale: run benchmarks/make_report.py"
+    rows = [line for line in copy.read_text().splitlines() if line.startswith("| mla (+ 40-step heal) |")]
+    assert len(rows) == 1
+
+
+def test_write_summary_needs_its_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n")
+    with pytest.raises(SystemExit, match="no summary markers"):
+        _report().write_summary(readme, ["| a |", "|---|", "| 1 |"])

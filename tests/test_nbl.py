@@ -277,8 +277,10 @@ def test_linearity_report_and_table(llama):
 @pytest.mark.real
 def test_nbl_selection_on_smollm2_beats_random_and_inverted_selection():
     """SmolLM2-135M, m = 3 layers linearized, the same calibration and evaluation windows for every selection: the
-    default criterion (similarity) beats a random selection, and the paper's CCA bound beats its own inversion
-    (the highest bound). A criterion that silently fell back to another selection would fail one of the two."""
+    default criterion (similarity) beats a random selection, the paper's CCA bound beats its own inversion (the
+    highest bound), and NBL's linear map on the CCA layers beats dropping the same layers' attention (`drop`, the
+    LLM-Drop baseline the paper compares with). A criterion that silently fell back to another selection, or a map
+    that did no better than removing the block, fails one of the three."""
     import copy
 
     from attnslim.analysis.linearity import linearity_report
@@ -301,6 +303,11 @@ def test_nbl_selection_on_smollm2_beats_random_and_inverted_selection():
         result = compress(model, tokenizer, recipe, progress=False)
         assert result.kv_bytes_per_token_after < result.kv_bytes_per_token_before * 0.91
         ppl[criterion] = perplexity(model, windows, progress=False).ppl
+    model = copy.deepcopy(dense)
+    compress(model, tokenizer, recipe_from_dict({"name": "drop-cca", "calibration": calibration, "steps": [
+        {"method": "drop", "layers": report["selection"]["cca"], "args": {"select": "given"}}]}), progress=False)
+    ppl["drop-cca"] = perplexity(model, windows, progress=False).ppl
     assert report["selection"]["cca"] != report["selection"]["highest"]
+    assert ppl["cca"] < ppl["drop-cca"], (ppl, report["selection"])
     assert ppl["similarity"] < ppl["random"], (ppl, report["selection"])
     assert ppl["cca"] < ppl["highest"], (ppl, report["selection"])

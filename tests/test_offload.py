@@ -147,8 +147,9 @@ def test_one_decoder_layer_in_memory_at_a_time(tmp_path, monkeypatch):
 
 
 def test_a_shard_is_hashed_once_and_damage_is_named(tmp_path, monkeypatch):
-    import attnslim.offload.shards as shards
+    import attnslim.verify as shards
 
+    monkeypatch.setenv("ATTNSLIM_CACHE", str(tmp_path / "cache"))  # where the stamps go
     src = _checkpoint("llama", tmp_path / "src")
     out = tmp_path / "off"
     compress_offloaded(src, one_step("svd", {"ratio": 0.5}), out, tokenizer=SavingTokenizer(), progress=False)
@@ -158,7 +159,7 @@ def test_a_shard_is_hashed_once_and_damage_is_named(tmp_path, monkeypatch):
     load(out)
     assert len(calls) == 5  # the first load hashes every shard once
     load(out)
-    assert len(calls) == 5  # later loads check sizes only (a stamp records inode, mtime, size)
+    assert len(calls) == 5  # later loads check sizes only (a stamp in the cache records the file's identity)
     victim = out / "model-00002-of-00005.safetensors"
     victim.write_bytes(victim.read_bytes()[:-8])
     with pytest.raises(AttnslimError, match="shard model-00002-of-00005.safetensors has"):

@@ -1,5 +1,6 @@
 """ATP (seed 004) testable properties of shared/methods/atp.md §7 not covered by test_atp.py:
-bias handling with a real SVD basis (#2/#11), the RoPE / query paths (#10), Alg. 1's residual (#3)."""
+bias handling with a real SVD basis (#2/#11), the RoPE / query paths (#10), Alg. 1's residual (#3), the Eq. 8
+first-order form (#5)."""
 
 from __future__ import annotations
 
@@ -182,3 +183,55 @@ def test_alg1_residual_is_above_exact_and_converges_with_iterations(seed):
     assert residual("approx", 1) > exact + 1e-6  # a single inner step is measurably approximate
     assert residual("approx", 2) >= exact - 1e-9
     assert residual("approx", 30) <= 1.01 * exact
+
+
+# --- #5: the paper's Eq. 8 (first-order Taylor) form -----------------------------------------------------------------
+
+def _taylor_over_tokens(x: torch.Tensor, w: dict, hd: int) -> torch.Tensor:
+    """First-order Taylor attention over all L tokens, non-causal: (1 + s) V / (L + Σ_j s_j), s = Q Kᵀ/√d."""
+    def lin(name, t):
+        return t @ w[name][0].T + w[name][1]
+
+    q, k, v = (_heads(lin(n, x), hd) for n in ("q_proj", "k_proj", "v_proj"))  # (b, H, L, hd)
+    s = q @ k.transpose(-1, -2) * hd**-0.5  # (b, H, L, L)
+    out = (v.sum(-2, keepdim=True) + s @ v) / (x.shape[1] + s.sum(-1, keepdim=True))
+    return lin("out_proj", out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def test_taylor_kernel_is_first_order_attention_over_the_tokens_at_the_input_rank():
+    """Notes §7 #5: at r = rank(X), kernel="taylor" ((1U + s)V′ / (L + s(1U)ᵀ), the paper's Eq. 8) equals
+    first-order Taylor attention over all L tokens to 1e-10, biases included (X holds the ones direction, so the
+    biased keys and values lie in U's span); it is unchanged when columns of U flip sign, where the softmax form
+    is not; below the input rank it is an approximation, measurably off."""
+    model = tiny_opt().double()
+    hf = model.model.decoder.layers[0].self_attn
+    w = {n: (getattr(hf, n).weight.detach().clone(), getattr(hf, n).bias.detach().clone())
+         for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    module = _layer0(convert_atp(model, rank=6, form="paper", kernel="taylor"))
+    x = _rank_k(5) * 0.2 + 0.5  # rank 6 with the all-ones direction; small scores keep 1 + s_j positive
+    u, xp, valid = module.decompose(x, ALL)
+    assert valid.all() and torch.allclose(u @ xp, x, atol=1e-10)
+    ref = _taylor_over_tokens(x, w, hf.head_dim)
+    got = module.principal_attention(x, u, xp, valid, None)
+    assert torch.allclose(got, ref, atol=1e-10, rtol=0)
+    flip = torch.tensor([1.0, -1, 1, -1, -1, 1], dtype=F64)  # u_i -> -u_i, so X′_i = u_iᵀX -> -X′_i
+    assert torch.allclose(module.principal_attention(x, u * flip, xp * flip[:, None], valid, None), got,
+                          atol=1e-10, rtol=0)
+    module.kernel = "softmax"
+    soft = module.principal_attention(x, u, xp, valid, None)
+    assert (module.principal_attention(x, u * flip, xp * flip[:, None], valid, None) - soft).abs().max() > 1e-4
+    module.kernel, module.rank = "taylor", 3
+    u3, xp3, valid3 = module.decompose(x, ALL)
+    assert (module.principal_attention(x, u3, xp3, valid3, None) - ref).abs().max() > 1e-6
+
+
+def test_taylor_kernel_is_refused_for_the_serving_form_and_described():
+    from attnslim.errors import AttnslimError
+    from attnslim.methods.atp import Atp
+
+    with pytest.raises(AttnslimError, match="kernel"):
+        Atp(form="serving", kernel="taylor")
+    with pytest.raises(AttnslimError, match="kernel"):
+        Atp(kernel="exp")
+    module = _layer0(convert_atp(tiny_llama(), rank=0.5, form="paper", kernel="taylor"))
+    assert module.kernel == "taylor" and module.describe()["kernel"] == "taylor"

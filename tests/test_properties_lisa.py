@@ -1,5 +1,6 @@
 """LISA (seed 002) testable properties of shared/methods/lisa.md §7 not covered by test_lisa.py:
-the direct-sharing identity along a chain (#2), the LLaMA-shaped parameter counts (#8), global ≤ direct (#13)."""
+the direct-sharing identity along a chain (#2), the LLaMA-shaped parameter counts (#8), global head matching
+recovering heads permuted between layers (#13)."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def test_lisa_parameter_count_per_layer_on_llama2_7b_shapes():
 def test_global_head_matching_recovers_heads_permuted_between_layers():
     """Notes §7 #13, constructed so it can fail: layer 1 leaves the residual stream unchanged (o_proj and down_proj
     zero), so layer 2 sees layer 1's input; layer 2's q/k are layer 1's with the heads permuted (KV heads swapped,
-    query heads reversed: q head a of layer 2 is q head 3 - a of layer 1). Its attention maps are then layer 1's,
+    query heads moved to the other group by q_perm, which is not its own inverse, so a matching read in the wrong
+    direction (layer 1 -> layer 2) fails). Its attention maps are then layer 1's,
     permuted: global matching must recover the permutation with zero divergence, where direct sharing (head a to
     head a) diverges; the other pairs keep their random heads."""
     from attnslim.analysis import similarity_report
@@ -117,7 +119,7 @@ def test_global_head_matching_recovers_heads_permuted_between_layers():
     model = tiny_llama()
     one, two = model.model.layers[1], model.model.layers[2]
     d = 16  # head_dim: 4 query heads in 2 KV groups
-    q_perm = [3, 2, 1, 0]
+    q_perm = [2, 3, 1, 0]  # q head a of layer 2 is q head q_perm[a] of layer 1; its inverse is [3, 2, 0, 1]
     with torch.no_grad():
         one.self_attn.o_proj.weight.zero_()
         one.mlp.down_proj.weight.zero_()

@@ -211,7 +211,7 @@ def test_d8_the_next_save_reports_what_a_sigkill_left(saved, capsys):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = out.parent / ".m-killed"
     stale.mkdir()
-    (stale / outdir.WRITER).write_text(dead.stdout.strip())
+    (out.parent / (stale.name + outdir.TEMP_MARK)).write_text(dead.stdout.strip())  # marked as attnslim's
     (stale / "model.safetensors").write_bytes(b"x" * 2**20)
     save(tiny_llama(), SavingTokenizer(), out, report.to_json(), overwrite=True)
     err = capsys.readouterr().err
@@ -466,11 +466,11 @@ def test_d11_empty_prompt(capsys, no_model_loading):
 
 
 @pytest.mark.parametrize("damage,message", [
-    ("config_deleted", "is damaged (FileNotFoundError"),  # case 185
-    ("json_minimal", "has no valid recipe, steps"),  # case 171
+    ("config_deleted", "config.json does not exist"),  # case 185
+    ("json_minimal", "records no valid weights_sha256"),  # case 171
     ("plan_rank_text", "step 1 (svd) layer 0: the plan entry"),  # case 177: names the step, layer and entry
-    ("weights_deleted", "is damaged (FileNotFoundError"),  # case 160
-    ("hidden_size_66", "is not a valid llama configuration"),  # case 191 (not a multiple of the 4 heads)
+    ("weights_deleted", "model.safetensors does not exist"),  # case 160
+    ("hidden_size_66", "says hidden_size 66, but no tensor"),  # case 191 (now refused before the config is built)
     ("no_auto_map", None),  # case 189: loads
 ])
 def test_d11_damaged_directories_name_the_damage(saved, damage, message):

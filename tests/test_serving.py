@@ -127,13 +127,16 @@ def test_the_deepseek_export_caches_its_latent_and_rotary_key_only(served, vllm_
 
 
 def test_openai_client_over_loopback_gets_hf_greedy_tokens(served, prompts, hf_runs, tmp_path):
-    """`attnslim serve` (127.0.0.1, API key) answers the `openai` client with HF's greedy tokens; a wrong key is
-    refused."""
+    """`attnslim serve` (127.0.0.1, API key from --api-key-file) answers the `openai` client with HF's greedy
+    tokens; a wrong key is refused."""
     import openai
 
     port, key, log = free_port(), "test-key-21", tmp_path / "server.log"
-    argv = [sys.executable, "-m", "attnslim", "serve", str(served["nbl-6"]), "--port", str(port), "--api-key", key,
-            "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", KV_GIB]
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    argv = [sys.executable, "-m", "attnslim", "serve", str(served["nbl-6"]), "--port", str(port), "--api-key-file",
+            str(key_file), "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", KV_GIB]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -10,6 +10,7 @@ import pytest
 from attnslim.cli import main as cli_main
 from attnslim.errors import AttnslimError
 from attnslim.serving import launch
+from attnslim.serving.access import check_access
 from attnslim.serving.plan import LayerKind, layer_kinds
 from conftest import tiny_llama
 from helpers import ByteTokenizer, SavingTokenizer, one_step
@@ -62,14 +63,16 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_the_command_line(tm
     (venv / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
     (venv / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
     monkeypatch.setenv(launch.VENV_ENV, str(venv))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     args = launch.ServeArgs("unused", api_key="sekrit", kv_cache_gib=2)
     argv = launch.command(args, tmp_path)
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "sekrit" not in " ".join(argv)
-    env = launch.environment(args)
+    access = check_access(args.host, args.port, args.api_key, None, False, {})
+    env = launch.environment(args, access)
     assert env["VLLM_API_KEY"] == "sekrit" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    with pytest.raises(AttnslimError, match="--api-key is empty"):
-        launch.environment(launch.ServeArgs("unused", api_key=""))
+    with pytest.raises(AttnslimError, match="the API key from --api-key is empty"):
+        check_access("127.0.0.1", 8000, "", None, False, {})
 
 
 def test_a_deepseek_export_needs_the_cpu_kernel_width_and_float32_names_the_reference_backend(tmp_path):

@@ -186,6 +186,9 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
         return compress_offloaded(checkpoint_directory(name_or_path), recipe, out, overwrite, compute_dtype,
                                   compute_device, progress, extra)
     model, tokenizer = load_model(name_or_path, compute_dtype)
+    from attnslim.offload import check_free_disk
+
+    check_free_disk(out, model_bytes(model))  # the output is at most the dense weights: a full disk fails now
     report = compress(model, tokenizer, recipe, progress, device=compute_device)
     save(model, tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
     return report

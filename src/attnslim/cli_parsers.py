@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -114,9 +115,16 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model (dense, or an nbl / drop output) with vLLM's OpenAI-compatible "
                        "server (needs `make serve-setup`)")
     p.add_argument("model", help="a compressed directory, a checkpoint directory or a zoo name")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                   "any other host needs a key or --no-api-key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="clients must send this key (handed to vLLM)")
-    p.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--api-key-file", type=Path, default=None, help="clients must send the key in this file (its "
+                   "first line; keep it mode 600). The key can also come from VLLM_API_KEY in the environment")
+    p.add_argument("--api-key", default=None, help="clients must send this key; visible to other users in `ps` "
+                   "until vLLM starts: prefer --api-key-file or VLLM_API_KEY")
+    p.add_argument("--no-api-key", action="store_true", help="serve a non-loopback --host without a key, on purpose")
+    p.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto | float32 | float | bfloat16 | float16 | half")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default and maximum: the "
+                   "model's max_position_embeddings)")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size on CPU in whole GiB "
+                   "(VLLM_CPU_KVCACHE_SPACE)")

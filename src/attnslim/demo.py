@@ -138,6 +138,6 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
           f"--tasks {','.join(TASKS)}; the same for {model_name}; speed: attnslim bench {out} --vs {model_name}")
     if _compat.mkl_runs_generic_code():
         print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
-              "generate to run both models' linear layers on oneDNN (README, \"CPU speed\")")
+              "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
     print(f"demo wall time: {time.perf_counter() - start:.0f} s (compression {report.seconds:.0f} s)")
     return 0

@@ -9,7 +9,11 @@ A saved directory holds model.safetensors, config.json, tokenizer files, compres
   the directory and passes `trust_remote_code=False` everywhere: use it for directories you did not write.
 - compression.json records the sha256 of model.safetensors; `load` checks it, so damage anywhere in the weights is
   found before a number is computed from them. An offloaded compression (attnslim.offload) writes one shard per
-  decoder layer instead, with each shard's size and sha256 (a shard is fully re-hashed only when its file changed).
+  decoder layer instead, with each shard's size and sha256 (attnslim.verify: when a shard is re-hashed, which
+  format versions and records are accepted).
+- Every file of the directory is read as a regular file (a link to /dev/zero or a FIFO is refused), JSON with a size
+  cap (safe_files), and config.json's sizes are checked against the weights' shapes before the model is built
+  (config_bounds). Loading writes nothing into the directory.
 - Outputs are written through `attnslim.outdir` (temp directory, no-replace install or rename swap).
 """
 
@@ -24,12 +28,15 @@ import torch
 
 from attnslim import _compat
 from attnslim.checksum import sha256_file
+from attnslim.config_bounds import check_config_sizes
 from attnslim.errors import AttnslimError, first_line
-from attnslim.outdir import MARKER, staged_output
+from attnslim.outdir import MARKER, describe_copies, staged_output
+from attnslim.safe_files import read_json, refuse_special_files, regular_file
+from attnslim.verify import READABLE_VERSIONS, SHARDED_VERSION, check_record
 
-FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) still loads
-SHARDED_VERSION = 3  # 3: weight shards (offloaded compression) with per-shard sizes and sha256
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) loads, warned
+# SHARDED_VERSION = 3: weight shards (offloaded compression) with per-shard sizes and sha256
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "SHARDED_VERSION", "load", "read_compression_json", "save"]
 COMPRESSION_JSON = MARKER
 WEIGHTS = "model.safetensors"
 HF_ENTRY = "attnslim_hf.py"
@@ -87,20 +94,17 @@ def _deduplicated_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_compression_json(directory: Path) -> dict[str, Any]:
+def read_compression_json(directory: Path, verify: bool = False) -> dict[str, Any]:
+    """compression.json (a regular file, size and nesting bounded), with a format version and checksum record
+    that guarantee a checked load (attnslim.verify.check_record)."""
     path = directory / COMPRESSION_JSON
-    if not path.exists():
-        raise AttnslimError(f"{directory} is not a compressed model (no {COMPRESSION_JSON}); run attnslim compress")
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AttnslimError(f"{path} is damaged ({err}); re-create the directory with attnslim compress") from None
-    version = info.get("format_version") if isinstance(info, dict) else None
-    if version not in READABLE_VERSIONS:
-        raise AttnslimError(
-            f"{path}: format_version {version!r} is not supported by this attnslim (reads "
-            f"{', '.join(map(str, READABLE_VERSIONS))}); re-create the directory with this version"
-        )
+    if not path.exists() and not path.is_symlink():
+        raise AttnslimError(f"{directory} is not a compressed model (no {COMPRESSION_JSON}); run attnslim compress"
+                            + describe_copies(directory))
+    info = read_json(path, COMPRESSION_JSON)
+    if not isinstance(info, dict):
+        raise AttnslimError(f"{path} is damaged (not a JSON object); re-create the directory with attnslim compress")
+    check_record(info, path, verify)
     missing = [k for k in _REQUIRED_KEYS if not isinstance(info.get(k), dict if k == "recipe" else list)]
     if missing:
         raise AttnslimError(f"{directory} is damaged ({COMPRESSION_JSON} has no valid {', '.join(missing)}); "
@@ -109,20 +113,21 @@ def read_compression_json(directory: Path) -> dict[str, Any]:
 
 
 def load(directory: str | Path, dtype: torch.dtype = torch.float32, offload: bool = False,
-         device: torch.device | None = None) -> tuple[Any, Any]:
+         device: torch.device | None = None, verify: bool = False) -> tuple[Any, Any]:
     """Rebuild the base architecture, re-create each step's modules (skeleton), load weights strictly.
 
     offload=True keeps every decoder layer's weights on disk, read while the layer runs on `device` (default cpu;
-    offload/dispatch.py): for outputs larger than memory. Anything wrong with the directory (weights, config, plan,
-    tokenizer) is an AttnslimError that says so."""
+    offload/dispatch.py): for outputs larger than memory. verify=True (or ATTNSLIM_VERIFY=1) hashes every weights
+    file in full instead of trusting a stamp (attnslim.verify states the policy). Anything wrong with the directory
+    (weights, config, plan, tokenizer) is an AttnslimError that says so; nothing is written into it."""
     from safetensors import SafetensorError
 
     directory = Path(directory)
-    info = read_compression_json(directory)
+    info = read_compression_json(directory, verify)
     try:
-        return _load(directory, info, dtype, offload, device or torch.device("cpu"))
+        return _load(directory, info, dtype, offload, device or torch.device("cpu"), verify)
     except AttnslimError as err:
-        raise AttnslimError(f"{directory}: {err}") from err
+        raise AttnslimError(str(err) if str(err).startswith(str(directory)) else f"{directory}: {err}") from err
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
         raise AttnslimError(f"{directory} is damaged ({type(err).__name__}: {first_line(err)}); "
                             "re-create it with attnslim compress") from err
@@ -141,29 +146,20 @@ def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
             method.skeleton(adapter, layer, entry)
 
 
-def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device
-          ) -> tuple[Any, Any]:
+def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device,
+          verify: bool) -> tuple[Any, Any]:
     from safetensors.torch import load_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from attnslim.modules import MODULES
     from attnslim.registry import lookup
 
-    weights = directory / WEIGHTS
-    sharded = info["format_version"] >= SHARDED_VERSION
-    expected = info.get("weights_shards" if sharded else "weights_sha256")
-    if expected is None and info["format_version"] >= 2:
-        raise AttnslimError(f"{COMPRESSION_JSON} records no {'weights_shards' if sharded else 'weights_sha256'}")
-    if sharded:
-        from attnslim.offload import verify_shards
-
-        if not isinstance(expected, dict) or not expected:
-            raise AttnslimError(f"{COMPRESSION_JSON} has no valid weights_shards")
-        verify_shards(directory, expected)
-    elif expected is not None and sha256_file(weights) != expected:
-        raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
-                            "damaged or replaced); re-create the directory with attnslim compress")
-    values = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    refuse_special_files(directory)
+    files = _check_weights(directory, info, offload, verify)
+    values = read_json(directory / "config.json", "config.json")
+    if not isinstance(values, dict):
+        raise AttnslimError("config.json is not a JSON object; re-create the directory with attnslim compress")
+    check_config_sizes(values, files, directory / "config.json")
     values.pop("auto_map", None)
     base_type = values.pop(BASE_TYPE_KEY, values.get("model_type"))
     values["model_type"] = base_type
@@ -186,14 +182,49 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bo
         from attnslim.offload.dispatch import dispatch_layers
 
         dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device, dtype)
-    elif sharded:
+    elif info["format_version"] >= SHARDED_VERSION:
         _load_shards(model, directory, sorted(info["weights_shards"]))
     else:
-        load_model(model, str(weights), strict=True)
+        load_model(model, str(directory / WEIGHTS), strict=True)
     # the base model's config: without it AutoTokenizer reads config.json as a bare config and warns that model
     # type "attnslim" is being instantiated as another type, at every load
-    tokenizer = AutoTokenizer.from_pretrained(directory, config=model.config, **_compat.SAFE_LOADING)
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(directory, config=model.config)
+
+
+def load_tokenizer(directory: Path, **kwargs: Any) -> Any:
+    """The directory's tokenizer; damaged tokenizer files are an AttnslimError naming them."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs, **_compat.SAFE_LOADING)
+    except AttnslimError:
+        raise
+    except Exception as err:  # the tokenizers library raises plain Exception for a malformed tokenizer.json
+        raise AttnslimError(f"{directory}: the tokenizer files are damaged ({type(err).__name__}: "
+                            f"{first_line(err) or 'no detail'}); copy the model's own tokenizer files") from err
+
+
+def _check_weights(directory: Path, info: dict[str, Any], offload: bool, verify: bool) -> list[Path]:
+    """The weights files, each checked against compression.json's record (sizes, sha256, shard names)."""
+    if info["format_version"] >= SHARDED_VERSION:
+        from attnslim.offload import verify_shards
+
+        record = info["weights_shards"]
+        verify_shards(directory, record, verify)
+        files = [directory / name for name in sorted(record)]
+    else:
+        files = [regular_file(directory / WEIGHTS, WEIGHTS)]
+        expected = info.get("weights_sha256")
+        if expected is not None and sha256_file(files[0]) != expected:
+            raise AttnslimError(f"{WEIGHTS} does not match the sha256 recorded when it was saved (the file was "
+                                "damaged or replaced); re-create the directory with attnslim compress")
+    if offload:  # offloaded layers are read through the index, if any: it may name only the checked files
+        from attnslim.offload import WeightSource
+
+        if extra := sorted(set(WeightSource(directory).shards) - {f.name for f in files}):
+            raise AttnslimError(f"model.safetensors.index.json names {extra[:3]}, which {COMPRESSION_JSON} does "
+                                "not record (unchecked weights); re-create the directory with attnslim compress")
+    return files
 
 
 def _load_shards(model: Any, directory: Path, shards: list[str]) -> None:

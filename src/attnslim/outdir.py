@@ -9,7 +9,12 @@ then installed by rename:
   any point leaves both copies on disk, never neither.
 `check_output` runs before any work (a bad --out is found in seconds, not after a 10-minute compress) and again
 just before a swap. SIGTERM is turned into SystemExit by `terminate_as_exit`, so `finally` blocks remove temp
-directories as they do on Ctrl-C; what a SIGKILL leaves is reported by the next write to the same parent.
+directories as they do on Ctrl-C; what a SIGKILL leaves is reported by the next write to the same target, and by
+the next read of it (`interrupted_copies`, quoted by io.load's "not a compressed model" error).
+Every temp directory (new output or old one set aside) is marked by a file beside it, DIR.attnslim-temp, created
+before the directory itself and holding the writer's pid: only marked directories are ever named as leftovers (with
+the `rm -rf` that removes them), never a user's own `.OUT-something` directory. The mark is beside the directory,
+not in it, because the old output is renamed onto an empty directory and the new one must hold only the output.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from attnslim.errors import AttnslimError
 
 MARKER = "compression.json"  # what makes a directory an attnslim output that --overwrite may replace
 EXPORT_MARKER = "attnslim-export.json"  # ... or an attnslim export (export/), which has no compression.json
-WRITER = ".attnslim-writer"  # in a temp directory while it is written: the writer's pid
+TEMP_MARK = ".attnslim-temp"  # beside each temp directory attnslim makes (DIR + TEMP_MARK): the writer's pid
 
 
 def check_output(target: Path, overwrite: bool, inputs: Sequence[Path] = ()) -> None:
@@ -87,24 +92,53 @@ def staged_output(target: Path, overwrite: bool, check: bool = True) -> Iterator
         check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     report_stale(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    (tmp / WRITER).write_text(str(os.getpid()))
+    tmp = make_temp_dir(target.parent, f".{target.name}-")
     keep = False
     try:
         yield tmp
-        (tmp / WRITER).unlink()
         _publish_permissions(tmp)
         keep = True  # from here on a failure leaves the finished output in tmp and says so
-        if overwrite:
-            if check:
-                check_output(target, overwrite)  # again: the target may have changed while we wrote
-            swap_in(tmp, target)
-        else:
-            install_new(tmp, target)
+        try:
+            if overwrite:
+                if check:
+                    check_output(target, overwrite)  # again: the target may have changed while we wrote
+                swap_in(tmp, target)
+            else:
+                install_new(tmp, target)
+        except AttnslimError as err:
+            if str(tmp) in str(err):
+                raise
+            raise AttnslimError(f"{err}. The new output is kept in {tmp}: move it yourself or rerun with another "
+                                "--out") from None
         keep = False
     finally:
-        if tmp.exists() and not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            remove_temp_dir(tmp)
+
+
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """An empty new directory `parent/prefix*`, marked as attnslim's by `TEMP_MARK` beside it (written first)."""
+    for _ in range(100):
+        fd, mark = tempfile.mkstemp(prefix=prefix, suffix=TEMP_MARK, dir=parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        directory = Path(mark[: -len(TEMP_MARK)])
+        try:
+            os.mkdir(directory, 0o700)
+            return directory
+        except FileExistsError:  # someone else's directory of that name: never take it over
+            os.unlink(mark)
+    raise AttnslimError(f"could not create a temporary directory in {parent}; remove old .{prefix}* entries")
+
+
+def remove_temp_dir(directory: Path) -> None:
+    """Delete a temp directory made by `make_temp_dir` (if still there) and its mark."""
+    shutil.rmtree(directory, ignore_errors=True)
+    _mark(directory).unlink(missing_ok=True)
+
+
+def _mark(directory: Path) -> Path:
+    return directory.with_name(directory.name + TEMP_MARK)
 
 
 def install_new(tmp: Path, target: Path) -> None:
@@ -121,28 +155,30 @@ def install_new(tmp: Path, target: Path) -> None:
             os.rmdir(target)
         raise AttnslimError(f"something was written into {target} while the output was being saved, so it was not "
                             f"replaced; the new output is kept in {tmp}") from None
+    _mark(tmp).unlink(missing_ok=True)
 
 
 def swap_in(tmp: Path, target: Path) -> None:
     """Replace `target` by `tmp`: rename the old one aside, rename the new one in, then delete the old one."""
     aside = None
     if target.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
-        os.rename(target, aside)  # onto the empty directory mkdtemp made
+        aside = make_temp_dir(target.parent, f".{target.name}-old-")
+        os.rename(target, aside)  # onto the empty directory make_temp_dir made
     try:
         install_new(tmp, target)
     except BaseException:  # also SIGTERM's SystemExit: put the old output back; the new one stays in tmp
         if aside is not None and not target.exists():
             os.rename(aside, target)
+            _mark(aside).unlink(missing_ok=True)
         raise
     if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_temp_dir(aside)
 
 
 def report_stale(target: Path) -> list[Path]:
     """Temp directories of earlier writes to `target` whose writer is gone (a SIGKILL, a power cut): print them
     with the command that removes them. They are never deleted here: one may hold the only copy of a model."""
-    stale = [p for p in sorted(target.parent.glob(f".{target.name}-*")) if p.is_dir() and not _writer_alive(p)]
+    stale = interrupted_copies(target)
     if stale:
         size = sum(f.stat().st_size for p in stale for f in p.rglob("*") if f.is_file()) / 2**20
         names = " ".join(str(p) for p in stale)
@@ -152,11 +188,32 @@ def report_stale(target: Path) -> list[Path]:
     return stale
 
 
+def interrupted_copies(target: Path) -> list[Path]:
+    """attnslim's own temp directories beside `target` (marked by `TEMP_MARK`) whose writer is no longer running."""
+    return [p for p in sorted(target.parent.glob(f".{target.name}-*"))
+            if p.is_dir() and not p.is_symlink() and _mark(p).is_file() and not _writer_alive(p)]
+
+
+def describe_copies(target: Path) -> str:
+    """A sentence naming what an interrupted write to `target` left ("" when nothing): for errors on reading it."""
+    copies = interrupted_copies(target)
+    if not copies:
+        return ""
+    old = [str(p) for p in copies if p.name.startswith(f".{target.name}-old-")]
+    new = [str(p) for p in copies if str(p) not in old]
+    parts = ([f"the new output in {', '.join(new)}"] if new else []) + (
+        [f"the previous one in {', '.join(old)}"] if old else [])
+    return (f"; an interrupted write to it (killed during --overwrite) left {' and '.join(parts)}: move the one you "
+            f"want to {target}")
+
+
 def _writer_alive(directory: Path) -> bool:
     try:
-        pid = int((directory / WRITER).read_text())
+        pid = int(_mark(directory).read_text())
     except (OSError, ValueError):
-        return False  # finished (install pending) or an old copy set aside: not being written
+        return False
+    if pid == os.getpid():
+        return False  # our own leftover from an earlier failed install in this process
     try:
         os.kill(pid, 0)  # PermissionError: alive, owned by another user
     except ProcessLookupError:

@@ -54,6 +54,17 @@ def _plain(value: object) -> JSON:
     raise TypeError(f"plan entries hold JSON values only, not {type(value).__name__}")
 
 
+def layer_index(key: object, where: str) -> int:
+    """A saved plan's layer key as an index: only ASCII digits ("0", "12"). "-1" (Python's last layer), "abc",
+    " 3" and non-ASCII digits are refused, never reinterpreted. The one rule shared by `attnslim.load` and the
+    serving plan reader (serving/plan.py, which runs inside vLLM), so both accept exactly the same plans; whether
+    the index is inside the model is checked where the layer count is known."""
+    if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        raise AttnslimError(f"{where}: plan layer {key!r} is not a layer index (0, 1, 2, ...); the file was edited "
+                            "or damaged: re-create the output with attnslim compress")
+    return int(key)
+
+
 E = TypeVar("E", bound=LayerEntry)
 
 
@@ -92,15 +103,17 @@ class StepPlan(Generic[E]):
                                 "compress")
         plan: StepPlan[E] = StepPlan(info={k: v for k, v in data.items() if k != "layers"})
         for key, entry in raw.items():
-            if not (isinstance(key, str) and key.isdigit() and isinstance(entry, dict)):
-                raise AttnslimError(f"{where}: plan layer {key!r} -> {entry!r} is not a layer index and its entry")
+            index = layer_index(key, where)
+            if not isinstance(entry, dict):
+                raise AttnslimError(f"{where}: plan layer {key!r} -> {entry!r} is not a layer's entry (a JSON "
+                                    "object); re-create the output with attnslim compress")
             body = {k: v for k, v in entry.items() if k != FIT_KEY}
             parsed = entry_type.from_json(body, f"{where} layer {key}")
             assert isinstance(parsed, entry_type)
-            plan.layers[int(key)] = parsed
+            plan.layers[index] = parsed
             fit = entry.get(FIT_KEY)
             if isinstance(fit, dict):
-                plan.fits[int(key)] = fit
+                plan.fits[index] = fit
         return plan
 
 

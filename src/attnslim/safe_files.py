@@ -55,20 +55,29 @@ def read_json(path: Path, what: str, limit: int = JSON_LIMIT, fix: str = DAMAGED
         raise AttnslimError(f"{what} {path} is damaged (nested too deeply to read); {fix}") from None
 
 
+def check_write_target(path: Path) -> None:
+    """An AttnslimError unless `path` is absent or a regular file (not a link, directory or special file)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "symbolic link" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
+        raise AttnslimError(f"{path} is a {kind}, not a regular file; attnslim will not write through it. Remove it "
+                            "(or move it away) and run the command again")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same directory and `os.replace`.
 
     The target, if it exists, must be a regular file and not a link: a link is refused, never followed (writing
     through it would replace whatever it points at). The old file stays whole until the new one is complete."""
+    check_write_target(path)
     try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        kind = "symbolic link" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "special file"
-        raise AttnslimError(f"{path} is a {kind}, not a regular file; attnslim will not write through it. Remove it "
-                            "(or move it away) and run the command again")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise AttnslimError(f"could not write {path}: cannot create a file in {path.parent} ({first_line(err)}); "
+                            "make the directory writable or copy it somewhere writable") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -83,3 +92,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def refuse_special_files(directory: Path) -> None:
+    """An AttnslimError naming the first entry of `directory` that is, after resolving links, a device, FIFO or
+    socket: transformers opens the directory's files by name (tokenizer, generation config, weights), and such a file
+    would hang a read or never end. Checked before anything in the directory is read."""
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue  # a dangling link: whatever opens it by name fails with a clear "no such file"
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise AttnslimError(f"{directory}: {entry.name} is a device, FIFO or socket, not a regular file; replace "
+                                "it with the real file (or remove it)")

@@ -1,4 +1,4 @@
-"""ATP's motivating analysis (seed 004 §3, Fig. 1/5; notes methods/atp.md §2): how low-rank are sequences?
+"""ATP's motivating analysis (seed 004 §3, Fig. 1/5): how low-rank are sequences?
 
 For each sequence length L, the first n windows of L tokens of the source's evaluation split are run through
 the model; for the embedding output ("embed", the paper's Fig. 1) and the input of every attention layer (what

@@ -1,4 +1,4 @@
-"""LISA's motivating analyses (paper §3-4; shared/methods/lisa.md §2): how similar is attention across layers?
+"""LISA's motivating analyses (paper §3-4): how similar is attention across layers?
 
 similarity_report: A1 Jensen-Shannon divergence of head-averaged attention between every pair of layers;
   A2 per-head JS of adjacent layers under direct / random / most-similar (oracle, per window) / global

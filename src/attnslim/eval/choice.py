@@ -3,8 +3,8 @@
 Each item is a `context`-token prompt cut from a text split right before a whole-word token (a token that
 decodes to " " + ≥ 4 letters); the choices are that word and `n_choices − 1` other whole-word tokens from the
 same stretch of text (topical distractors), in a seeded random order. The answer is read from the next-token
-distribution at the prompt's last position only — the paper's MMLU/BoolQ protocol (notes §4: "argmax over the
-candidate tokens"), and the only scoring that is leak-free for ATP's non-causal layer (the answer is never
+distribution at the prompt's last position only — the paper's MMLU/BoolQ protocol (ATP App. D: argmax over the
+candidate tokens), and the only scoring that is leak-free for ATP's non-causal layer (the answer is never
 inside the sequence).
 
   acc       argmax of log p(choice | context)

@@ -49,6 +49,7 @@ from attnslim.data import eval_windows
 from attnslim.errors import AttnslimError
 from attnslim.export.deepseek_layer import attention_tensors, latent_scale
 from attnslim.modules.mla import MLAAttention
+from attnslim.offload import check_free_disk
 from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
 
 EPS = 1e-6  # transformers' fixed kv_a_layernorm eps, written as rms_norm_eps so that vLLM uses it too
@@ -77,6 +78,8 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
     verification report also written to out/attnslim-export.json."""
     check_output(out, overwrite, [source] if source else [])
     dtype = _dtype(options.dtype)
+    # the checkpoint holds at most the model's parameters in `dtype`: a full disk fails now, not after the work
+    check_free_disk(out, sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size())
     adapter = get_adapter(model)
     layers = mla_layers(adapter)
     rank = _kv_lora_rank(layers, options.kv_lora_rank)

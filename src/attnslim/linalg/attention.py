@@ -14,6 +14,25 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
+TAYLOR_FLOOR = 1e-3  # taylor_attention's smallest denominator, as a fraction of the sequence length
+
+
+def taylor_attention(scores: torch.Tensor, v: torch.Tensor, colsum: torch.Tensor, length: torch.Tensor
+                     ) -> torch.Tensor:
+    """First-order Taylor attention on principal keys: ATP's Eq. 8 (variant B of its notes),
+    O = (1U + s)·V′ / (L + s·(1U)ᵀ).
+
+    scores s (b, h, L, R) = q K′ᵀ · scaling, v V′ (b, h, R, dv), colsum 1U (b, 1, 1, R) (the column sums of U,
+    zero for masked components), length L (b, 1, 1, 1) real tokens. With K = U K′, V = U V′ and UᵀU = I this is
+    exactly Σ_j (1 + q k_j) v_j / Σ_j (1 + q k_j), the first-order expansion of softmax attention over all L tokens,
+    restricted to the principal subspace: at r = rank(X) it equals that over the tokens, and it does not change when
+    any u_i flips sign (s and 1U flip together with V′). The weights 1 + q k_j may be negative, so the denominator can
+    reach 0 where the expansion has broken down; it is floored at TAYLOR_FLOOR·L to keep the output finite."""
+    weights = colsum + scores  # (b, h, L, R)
+    denominator = length + scores @ colsum.transpose(-1, -2)  # (b, h, L, 1)
+    return (weights @ v) / denominator.clamp_min(TAYLOR_FLOOR * length)
+
+
 def sliding_keep(keep: torch.Tensor, window: int | None) -> torch.Tensor:
     """Restrict a (.., q, kv) causal keep-mask to the last `window` keys of each query."""
     if window is None:

@@ -1,4 +1,4 @@
-"""Joint up/down MLP compression with SparseLLM-style auxiliary variables (LatentLLM §4.3, App. H; notes §6).
+"""Joint up/down MLP compression with SparseLLM-style auxiliary variables (LatentLLM §4.3, App. H).
 
 Approximated: y = W_d σ(W_u x + b_u) + b_d (or the gated y = W_d (act(W_g x + b_g) ⊙ (W_u x + b_u)) + b_d)
 by the same MLP with every weight replaced by a low-rank factor pair (lowrank.LowRankFactors).

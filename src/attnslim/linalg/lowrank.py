@@ -1,4 +1,4 @@
-"""Activation-aware low-rank factorisation W ≈ B A (LatentLLM §3.2-3.3, App. A-B; notes §2.1-2.8).
+"""Activation-aware low-rank factorisation W ≈ B A (LatentLLM §3.2-3.3, App. A-B).
 
 Paper: Koike-Akino et al., "LatentLLM: Attention-Aware Joint Tensor Compression" (seed 001).
 Approximated: y = W x + b by y ≈ B (A x) + b̂, B (d_out, r), A (r, d_in), minimising E‖(W − BA)x‖²
@@ -152,7 +152,7 @@ def factorize(
 
     U S V = svd_r[W P];  B = U S J;  A = J⁻¹ V P⁻¹ (Eq. 3, 6-7, corrected 42).
     center: whiten with the centred covariance C0 (Eq. 46-48); default (None) = on when the layer
-      has a bias and precond is "rootcov" or "cov" (notes §12 #5). Needs a bias.
+      has a bias and precond is "rootcov" or "cov" (App. B, Eq. 46-48). Needs a bias.
     update_bias: b̂ = b + (W − BA) μ (Eq. 45); default follows `center`.
     """
     if junction not in JUNCTIONS:
@@ -192,7 +192,7 @@ def rrr(
     fit_bias: bool = True,
     label: str = "layer",
 ) -> LowRankFactors:
-    """Reduced-rank regression (notes §2.8): min over rank-r Ŵ, b̂ of Σ_tokens ‖Ŵ s + b̂ − t‖².
+    """Reduced-rank regression (App. B): min over rank-r Ŵ, b̂ of Σ_tokens ‖Ŵ s + b̂ − t‖².
 
     s_stats: InputStats of the inputs s (n_in);  sts: (n_out, n_in) Σ t sᵀ;  st: (n_out,) Σ t.
     With C0 = cov(s) + λI (centred when fit_bias) and K = cov(t, s):

@@ -1,4 +1,4 @@
-"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; methods/atp.md).
+"""Per-sequence principal components of a layer input (ATP, Niu, Prakash, Avestimehr; paper §4, Eq. 5, Alg. 1).
 
 ATP writes one sequence's hidden states X (L, d) as X ≈ U X′ with U (L, r) orthonormal columns and X′ (r, d)
 whose row i is σ_i v_iᵀ (uncentred truncated SVD, Eq. 5), then attends over the r rows of X′ instead of the
@@ -74,14 +74,18 @@ def canonical_signs(
 
     Both rules are odd in the component, so flipping any u_i, x′_i pair before the call gives the same result.
     """
+    s = _signs(u.sum(dim=-2), xp, sign, u.shape[-2])  # (..., r)
+    return u * s.unsqueeze(-2), xp * s.unsqueeze(-1)
+
+
+def _signs(col: torch.Tensor, xp: torch.Tensor, sign: SignRule, length: int) -> torch.Tensor:
+    """±1 (..., r) that makes the rule's statistic positive, from U's column sums col (..., r) = Uᵀ1 and xp."""
     s = _maxabs_sign(xp)  # (..., r)
     if sign == "colsum":
-        col = u.sum(dim=-2)  # (..., r)
-        s = torch.where(col.abs() > _TIE * math.sqrt(u.shape[-2]), col.sign(), s)
+        s = torch.where(col.abs() > _TIE * math.sqrt(length), col.sign(), s)
     elif sign != "maxabs":
         raise AttnslimError(f"sign rule must be 'colsum' or 'maxabs', got {sign!r}")
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    return u * s.unsqueeze(-2), xp * s.unsqueeze(-1)
+    return torch.where(s == 0, torch.ones_like(s), s)
 
 
 def component_mask(xp: torch.Tensor) -> torch.Tensor:
@@ -170,6 +174,41 @@ def principal_components(
         u = torch.nn.functional.pad(u, (0, r - m))
         xp = torch.nn.functional.pad(xp, (0, 0, 0, r - m))
     return u.to(x.dtype), xp.to(x.dtype)
+
+
+def extend_components(
+    xp: torch.Tensor, colsum: torch.Tensor, x_new: torch.Tensor, length: int,
+    carried: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (), sign: SignRule = "colsum",
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The block (Brand) update of one sequence's rank-r decomposition when c tokens are appended (decoding with a
+    cache, which the ATP paper does not address), without the L earlier tokens or U itself.
+
+    xp (r, d) = UᵀX and colsum (r,) = Uᵀ1 of the `length` tokens so far, x_new (c, d) the new tokens' inputs;
+    each carried pair (P (r, k) = UᵀY, Y_new (c, k)) is a row-aligned quantity projected alike (ATP's rotated keys
+    K′ = Uᵀ·RoPE(K) and values V′ = UᵀV: stored after rotation, so the update is linear). With B = diag(U, I_c)
+    (orthonormal columns) the extended input is B·M, M = [X′; X_new] ((r + c), d), so an SVD M = W S Zᵀ gives the
+    extended basis U_ext = B·W_r without forming it: X′_ext = W_rᵀM, U_extᵀ1 = W_rᵀ[colsum; 1], U_extᵀY_ext =
+    W_rᵀ[P; Y_new]. Cost O((r + c)²·d) per update, independent of the length.
+
+    Exact when X = U·X′ held (rank ≤ r): the result is then the fresh decomposition of the extended sequence,
+    canonical signs included (tests/test_linalg_cca_pca.py). Below that it keeps the best rank-r subspace of the
+    approximation it was given, so errors accumulate across updates. Returns (X′_ext (r, d), colsum_ext (r,),
+    [U_extᵀY_ext (r, k) per carried pair]), in xp's dtype; null components are zero rows as in principal_components.
+    """
+    r, c = xp.shape[0], x_new.shape[0]
+    if xp.dim() != 2 or x_new.dim() != 2 or x_new.shape[1] != xp.shape[1] or colsum.shape != (r,):
+        raise AttnslimError(f"extend_components takes xp (r, d), colsum (r,), x_new (c, d); got "
+                            f"{tuple(xp.shape)}, {tuple(colsum.shape)}, {tuple(x_new.shape)}")
+    dt = torch.float64
+    w, xp_ext = _exact(torch.cat([xp, x_new]).to(dt), r)  # W_r (r + c, r) with null columns zeroed
+    col = torch.cat([colsum.to(dt), torch.ones(c, dtype=dt, device=xp.device)]) @ w  # (r,)
+    s = _signs(col, xp_ext, sign, length + c)
+    out = []
+    for p, y_new in carried:
+        if p.shape[0] != r or y_new.shape[0] != c or p.shape[1:] != y_new.shape[1:]:
+            raise AttnslimError(f"carried pair {tuple(p.shape)}, {tuple(y_new.shape)} does not match r={r}, c={c}")
+        out.append(((w.mT @ torch.cat([p, y_new]).to(dt)) * s[:, None]).to(xp.dtype))
+    return (xp_ext * s[:, None]).to(xp.dtype), (col * s).to(xp.dtype), out
 
 
 def _singular_values(x: torch.Tensor) -> torch.Tensor:

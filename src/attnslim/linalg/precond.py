@@ -9,7 +9,7 @@ Statistics are streamed sums over calibration tokens (tokens never stored): ``Sx
 ``sx = Σ x``, ``ax = Σ |x|`` and the token count ``n``. All math runs in float64.
 
 Damping: ``λ = damp · mean(diag(C))`` with C the per-token (÷n) correlation or centred covariance,
-the relative "percdamp" rule of SparseGPT/SparseLLM (the paper gives no value; notes §2.3).
+the relative "percdamp" rule of SparseGPT/SparseLLM (the paper gives no value).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Joint Q/K compression by Tucker/HOSVD of the whitened per-head bilinear forms (LatentLLM §4.1, Alg. 1,
-App. E-F; notes §3).
+App. E-F).
 
 Approximated: the pre-softmax logits q_mᵀ k_n of every head by shared latents A_q x (r_q) and A_k x (r_k)
 with per-head decompressions B_q (d_h, r_q), B_k (d_h, r_k): an MLA-style latent KV cache of r_k per token.

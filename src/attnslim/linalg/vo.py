@@ -1,4 +1,4 @@
-"""Joint V/O compression, attention-agnostic variant (LatentLLM §4.2, App. G.0-G.1; notes §4).
+"""Joint V/O compression, attention-agnostic variant (LatentLLM §4.2, App. G.0-G.1).
 
 Approximated: each head's value-output path W_{o,i} W_{v,i} by (B_o A_{o,i})(B_{v,i} A_v) with a shared
 A_v (r_v, d), per-KV-head B_v (d_h, r_v), per-query-head A_o (r_o, d_h) and a shared B_o (d_out, r_o),
@@ -7,7 +7,8 @@ E[X σ σᵀ Xᵀ] = C (softmax weights ignored). The paper found this no better
 an ablation, not the LatentLLM default.
 Statistics: InputStats of the v_proj input. Cost (weights): r_v (d + n_kv d_h) + r_o (h d_h + d_out)
 (minus r_v² + r_o² with block-identity A_v / B_o).
-Deviations: Eq. 188 omits C^{1/2} in B_{v,i}; here B_{v,i} = W_{v,i} C^{1/2} A'_vᵀ (notes §12 #32). J_i = I.
+Deviations: Eq. 188 omits C^{1/2} in B_{v,i}; here B_{v,i} = W_{v,i} C^{1/2} A'_vᵀ, which the derivation before
+it implies. J_i = I.
 GQA: query head (i, j) = index i * group + j reads KV head i (HF repeat_kv order).
 """
 

@@ -24,7 +24,7 @@ Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (an
 `total_ratio` = kept fraction of all model parameters, one fraction for every linear the step compresses
 (solved for the step's layers in `begin_step`, so a subset of layers is compressed harder); `ranks` =
 explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
-alloc=uniform is the notes' rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
+alloc=uniform is the paper's rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
 group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
 per weight (each matrix's energy normalised to 1). alloc=global runs that greedy across layers too: each group's
 budget summed over the layers (so the kept fractions of attention and MLP hold model-wide, not per layer); it
@@ -43,8 +43,8 @@ Deviations from the paper, and why:
   second matmul or index gather at decode. With a dense v_proj the module caches full values for that layer.
 - RoPE models: decompress, then rotate (App. F.3) with RoPE-unaware HOSVD by default (rope_window=1);
   rope_window=w > 1 uses the RoPE-aware slices Θ_δ, δ = 0..−(w−1). The per-head junction J_i (d_h² per
-  head) is not implemented: B_q, B_k stay dense (it is incompatible with RoPE anyway, notes §12 #23).
-- GQA: ranks are per matrix (r_k from the k_proj shape), not r_q = r_k: the notes' rule assumes MHA.
+  head) is not implemented: B_q, B_k stay dense (RoPE does not commute with a per-head junction anyway).
+- GQA: ranks are per matrix (r_k from the k_proj shape), not r_q = r_k: the paper's rule assumes MHA.
   Joint QK refuses r_q or r_k below head_dim (the issue's rule), which rules out compressing MQA keys.
 - joint QK with a pre-conditioner other than rootcov (Table 1 ablation) runs the same HOSVD with P in place
   of C^{1/2}; rootcov uses the bias-aware form (§3.7) when q and k have biases.
@@ -53,10 +53,10 @@ Deviations from the paper, and why:
   compression with the spectrum allocation, so rootcov stays the default. Joint V/O against local V/O: Remark 11
   holds with the spectrum allocation (BENCHMARKS.md, section LatentLLM).
 - joint_ud keeps the iterate with the lowest output error on its calibration sample (ud_keep_best, default
-  true) instead of the last one: the alternating scheme does not guarantee improvement (notes §13.6), and
+  true) instead of the last one: the alternating scheme does not guarantee improvement (App. H), and
   this way it is never worse than local compression on that sample. Its work dtype is float32.
 - Statistics are collected sequentially (layer i sees compressed layers < i), one forward per layer with
-  the original layer i (SparseLLM order, notes §8); q/k/v/o/MLP of a layer share that pass.
+  the original layer i (SparseLLM's order); q/k/v/o/MLP of a layer share that pass.
 """
 
 from __future__ import annotations

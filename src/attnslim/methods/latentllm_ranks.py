@@ -1,8 +1,8 @@
-"""Rank allocation for `latentllm` (notes §9, §12 #1): pure functions of matrix shapes.
+"""Rank allocation for `latentllm` (LatentLLM §5, Table 3): pure functions of matrix shapes.
 
 Rule (uniform): every compressed linear keeps a fraction κ of its own weights under the real parameter count
 of its factors — r(d_out + d_in) − r² with the block-identity junction, r(d_out + d_in) with dense factors.
-For MHA this is exactly the notes' joint-QK rule with r_q = r_k (the per-head J_i term is not implemented);
+For MHA this is exactly the paper's joint-QK rule with r_q = r_k (the per-head J_i term is not implemented);
 for GQA it gives r_k < r_q, the same fraction of each matrix. A target fraction of the *total* parameters is
 met by one κ shared by every compressed linear of every layer (bisection over κ, integer ranks included).
 """

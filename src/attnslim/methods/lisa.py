@@ -9,21 +9,22 @@ Cost per LISA layer (h heads, g KV heads, d head dim, D hidden, F aligner width,
   params  + D(h + g) r + c F + F + F h + h   − D(h + g) d (W_q, W_k removed unless NF)
   KV      K_LR g r + V g d elements/token instead of 2 g d (ds: V + a 1-byte position marker)
   e.g. SmolLM2-135M (h 9, g 3, d 64, r 10, F 72): +71.1k, −442k params; K cache 64 -> 10 per head (6.4x).
-Training (gap 8 of shared/methods/lisa.md): a separate step after conversion, `train/distill.distill`,
+Training (the paper's distillation; when and how it runs is ours): a separate step after conversion,
+`train/distill.distill`,
 teacher = a frozen copy of the model before the recipe's first step (api.compress). It is not inside
 `convert` because convert runs per layer under torch.no_grad with neither token ids nor tokenizer, while
 distillation needs every LISA layer installed, labelled text and gradients. The `train` argument (a dict of
 DistillConfig fields) records the budget in the recipe; api.compress runs `Lisa.train_step(model, tokenizer,
 teacher)` after the step's conversion and records the training report in the step's plan ("training").
 
-Deviations / decisions (numbers refer to the gaps in shared/methods/lisa.md §6):
-- scores are shared before softmax, the mask is applied only right before softmax (gaps 1, 2);
-- default r = round(d / 6.4) rounded up to even (gap 16), aligner width 8h (gap 3), no RoPE in the low-rank
-  branch (`rope_lr` flag, gap 4), end-to-end gradient through chains (gap 7);
-- init "ds" (gap 6): the untrained layer equals direct sharing exactly (identity aligner, silent A_delta);
-- layer presets: the paper's Table 4 lists for 32 layers; for other depths `select_layers` (gap 15): never
+Decisions where the paper is silent or ambiguous:
+- scores are shared before softmax, the mask is applied only right before softmax;
+- default r = round(d / 6.4) rounded up to even, aligner width 8h, no RoPE in the low-rank
+  branch (`rope_lr` flag), end-to-end gradient through chains;
+- init "ds": the untrained layer equals direct sharing exactly (identity aligner, silent A_delta);
+- layer presets: the paper's Table 4 lists for 32 layers; for other depths `select_layers`: never
   the first max(2, ceil(0.1 L)) layers nor the last, at most 2 chained layers in the first 2/3 of the net;
-- NF (`nf_min_len`) decides per forward: a prefill of >= nf_min_len tokens into an empty cache (gap 19).
+- NF (`nf_min_len`) decides per forward: a prefill of >= nf_min_len tokens into an empty cache.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def protected_layers(n_layers: int) -> int:
 def select_layers(
     n_layers: int, fraction: float, cost: dict[int, float] | None = None, protect: int | None = None
 ) -> list[int]:
-    """Greedy layer choice for a sharing budget of `fraction` * n_layers layers (gap 15).
+    """Greedy layer choice for a sharing budget of `fraction` * n_layers layers.
 
     Lower cost = share first (e.g. the single-layer DS loss increase of `analysis.sensitivity_report`);
     without costs deeper layers go first. Fractions > 0.75 give one contiguous block after the protected

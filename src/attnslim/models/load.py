@@ -11,9 +11,13 @@ import torch
 
 from attnslim import _compat
 from attnslim.checksum import sha256_file
+from attnslim.config_bounds import check_config_sizes, hf_weight_files
 from attnslim.errors import AttnslimError, first_line
+from attnslim.io import load_tokenizer
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
-from attnslim.outdir import check_writable_parent, staged_output
+from attnslim.outdir import check_writable_parent, describe_copies, staged_output
+from attnslim.safe_files import read_json, refuse_special_files
+from attnslim.verify import matches_sha256
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -21,7 +25,6 @@ if TYPE_CHECKING:
 CACHE_FORMAT = 1
 WEIGHTS = "model.safetensors"
 MANIFEST = "attnslim-cache.json"
-VERIFIED = "attnslim-verified.json"  # [inode, mtime_ns, size] of the weights when their full sha256 last matched
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: bool = False,
@@ -30,7 +33,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
 
     offload=True keeps each decoder layer's weights in the directory's safetensors files, read while the layer
     runs on `device` (attnslim.offload.dispatch): a model larger than memory can be evaluated. Local models only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(name_or_path).expanduser()
     if not name_or_path.strip():
@@ -45,7 +48,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
         if not (path / "config.json").is_file():
             raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
-                                f"({', '.join(sorted(ZOO))})")
+                                f"({', '.join(sorted(ZOO))})" + describe_copies(path))
         directory = path
     elif path.exists() or _looks_local(name_or_path):
         raise AttnslimError(f"{name_or_path} is not a model: {_local_problem(path)}")
@@ -67,15 +70,30 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
         model, tokenizer = load_skeleton(directory, dtype)
         dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device or torch.device("cpu"), dtype)
         return model, tokenizer
+    check_directory(directory)
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa",
                                                      **_compat.SAFE_LOADING)
-        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         detail = first_line(err) or type(err).__name__
         raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
                             "holds config.json, the weights and the tokenizer files of one model") from err
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(directory)
+
+
+def check_directory(directory: Path) -> None:
+    """Before anything of a Hugging Face directory is read: no device, FIFO or socket among its files, and
+    config.json's sizes backed by the weights' shapes (attnslim.config_bounds), so a hostile config cannot make
+    the model build allocate without bound. A missing directory or config.json is left to the caller's message."""
+    if not (directory / "config.json").exists():
+        return
+    refuse_special_files(directory)
+    config = read_json(directory / "config.json", "config.json", fix="restore the model's own config.json")
+    if not isinstance(config, dict):
+        raise AttnslimError(f"{directory / 'config.json'} is not a JSON object; restore the model's own config.json")
+    check_config_sizes(config, hf_weight_files(directory), directory / "config.json")
 
 
 def checkpoint_directory(name_or_path: str) -> Path:
@@ -120,16 +138,16 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
 
 def _config_and_tokenizer(directory: Path) -> tuple[PretrainedConfig, Any]:
     """A checkpoint directory's config and tokenizer, without its weights; an unreadable one is an AttnslimError."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    check_directory(directory)
     try:
         config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
-        tokenizer = AutoTokenizer.from_pretrained(directory, **_compat.SAFE_LOADING)
     except (OSError, ValueError) as err:
         detail = first_line(err) or type(err).__name__
         raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail}); check that it "
                             "holds config.json and the tokenizer files of one model") from err
-    return config, tokenizer
+    return config, load_tokenizer(directory)
 
 
 def refuse_compressed_input(name_or_path: str) -> None:
@@ -193,49 +211,28 @@ def ensure_cached(entry: ZooEntry) -> Path:
 
 
 def _cache_problem(directory: Path) -> str | None:
-    """None when the cache entry is complete and its weights match the recorded size and full sha256.
+    """None when the cache entry is complete and its weights match the recorded size and sha256.
 
-    The full sha256 (about 1 s for 540 MB) runs once per weights file: a stamp keyed on its inode, mtime and size
-    records that it passed, so later runs only stat the file. Any change to the file changes its mtime."""
+    The full sha256 (about 1 s for 540 MB) is skipped only when a stamp in the cache vouches for the unchanged file
+    (attnslim.verify: device, inode, size, mtime and ctime, at most STAMP_DAYS days old; ATTNSLIM_VERIFY=1 forces
+    it), so damage written in place with the mtime restored is still found."""
     manifest_path = directory / MANIFEST
     if not manifest_path.exists():
         return "no manifest" if directory.exists() else "missing"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(manifest_path, "cache manifest", limit=1 << 16)
         if not isinstance(manifest, dict):
             return "unreadable manifest: not a JSON object"
         weights = directory / WEIGHTS
         if manifest.get("format") != CACHE_FORMAT:
             return f"cache format {manifest.get('format')} != {CACHE_FORMAT}"
-        if not weights.exists() or weights.stat().st_size != manifest["size"]:
+        if not weights.is_file() or weights.stat().st_size != manifest["size"]:
             return "weights missing or truncated"
-        if _file_identity(weights) != _read_stamp(directory):
-            if sha256_file(weights) != manifest["sha256"]:
-                return "weights checksum mismatch"
-            _write_stamp(directory, _file_identity(weights))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable manifest: {err}"
+        if not matches_sha256(weights, str(manifest["sha256"])):
+            return "weights checksum mismatch"
+    except (OSError, ValueError, KeyError, TypeError) as err:  # AttnslimError is a ValueError
+        return f"unreadable manifest: {first_line(err)}"
     return None
-
-
-def _file_identity(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_ino, st.st_mtime_ns, st.st_size]
-
-
-def _read_stamp(directory: Path) -> list[int] | None:
-    try:
-        value = json.loads((directory / VERIFIED).read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, list) else None
-
-
-def _write_stamp(directory: Path, identity: list[int]) -> None:
-    try:
-        (directory / VERIFIED).write_text(json.dumps(identity))
-    except OSError:
-        pass  # a read-only cache: the full check simply runs again next time
 
 
 def _convert(entry: ZooEntry, directory: Path) -> None:

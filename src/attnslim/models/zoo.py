@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnslim.errors import AttnslimError
+from attnslim.user_cache import cache_root
+
+__all__ = ["ZOO", "ZooEntry", "cache_root", "gguf_path", "package_dir"]
 
 
 @dataclass(frozen=True)
@@ -39,20 +41,6 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
-def cache_root() -> Path:
-    """$ATTNSLIM_CACHE, else ~/.cache/attnslim; an empty value or a file is an error, not the working directory."""
-    value = os.environ.get("ATTNSLIM_CACHE")
-    if value is None:
-        return Path.home() / ".cache" / "attnslim"
-    if not value.strip():
-        raise AttnslimError("ATTNSLIM_CACHE is set but empty; unset it (default ~/.cache/attnslim) or set it to a "
-                            "directory")
-    root = Path(value).expanduser()
-    if root.exists() and not root.is_dir():
-        raise AttnslimError(f"ATTNSLIM_CACHE={value} is not a directory; set it to a directory")
-    return root
-
-
 def package_dir(entry: ZooEntry) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
@@ -61,8 +49,6 @@ def package_dir(entry: ZooEntry) -> Path:
             f"install it with: {entry.install}"
         )
     return Path(list(spec.submodule_search_locations)[0])
-
-
 
 
 def gguf_path(entry: ZooEntry) -> Path:

@@ -2,7 +2,7 @@
 
 Why: torch's x86 wheels run float32 GEMMs on MKL, which picks its vectorised kernels by CPU vendor: on AMD CPUs it
 runs generic code, so the weight GEMMs that dominate a decode step run slower than the CPU allows
-(README, "CPU speed"; benchmarks/with_mkl_intel_paths.sh shows the cause). oneDNN, bundled in the same wheel,
+(docs/cpu-speed.md, "CPU speed"; benchmarks/with_mkl_intel_paths.sh shows the cause). oneDNN, bundled in the same wheel,
 picks its kernels by the instruction sets the CPU reports. This switches the weight GEMMs of inference to it:
   - every plain `nn.Linear` of the model (attention projections, MLP, lm_head), by swapping its class for
     `OneDNNLinear` (same parameters, same state dict, hooks kept);

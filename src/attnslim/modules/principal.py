@@ -2,12 +2,13 @@
 
 Per sequence the layer input X (L, d) is decomposed as X ≈ U X′ (linalg/pca.principal_components: uncentred
 truncated SVD, exact or the paper's Alg. 1, canonical signs Σ_l U_li > 0), and attention runs over the r rows of
-X′ instead of the L tokens (paper Eq. 6–8, variant A of methods/atp.md §3.3):
+X′ instead of the L tokens (paper Eq. 6–8; the softmax reading of Fig. 2 and Table 1):
 
     Q  = U·(X′W_q) + b_q                    (query="lowrank", paper)   or  X W_q + b_q (query="full")
-    K′ = Uᵀ·RoPE(U·(X′W_k) + b_k)           (key_path="cheap", notes §3.5)  or  Uᵀ·RoPE(X W_k + b_k) ("full")
+    K′ = Uᵀ·RoPE(U·(X′W_k) + b_k)           (key_path="cheap")  or  Uᵀ·RoPE(X W_k + b_k) ("full")
     V′ = X′W_v + (Uᵀ1)·b_v  (= UᵀV)
-    out = softmax(Q K′ᵀ · scaling) V′       (b, H, L, r): no L×L tensor, O(L·r·d′)
+    out = softmax(Q K′ᵀ · scaling) V′       (b, H, L, r): no L×L tensor, O(L·r·d′)      (kernel="softmax")
+    out = (1U + s) V′ / (L + s (1U)ᵀ)        the paper's Eq. 8 as written, first-order Taylor (kernel="taylor")
 
 RoPE does not commute with U, so keys are rotated at their token positions *before* the projection onto the
 principal subspace (K′ = Uᵀ·RoPE(K), the paper's "project the key matrix with U"); values need no rotation.
@@ -17,7 +18,8 @@ where the paper does — prompt-level scoring read at the last position (eval/ch
 teacher-forced next-token losses or generation. It refuses to decode with a KV cache; the leak-free serving
 form is `PrincipalCacheAttention` (modules/principal_serving.py, method `atp` with form="serving").
 
-U is detached (notes G12: the SVD backward is unstable with repeated/zero σ); X′ = UᵀX keeps the gradient to X.
+U is detached (the SVD backward is unstable with repeated or zero σ; the paper is silent); X′ = UᵀX keeps the
+gradient to X.
 Padding: real tokens are read from the attention mask; pad rows are zeroed before the SVD, r = ⌈f·L_b⌉ uses
 each sample's real length and the batch uses R = max r_b with the extra components masked.
 """
@@ -33,7 +35,7 @@ from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.adapters.base import AttentionSpec
 from attnslim.errors import AttnslimError
-from attnslim.linalg.attention import repeat_kv, softmax_attention
+from attnslim.linalg.attention import repeat_kv, softmax_attention, taylor_attention
 from attnslim.linalg.pca import component_mask, principal_components, resolve_rank
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads
@@ -44,6 +46,7 @@ SvdMethod = Literal["exact", "approx"]
 QUERY_MODES = ("lowrank", "full")
 KEY_PATHS = ("cheap", "full")
 VALUE_SCALES = ("none", "inv_sqrt_len")
+KERNELS = ("softmax", "taylor")
 
 
 def check_rank(rank: int | float, where: str) -> None:
@@ -144,18 +147,20 @@ class PrincipalKeyAttention(SpecAttention):
     def __init__(
         self, spec: AttentionSpec, rank: int | float = 0.5, svd: SvdMethod = "exact", iters: int = 2,
         query: str = "lowrank", key_path: str = "cheap", value_scale: str = "none", dtype: torch.dtype | None = None,
+        kernel: str = "softmax",
     ) -> None:
         check_rank(rank, f"layer {spec.layer}")
         if (svd not in ("exact", "approx") or query not in QUERY_MODES or key_path not in KEY_PATHS or iters < 1
-                or value_scale not in VALUE_SCALES):
+                or value_scale not in VALUE_SCALES or kernel not in KERNELS):
             raise AttnslimError(
                 f"layer {spec.layer}: svd={svd!r} query={query!r} key_path={key_path!r} iters={iters} "
-                f"value_scale={value_scale!r} invalid; valid: svd exact|approx, query {'|'.join(QUERY_MODES)}, "
-                f"key_path {'|'.join(KEY_PATHS)}, iters ≥ 1, value_scale {'|'.join(VALUE_SCALES)}"
+                f"value_scale={value_scale!r} kernel={kernel!r} invalid; valid: svd exact|approx, query "
+                f"{'|'.join(QUERY_MODES)}, key_path {'|'.join(KEY_PATHS)}, iters ≥ 1, value_scale "
+                f"{'|'.join(VALUE_SCALES)}, kernel {'|'.join(KERNELS)}"
             )
         super().__init__(spec, dtype)
         self.rank, self.svd, self.iters, self.query, self.key_path = rank, svd, iters, query, key_path
-        self.value_scale = value_scale
+        self.value_scale, self.kernel = value_scale, kernel
 
     def decompose(self, x: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """U (b, L, R) detached, X′ = UᵀX (b, R, d) differentiable, component mask (b, R)."""
@@ -192,12 +197,18 @@ class PrincipalKeyAttention(SpecAttention):
         kp = torch.einsum("blr,bhld->bhrd", u, k)  # K′ = Uᵀ RoPE(K): (b, n_kv, R, hd)
         colsum = u.sum(dim=1)  # (b, R) = Uᵀ1, carries the value bias
         vp = weight_only(self.v_proj, xp) + colsum[..., None] * _bias(self.v_proj)  # (b, R, n_kv*hd) = UᵀV
-        if self.value_scale == "inv_sqrt_len":  # notes G8: v′_1 ≈ √L·mean(v) inflates the output by ~√L
+        if self.value_scale == "inv_sqrt_len":  # not in the paper: v′_1 ≈ √L·mean(v) inflates the output by ~√L
             n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1], device=x.device)
             vp = vp / n.to(vp.dtype).clamp_min(1).sqrt()[:, None, None]
         vp = self.heads(vp)
         groups = self.n_heads // self.n_kv_heads
         kp, vp = repeat_kv(kp, groups), repeat_kv(vp, groups)  # (b, H, R, hd)
+        if self.kernel == "taylor":  # masked components have zero keys and zero column sums: no weight
+            n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1], device=x.device)
+            scores = (q @ kp.transpose(-1, -2)) * self.scaling  # (b, H, L, R)
+            out = taylor_attention(scores, vp, colsum[:, None, None, :].to(q.dtype),
+                                   n.to(q.dtype)[:, None, None, None])
+            return self.merge(out)
         keep = valid[:, None, None, :]  # (b, 1, 1, R): every query sees every real component (non-causal)
         out = softmax_attention(q, kp, vp, keep, self.scaling)  # (b, H, L, hd)
         return self.merge(out)
@@ -234,12 +245,12 @@ class PrincipalKeyAttention(SpecAttention):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "PrincipalKeyAttention", "rank": self.rank, "svd": self.svd, "query": self.query,
-                "key_path": self.key_path, "value_scale": self.value_scale, "causal": False}
+                "key_path": self.key_path, "value_scale": self.value_scale, "kernel": self.kernel, "causal": False}
 
     def extra_repr(self) -> str:
         r = f"r={self.rank}·L" if isinstance(self.rank, float) else f"r={self.rank}"
-        return (f"layer={self.layer_idx}, {r}, svd={self.svd}, query={self.query}, key_path={self.key_path} "
-                "(non-causal; prompt-level scoring only)")
+        return (f"layer={self.layer_idx}, {r}, svd={self.svd}, query={self.query}, key_path={self.key_path}, "
+                f"kernel={self.kernel} (non-causal; prompt-level scoring only)")
 
 
 def _bias(linear: nn.Module) -> torch.Tensor | float:

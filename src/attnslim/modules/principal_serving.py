@@ -7,7 +7,7 @@ compressed when r ≥ n), and every later token attends to [r compressed entries
 generated so far] with one softmax. The cache holds r + window + generated entries instead of P + generated.
 
 How the prefix is compressed (`compress`); all but "recent" first keep the first `sinks` real tokens exactly
-(attention sinks, notes G16: principal directions of X miss them because the normed input of the first token
+(attention sinks: principal directions of X miss them because the normed input of the first token
 is unremarkable, while its key is not):
   "principal"     ATP's top-r principal subspace of the prefix's layer input X (n, d) — the same
                   uncentred SVD as the paper's layer (exact or Alg. 1, linalg/pca) — written in its
@@ -27,7 +27,7 @@ is unremarkable, while its key is not):
                   default because it beats "principal" alone on both sets and sink + recent on wiki
                   (benchmarks/atp.py; BENCHMARKS.md, section ATP).
   "principal-mix" the paper's literal principal keys K′ = Uᵀ·RoPE(K), V′ = UᵀV (orthonormal basis; keys
-                  rotated at their own positions before projection, notes §3.5 "full path"); an ablation.
+                  rotated at their own positions before projection, the "full" key path); an ablation.
   "recent"        baseline at equal KV budget: the last r prefix tokens (cache = the most recent r + window).
   "sink"          baseline: the first `sinks` real tokens + the last r − sinks prefix tokens (StreamingLLM).
 When r ≥ n nothing is compressed (every compressor keeps the prompt exactly), so r = P equals full attention.

@@ -2,8 +2,9 @@
 
 An offloaded compression writes one shard per decoder layer and one for everything outside them, as it goes, so
 the compressed model is never whole in memory. compression.json records each shard's size and sha256. Loading
-checks every size (a truncated or missing shard is named) and a shard's full sha256 only once per file: a stamp
-(inode, mtime, size) in `VERIFIED` records that it passed, so a 16 GB model is not re-read on every load.
+checks every name and size (a truncated or missing shard is named) and each shard's sha256, in full unless a stamp
+in the user's cache vouches for the unchanged file (attnslim.verify states the policy), so a 16 GB model is not
+re-read on every load. Loading writes nothing into the model directory.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 
 from attnslim.checksum import sha256_file
 from attnslim.errors import AttnslimError
+from attnslim.safe_files import write_text_atomic
+from attnslim.verify import check_shard_names, matches_sha256, shard_file
 
 INDEX = "model.safetensors.index.json"
-VERIFIED = ".attnslim-verified.json"  # shard -> [inode, mtime_ns, size] when its sha256 last matched
 
 
 def shard_name(k: int, n: int) -> str:
@@ -39,7 +41,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def write_index(directory: Path, weight_map: dict[str, str]) -> None:
     total = sum((directory / shard).stat().st_size for shard in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX).write_text(json.dumps(index, indent=1))
+    write_text_atomic(directory / INDEX, json.dumps(index, indent=1))
 
 
 def record_shards(directory: Path, shards: list[str]) -> dict[str, dict[str, Any]]:
@@ -47,39 +49,18 @@ def record_shards(directory: Path, shards: list[str]) -> dict[str, dict[str, Any
     return {s: {"size": (directory / s).stat().st_size, "sha256": sha256_file(directory / s)} for s in shards}
 
 
-def verify_shards(directory: Path, record: dict[str, dict[str, Any]]) -> None:
-    """Raise naming the first missing, truncated or altered shard; hash each shard fully once per file identity."""
-    stamps = _read_stamps(directory)
-    changed = False
+def verify_shards(directory: Path, record: dict[str, dict[str, Any]], verify: bool = False) -> None:
+    """Raise naming the first missing, truncated or altered shard (names, sizes and sha256 as compression.json
+    records them; attnslim.verify says when a full hash is skipped and where its stamps live)."""
+    check_shard_names(list(record), directory / "compression.json")
     for shard, expected in sorted(record.items()):
-        path = directory / shard
-        if not path.is_file():
+        if not (directory / shard).exists():
             raise AttnslimError(f"shard {shard} is missing; re-create the directory with attnslim compress")
-        identity = _identity(path)
-        if identity[2] != expected["size"]:
-            raise AttnslimError(f"shard {shard} has {identity[2]} bytes, {expected['size']} were written (truncated "
+        path = shard_file(directory, shard)
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise AttnslimError(f"shard {shard} has {size} bytes, {expected['size']} were written (truncated "
                                 "or replaced); re-create the directory with attnslim compress")
-        if stamps.get(shard) == identity:
-            continue
-        if sha256_file(path) != expected["sha256"]:
+        if not matches_sha256(path, expected["sha256"], verify):
             raise AttnslimError(f"shard {shard} does not match the sha256 recorded when it was saved (damaged or "
                                 "replaced); re-create the directory with attnslim compress")
-        stamps[shard], changed = identity, True
-    if changed:
-        try:
-            (directory / VERIFIED).write_text(json.dumps(stamps))
-        except OSError:
-            pass  # a read-only directory: the full check simply runs again next time
-
-
-def _identity(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_ino, st.st_mtime_ns, st.st_size]
-
-
-def _read_stamps(directory: Path) -> dict[str, list[int]]:
-    try:
-        value = json.loads((directory / VERIFIED).read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from attnslim.config_bounds import plain_file
 from attnslim.errors import AttnslimError
+from attnslim.safe_files import read_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -30,7 +32,7 @@ class WeightSource:
         self.shards: list[str] = []
         self.where: dict[str, str] = {}  # tensor name -> shard file name
         for shard, names in _shard_plan(directory).items():
-            path = directory / shard
+            path = plain_file(directory, shard)  # a name from the index: no path, no link leading out
             if not path.is_file():
                 raise AttnslimError(f"{directory}: shard {shard} is missing (the checkpoint names it); copy the "
                                     "complete checkpoint")
@@ -101,11 +103,11 @@ class WeightSource:
 def _shard_plan(directory: Path) -> dict[str, list[str] | None]:
     """shard file -> the tensor names the index puts in it (None: a single file, all its tensors)."""
     index = directory / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise AttnslimError(f"{index} is damaged ({err}); copy the complete checkpoint") from None
+    if index.exists():
+        value = read_json(index, "weights index", fix="copy the complete checkpoint")
+        weight_map = value.get("weight_map") if isinstance(value, dict) else None
+        if not isinstance(weight_map, dict):
+            raise AttnslimError(f"{index} is damaged (no weight_map); copy the complete checkpoint")
         plan: dict[str, list[str] | None] = {}
         for name, shard in weight_map.items():
             names = plan.setdefault(str(shard), [])

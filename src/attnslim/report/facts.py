@@ -5,15 +5,14 @@ Read from compression.json and the directory's config.json only (no model is loa
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path, PurePath
 from typing import Any
 
-from attnslim.errors import AttnslimError
 from attnslim.io import BASE_TYPE_KEY
 from attnslim.report.text import fmt, fmt_float, layer_ranges
+from attnslim.safe_files import read_json
 
 _LOWER = re.compile(r"\bppl\b|perplexity|\bloss\b|\bnll\b|\bkl\b|bytes|params|latency|\bms\b|seconds|memory|error",
                     re.IGNORECASE)
@@ -25,12 +24,9 @@ _SIZE = re.compile(r"bytes|params", re.IGNORECASE)
 def read_config(directory: Path) -> dict[str, Any]:
     """The saved config.json ({} when the directory has none)."""
     path = directory / "config.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AttnslimError(f"{path} is damaged ({err}); re-create the directory with attnslim compress") from None
+    config = read_json(path, "config.json")
     return config if isinstance(config, dict) else {}
 
 

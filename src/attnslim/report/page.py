@@ -13,10 +13,12 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from attnslim.errors import AttnslimError, first_line
 from attnslim.io import read_compression_json
 from attnslim.report.charts import heal_chart, kv_layer_chart, metric_charts, step_charts
 from attnslim.report.facts import better, heal_pairs, ratio, read_config, sample_size, summary, verdict
 from attnslim.report.text import args_text, fmt_float, layer_ranges, plan_notes, plan_table, summary_pairs
+from attnslim.safe_files import check_write_target, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -164,16 +166,31 @@ def to_markdown(page: list[Block]) -> str:
 
 
 def render(directory: str | Path) -> tuple[str, str]:
-    """(html, markdown) for a compressed directory."""
+    """(html, markdown) for a compressed directory; a compression.json whose fields are missing or of the wrong
+    kind is an AttnslimError naming the field, not a traceback."""
     path = Path(directory)
     info = read_compression_json(path)
-    page = blocks(info, read_config(path))
+    try:
+        page = blocks(info, read_config(path))
+    except KeyError as err:
+        raise AttnslimError(f"{path / 'compression.json'} is damaged (it has no {err}); re-create the directory "
+                            "with attnslim compress") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError, IndexError, RecursionError) as err:
+        if isinstance(err, AttnslimError):
+            raise
+        raise AttnslimError(f"{path / 'compression.json'} is damaged ({type(err).__name__}: {first_line(err)}); "
+                            "re-create the directory with attnslim compress") from None
     return to_html(page), to_markdown(page)
 
 
 def write_report(directory: str | Path) -> tuple[Path, Path]:
+    """Write report.html and report.md into `directory` through temp files (safe_files.write_text_atomic): a
+    `report.*` that is a link or not a regular file is refused, never written through, and a full disk leaves the
+    old reports whole."""
     html, md = render(directory)
     out_html, out_md = Path(directory) / "report.html", Path(directory) / "report.md"
-    out_html.write_text(html, encoding="utf-8")
-    out_md.write_text(md, encoding="utf-8")
+    for target in (out_html, out_md):
+        check_write_target(target)  # both before either is written
+    write_text_atomic(out_html, html)
+    write_text_atomic(out_md, md)
     return out_html, out_md

@@ -1,6 +1,6 @@
-"""LoRA recovery fine-tuning for ATP (seed 004 §5.2, App. C; notes G1b, G10): rank 32 on q/k/v via peft.
+"""LoRA recovery fine-tuning for ATP (seed 004 §5.2, App. C): rank 32 on q/k/v via peft.
 
-Loss (notes G1b): the paper's layer is not causal, so a teacher-forced next-token loss over a sequence would
+Loss: the paper's layer is not causal, so a teacher-forced next-token loss over a sequence would
 see the targets. Each example is a prompt-only window of `context` tokens from the training split of the
 text source, and `loss` picks the objective:
   "last_token"  cross-entropy of the *next* token at the last position over the full vocabulary — the same
@@ -33,7 +33,7 @@ text source, and `loss` picks the objective:
                 sequence is too little signal here.
 Every loss above is measured against the others in BENCHMARKS.md, section ATP (benchmarks/atp.py).
 Hyperparameters follow App. C where stated (rank 32 on q/k/v only, lr 2e-4, weight decay 1e-2, 400 iterations
-for Llama-2) and notes G10 where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
+for Llama-2) and our choice where not (alpha = 2·rank, dropout 0.05, AdamW, 20-step warm-up then cosine,
 gradient clipping 1.0). Batches are drawn from a generator seeded with (seed, step), so a resumed run sees the
 same batches as an uninterrupted one.
 
