@@ -94,7 +94,7 @@ def test_n_inspect_svd_n_bench_svd_read_head_counts_without_dense_weights():
 # ---------------------------------------------------------------- F6: sizes bounded before allocation
 
 @pytest.mark.parametrize("case,rank", [("e19", 100_000), ("e18", 10**9)])
-def test_e18_e19_kv_lora_rank_is_bounded_by_the_layer(case, rank, tmp_path):
+def test_e18_e19_kv_lora_rank_is_bounded_by_the_layer(case, rank, tmp_path, capsys, monkeypatch):
     from attnslim.export import ExportOptions, export_deepseek
 
     model = tiny_llama(rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -106,6 +106,13 @@ def test_e18_e19_kv_lora_rank_is_bounded_by_the_layer(case, rank, tmp_path):
                                             r"= 128 per layer.*give at most 512 \(at least \d+, "):
         export_deepseek(model, SavingTokenizer(), tmp_path / "x", ExportOptions(kv_lora_rank=rank))
     assert not (tmp_path / "x").exists()
+    save(model, SavingTokenizer(), tmp_path / "mla", {"recipe": {}, "steps": []})  # the CLI reads config.json first
+    import attnslim.io
+
+    monkeypatch.setattr(attnslim.io, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc, _, err = _cli(["export", tmp_path / "mla", "--to", "deepseek-v3", "--out", tmp_path / "x", "--kv-lora-rank",
+                       rank], capsys)
+    assert rc == 2 and f"--kv-lora-rank {rank} exceeds 512" in err and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("case,span", [("m27b", 10**8), ("m27", 10**12)])

@@ -331,12 +331,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnslim.export import ExportOptions, export_deepseek
+    from attnslim.export.deepseek import check_kv_lora_rank_in
     from attnslim.io import load
     from attnslim.outdir import check_output
 
     source, out = Path(args.directory), Path(args.out)
     check_output(out, args.overwrite, inputs=[source])  # before loading: a bad --out is found in a second
     options = ExportOptions(kv_lora_rank=args.kv_lora_rank, dtype=args.dtype, drop_biases=args.drop_biases)
+    check_kv_lora_rank_in(source, args.kv_lora_rank)  # before loading too
     model, tokenizer = load(source)
     report = export_deepseek(model, tokenizer, out, options, args.overwrite, source)
     print(f"wrote {out} (DeepseekV3ForCausalLM, kv_lora_rank {report['kv_lora_rank']} + qk_rope_head_dim "
