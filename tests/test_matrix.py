@@ -5,6 +5,8 @@ buffer per layer, returned whole, its unfilled rows masked). Per-method files te
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 
 import pytest
@@ -53,3 +55,42 @@ def test_save_load_identical_logits_and_cached_generation(family, method, args, 
     mask = torch.ones_like(IDS)
     mask[1, :5] = 0  # left padding in the second row
     assert_cache_kinds_match(loaded, IDS, mask)
+
+
+def _saved(family, method, args, directory):
+    from attnslim.io import save
+    from helpers import SavingTokenizer
+
+    model = TINY_BUILDERS[family]()
+    layers = [2, 3] if method in ("lisa", "ds") else "all"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compress(model, ByteTokenizer(), one_step(method, args, layers=layers), progress=False)
+    return save(model, SavingTokenizer(), directory, report.to_json())
+
+
+@pytest.mark.parametrize("family,method,args", MATRIX, ids=[f"{f}-{m}-{i}" for i, (f, m, _) in enumerate(MATRIX)])
+def test_every_output_reads_through_inspect_bench_report_and_eval(family, method, args, tmp_path, capsys):
+    """The commands a user runs on an output, each on every method's output (reliability round 3, F5: inspect and
+    bench once failed on every svd/asvd/svdllm output because they read a dense spec from factored linears)."""
+    from attnslim.cli import main
+    from helpers import SavingTokenizer
+
+    out = _saved(family, method, args, tmp_path / "m")
+    dense = tmp_path / "dense"
+    TINY_BUILDERS[family]().save_pretrained(dense)
+    SavingTokenizer().save_pretrained(dense)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    printed = capsys.readouterr().out
+    n_layers = TINY_BUILDERS[family]().config.num_hidden_layers
+    assert all(f"\n{i:>5}  " in printed for i in range(n_layers)), printed
+    assert main(["bench", str(out), "--vs", str(dense), "--device", "cpu", "--contexts", "8", "--new-tokens", "2",
+                 "--repeats", "1", "--json"]) == 0
+    bench = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert str(out) in json.dumps(bench) and str(dense) in json.dumps(bench)
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").stat().st_size > 0 and (out / "report.md").stat().st_size > 0
+    assert main(["eval", str(out), "--data", "tiny", "--tokens", "64", "--seq-len", "32", "--json"]) == 0
+    ppl = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"]["tiny"]
+    assert math.isfinite(ppl) and ppl > 1.0

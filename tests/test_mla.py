@@ -462,7 +462,7 @@ def test_qk_norm_key_scale_is_what_the_model_normalises_by():
     [("mla", {"rope_dims": 3}, "rope_dims=3 is invalid.*even"),
      ("mla", {"rope_dims": 34}, "layer 0: rope_dims = 34 exceeds the 32"),
      ("transmla", {"rope_dims": 32}, "layer 0: rope_dims = 32 exceeds the 16"),
-     ("mla", {"kv_ratio": None, "rank": 0, "rope_dims": 16}, "layer 0: rank = 0.*no latent"),
+     ("mla", {"kv_ratio": None, "rank": 0, "rope_dims": 16}, r"rank=0 is invalid; valid: an integer >= 1"),
      ("mla", {"kv_ratio": None, "rank": 60}, "layer 0: kv rank = 60 exceeds 48"),
      ("mla", {"kv_ratio": 0.2, "rope_dims": 16}, "layer 0: kv_ratio = 0.2 keeps 12 of 64 values.*above 0.266"),
      ("mla", {"kv_ratio": 0.5, "rank": 8}, "exactly one"), ("mla", {"rope_select": "norm"}, "rope_select"),

@@ -24,9 +24,9 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "compress": "attnslim.api",
     "CompressionReport": "attnslim.api",
-    "save": "attnslim.io",
-    "load": "attnslim.io",
-    "load_model": "attnslim.models",
+    "save": "attnslim.api_checks",  # attnslim.io's and attnslim.models' functions with their arguments checked
+    "load": "attnslim.api_checks",
+    "load_model": "attnslim.api_checks",
     "load_recipe": "attnslim.recipe",
     "Recipe": "attnslim.recipe",
     "Step": "attnslim.recipe",
@@ -39,9 +39,8 @@ __all__ = ["AttnslimError", "Calibration", "CompressionReport", "Recipe", "Step"
 
 if TYPE_CHECKING:
     from attnslim.api import CompressionReport, compress
+    from attnslim.api_checks import load, load_model, save
     from attnslim.errors import AttnslimError
-    from attnslim.io import load, save
-    from attnslim.models import load_model
     from attnslim.modules.cpu_linear import set_cpu_linear
     from attnslim.recipe import Calibration, Recipe, Step, load_recipe
 

@@ -341,9 +341,23 @@ def last_logits(model: Any, n: int) -> dict[str, int]:
     return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
+def logits_processors(*processors: Any) -> Any:
+    """`processors` (callables (input_ids, scores) -> scores) as generate()'s `logits_processor` argument."""
+    from transformers import LogitsProcessorList
+
+    return LogitsProcessorList(processors)
+
+
+MAX_POSITIONS = 1 << 24  # 16.8M tokens: above any released model's trained context (the longest claimed: 10M)
+
+
 def check_positions(config: Any, tokens: int, what: str) -> None:
     """Refuse `tokens` positions beyond the model's `max_position_embeddings` (when the config has one)."""
     limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > MAX_POSITIONS:
+        raise AttnslimError(f"the config's max_position_embeddings = {limit} is no context a model was trained for "
+                            f"(this check allows up to {MAX_POSITIONS}); the config.json is damaged or was edited: "
+                            "restore the base model's value")
     if isinstance(limit, int) and tokens > limit:
         raise AttnslimError(f"{what} = {tokens} tokens exceeds the model's {limit} positions "
                             "(max_position_embeddings); use fewer tokens")

@@ -15,14 +15,15 @@ import torch
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
+from attnslim.api_checks import check_device, check_model, check_tokenizer
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
-from attnslim.data import calib_windows
+from attnslim.data import calib_windows, check_draw
 from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
 from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
-from attnslim.train.heal import HealConfig, heal
+from attnslim.train.heal import HealConfig, heal, heal_draw
 
 
 def peak_rss_mb() -> float:
@@ -83,6 +84,13 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     writes the compressed layers to output shards as it goes (the model then stays a skeleton). `device` (default:
     the model's) is where each layer's calibration and conversion run when the model is in memory."""
     start = time.time()
+    check_model("compress", model)
+    check_tokenizer("compress", tokenizer)
+    if not isinstance(recipe, Recipe):
+        fix = f"attnslim.load_recipe({recipe!r})" if isinstance(recipe, str | Path) else "attnslim.load_recipe(NAME)"
+        raise TypeError(f"compress: recipe must be an attnslim.Recipe, got {type(recipe).__name__} {recipe!r}; "
+                        f"pass {fix}")
+    device = check_device("compress", device)
     adapter = get_adapter(model)
     residency = residency or InMemoryLayers(model, adapter.decoder_layers(),
                                             device or _compat.input_device(model))
@@ -93,7 +101,12 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         refuse_offloaded(recipe, methods)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
     cal = recipe.calibration
-    windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
+    windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed,
+                            f"calibration.windows={cal.windows}")
+    heal_config = None if recipe.heal is None else HealConfig.from_dict(recipe.heal)
+    if heal_config is not None:  # the heal's data, refused here rather than after every step has run
+        check_draw(heal_config.source, tokenizer, heal_config.steps * heal_config.batch_size, heal_config.seq_len,
+                   heal_draw(heal_config), ("heal.steps", heal_config.batch_size))
     done: list[dict[str, Any]] = []
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
@@ -108,8 +121,8 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
             plan.info["training"] = method.train_step(model, tokenizer, original, progress)
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan.to_json()})
     healed = None
-    if recipe.heal is not None:  # `original` was kept above
-        healed = heal(model, original, tokenizer, HealConfig.from_dict(recipe.heal), progress)
+    if heal_config is not None:  # `original` was kept above
+        healed = heal(model, original, tokenizer, heal_config, progress)
     del original
     kv_after = _kv_bytes(model, residency)
     return CompressionReport(

@@ -66,7 +66,6 @@ def load_placed(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from attnslim.adapters import get_adapter
     from attnslim.bench import kv_bytes_per_token
     from attnslim.bench.kv import no_decode_note
     from attnslim.data import check_lengths, eval_windows
@@ -75,6 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
     from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
+    from attnslim.inspect import parameter_groups
 
     tasks = resolve_tasks(args.tasks) if args.tasks is not None else []  # unknown names fail before loading
     only_scores = tasks or args.choice is not None  # perplexity by default only when no score is asked for
@@ -102,10 +102,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores = evaluate_tasks(model, tokenizer, tasks, args.limit, args.batch_size) if tasks else {}
     for name, s in scores.items():
         print(f"{name}: acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['n']} items)", flush=True)
-    params = get_adapter(model).param_groups()
+    params, note = parameter_groups(model)
     measured = kv_bytes_per_token(model)
     kv = measured["total"]
-    print(f"params: {params['total']:,}  KV cache: {kv:,.0f} bytes/token{no_decode_note(measured['no_decode'])}")
+    print(f"params: {params['total']:,}{note}  KV cache: {kv:,.0f} bytes/token{no_decode_note(measured['no_decode'])}")
     if args.json:
         emit_json({
             "model": args.model, "ppl": ppl, "tokens": tokens, "seq_len": args.seq_len, "tasks": scores,
@@ -172,12 +172,19 @@ def cmd_compress(args: argparse.Namespace) -> int:
 @command("generate")
 def cmd_generate(args: argparse.Namespace) -> int:
     from attnslim.errors import AttnslimError
-    from attnslim.generate import generate_text
+    from attnslim.generate import NonFiniteLogits, generate_text
 
     if not args.prompt.strip():
         raise AttnslimError("--prompt is empty; give the text to continue, e.g. --prompt 'The history of'")
     model, tokenizer = load_placed(args.model, args)
-    print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens))
+    try:
+        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens)
+    except NonFiniteLogits as err:  # name where the NaN/Inf is, as eval does
+        from attnslim.eval.perplexity import nonfinite_site
+
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        raise AttnslimError(f"{err}: {nonfinite_site(model, ids)}") from None
+    print(text)
     return 0
 
 
@@ -257,6 +264,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
         _method_from_cli(args.method, args.arg)  # bad method arguments and selectors fail before the model loads
         selector_from_text(args.layers)
+    if args.plot:
+        check_plot_path(args.plot)
     model, tokenizer = load_model(args.model)
     report, text = _analysis(args, model, tokenizer)
     print(text)
@@ -270,6 +279,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(report)
     return 0
+
+
+def check_plot_path(plot: str) -> None:
+    """--plot's file can be written: its directory exists and is writable, and it is not a directory itself;
+    checked before the model loads, not after the analysis ran (reliability round 3, a07)."""
+    import os
+    from pathlib import Path
+
+    path = Path(plot).expanduser()
+    parent = path.parent
+    if path.is_dir():
+        raise AttnslimError(f"--plot {plot}: is a directory; give a file name such as {path / 'figures.svg'}")
+    if not parent.is_dir():
+        raise AttnslimError(f"--plot {plot}: the directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AttnslimError(f"--plot {plot}: the directory {parent} is not writable; choose another path")
 
 
 @command("bench")
@@ -306,12 +331,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnslim.export import ExportOptions, export_deepseek
+    from attnslim.export.deepseek import check_kv_lora_rank_in
     from attnslim.io import load
     from attnslim.outdir import check_output
 
     source, out = Path(args.directory), Path(args.out)
     check_output(out, args.overwrite, inputs=[source])  # before loading: a bad --out is found in a second
     options = ExportOptions(kv_lora_rank=args.kv_lora_rank, dtype=args.dtype, drop_biases=args.drop_biases)
+    check_kv_lora_rank_in(source, args.kv_lora_rank)  # before loading too
     model, tokenizer = load(source)
     report = export_deepseek(model, tokenizer, out, options, args.overwrite, source)
     print(f"wrote {out} (DeepseekV3ForCausalLM, kv_lora_rank {report['kv_lora_rank']} + qk_rope_head_dim "

@@ -8,6 +8,7 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.bench.kv import no_decode_note
+from attnslim.registry import ADAPTERS  # filled by importing attnslim.adapters above
 
 
 def describe_attention(adapter: Adapter, i: int) -> dict[str, Any]:
@@ -15,8 +16,8 @@ def describe_attention(adapter: Adapter, i: int) -> dict[str, Any]:
     module: Any = adapter.attention(i)
     if hasattr(module, "describe"):
         return dict(module.describe())
-    spec = adapter.attention_spec(i)
-    info: dict[str, Any] = {"kind": type(module).__name__, "heads": spec.n_heads, "kv_heads": spec.n_kv_heads}
+    heads = adapter.attention_heads(i)  # from the config: svd/asvd/svdllm layers have no dense q to read a spec from
+    info: dict[str, Any] = {"kind": type(module).__name__, "heads": heads.n_heads, "kv_heads": heads.n_kv_heads}
     ranks = {
         name: sub.rank
         for name, sub in module.named_children()
@@ -25,6 +26,19 @@ def describe_attention(adapter: Adapter, i: int) -> dict[str, Any]:
     if ranks:
         info["ranks"] = ranks
     return info
+
+
+def parameter_groups(model: Any) -> tuple[dict[str, int | None], str]:
+    """(groups, note): the parameter groups of a family attnslim has an adapter for; for another (a DeepSeek-V3
+    export, which transformers runs natively) only the total, counted from the tensors (tied ones once), with the
+    groups None and a note saying why. Perplexity and the KV cache need no adapter, so `eval` reports them for any
+    causal LM transformers loads instead of failing after printing a perplexity (reliability round 3, e37)."""
+    model_type = str(getattr(model.config, "model_type", None))
+    if model_type in ADAPTERS:
+        return dict(get_adapter(model).param_groups()), ""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    groups: dict[str, int | None] = {"attention": None, "mlp": None, "embedding": None, "other": None, "total": total}
+    return groups, f" (attention/MLP split not counted: attnslim has no adapter for model_type {model_type!r})"
 
 
 def inspect_model(model: Any) -> dict[str, Any]:

@@ -158,11 +158,25 @@ class Recipe:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise AttnslimError(f"name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
+        if not isinstance(self.calibration, Calibration):
+            fix = ("Calibration(**calibration)" if isinstance(self.calibration, Mapping) else
+                   "Calibration(source=..., windows=..., seq_len=...)")
+            raise TypeError(f"Recipe calibration must be an attnslim.Calibration, got "
+                            f"{type(self.calibration).__name__} {self.calibration!r}; pass {fix}")
         if self.heal is not None:
             object.__setattr__(self, "heal", HealConfig.from_dict(self.heal).to_dict())
         if not isinstance(self.description, str):
             raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
+        if isinstance(self.steps, str | Mapping) or not isinstance(self.steps, Sequence):
+            raise TypeError(f"Recipe steps must be a list of attnslim.Step, got {type(self.steps).__name__} "
+                            f"{self.steps!r}; e.g. steps=[Step('svd', 'all', {{'ratio': 0.5}})], or load a packaged "
+                            "recipe with attnslim.load_recipe('svd')")
         object.__setattr__(self, "steps", tuple(self.steps))
+        for i, step in enumerate(self.steps):
+            if not isinstance(step, Step):
+                fix = "Step(**step)" if isinstance(step, Mapping) else "Step(method, layers, args)"
+                raise TypeError(f"Recipe steps[{i}] must be an attnslim.Step, got {type(step).__name__} {step!r}; "
+                                f"pass {fix}, or build the recipe from plain data with recipe_from_dict")
         if not self.steps:
             raise AttnslimError(f"recipe {self.name!r} has no steps; add at least one under 'steps:'")
 
@@ -200,7 +214,7 @@ def rest_layers(n_layers: int, converted: set[int]) -> list[int]:
 
 def _keys(where: str, d: object, valid: Sequence[str], required: Sequence[str] = ()) -> Mapping[str, Any]:
     if not isinstance(d, Mapping):
-        raise AttnslimError(f"{where} must be a mapping, got {type(d).__name__} {d!r}")
+        raise AttnslimError(f"{where} must be a mapping, got {type(d).__name__} {d!r:.80}")
     if unknown := sorted(str(k) for k in d if k not in valid):
         raise AttnslimError(f"{where} has unknown key(s) {unknown}; valid keys: {', '.join(valid)}")
     if missing := [k for k in required if k not in d]:
@@ -244,7 +258,11 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
         names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
         raise AttnslimError(f"recipe {s!r} not found ({path}); give a YAML path or a packaged name: {names}")
     try:
-        return recipe_from_dict(yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        if not isinstance(data, Mapping):  # its contents are not echoed: the file may be anything (/etc/passwd)
+            raise AttnslimError(f"not a recipe: its YAML is a {type(data).__name__}, not a mapping with name: and "
+                                "steps: (see the packaged recipes, e.g. attnslim's recipes/svd.yaml)")
+        return recipe_from_dict(data)
     except UnicodeDecodeError as e:
         raise AttnslimError(f"recipe file {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
                             "UTF-8") from None

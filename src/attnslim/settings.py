@@ -4,6 +4,7 @@ and the valid range. Plain data: nothing here trains."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
@@ -19,6 +20,15 @@ def check_ints(section: str, config: Any, lows: dict[str, int]) -> None:
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < lo:
             raise AttnslimError(f"{section}.{key}={value!r} is invalid; valid: an int >= {lo}")
+
+
+def check_numbers(section: str, config: Any, keys: tuple[str, ...]) -> None:
+    """Each named field is a finite real number (an int or a float, not a bool or a string): checked before the
+    range checks compare it, so `lr=abc` or `lr=.inf` is refused when the recipe is read, not mid-training."""
+    for key in keys:
+        value = getattr(config, key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise AttnslimError(f"{section}.{key}={value!r} is invalid; valid: a finite number")
 
 
 def check_ranges(section: str, config: Any, checks: dict[str, tuple[bool, str]]) -> None:
@@ -39,6 +49,7 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
 
 
 PARAMS = ("changed", "all")
+MAX_HEAL_LR = 1.0  # AdamW steps each weight by about lr: at lr > 1 a pretrained model's weights are overwritten
 
 
 _LATER = ("hidden",)  # HealConfig settings added after recipes were fingerprinted
@@ -60,9 +71,11 @@ class HealConfig:
 
     def __post_init__(self) -> None:
         check_source("heal.source", self.source)
-        check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2})
+        check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2, "seed": 0})
+        check_numbers("heal", self, ("lr", "weight_decay", "warmup", "temperature", "hidden"))
         check_ranges("heal", self, {
-            "lr": (self.lr > 0, "> 0"), "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "lr": (0 < self.lr <= MAX_HEAL_LR, f"in (0, {MAX_HEAL_LR:g}]"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
             "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
             "hidden": (self.hidden >= 0, ">= 0"), "params": (self.params in PARAMS, " | ".join(PARAMS))})
 

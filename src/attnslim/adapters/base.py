@@ -36,6 +36,16 @@ class RMSNormSpec:
     eps: float
 
 
+@dataclass(frozen=True)
+class AttentionHeads:
+    """Head counts and width of one attention layer, from the config alone: what inspect and the FLOP count need,
+    readable whatever modules replaced the layer's linears (a factored q has no dense weight to read a spec from)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
 @dataclass
 class AttentionSpec:
     """One attention sub-block in canonical form. Weights are `[out, in]` like `nn.Linear.weight`.
@@ -179,6 +189,10 @@ class Adapter:
         """Canonical linear name -> dotted path inside a decoder layer."""
         raise NotImplementedError
 
+    def attention_heads(self, i: int) -> AttentionHeads:
+        """Layer i's head counts and head_dim, from the config (never from the weights)."""
+        raise NotImplementedError
+
     def attention_spec(self, i: int) -> AttentionSpec:
         raise NotImplementedError
 
@@ -279,11 +293,14 @@ class Adapter:
         return weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None
 
     def _attention_spec_from_linears(self, i: int, **fields: Any) -> AttentionSpec:
-        """AttentionSpec with q/k/v/o weights/biases from the canonical linears; `fields` gives the rest."""
+        """AttentionSpec with q/k/v/o weights/biases from the canonical linears and head counts from
+        `attention_heads(i)`; `fields` gives the rest."""
         tensors: dict[str, Any] = {}
         for name in ATTENTION_LINEARS:
             tensors[name], tensors[f"{name}_bias"] = self._linear_weights(i, name)
-        return AttentionSpec(layer=i, hidden_size=self.config.hidden_size, **tensors, **fields)
+        heads = self.attention_heads(i)
+        return AttentionSpec(layer=i, hidden_size=self.config.hidden_size, n_heads=heads.n_heads,
+                             n_kv_heads=heads.n_kv_heads, head_dim=heads.head_dim, **tensors, **fields)
 
     def _mlp_spec_from_linears(
         self, i: int, activation: str, act_fn: Callable[[torch.Tensor], torch.Tensor]

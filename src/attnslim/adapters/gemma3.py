@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RMSNormSpec, RopeSpec
+from attnslim.adapters.base import Adapter, AttentionHeads, AttentionSpec, MLPSpec, RMSNormSpec, RopeSpec
 from attnslim.errors import AttnslimError
 from attnslim.registry import register_adapter
 
@@ -90,15 +90,18 @@ class Gemma3Adapter(Adapter):
         theta = float(params["rope_theta"])
         return RopeSpec(theta=theta, rotary_dims=self._head_dim(), layer_type=layer_type)
 
+    def attention_heads(self, i: int) -> AttentionHeads:
+        self._check_layer(i)
+        cfg = self.config
+        return AttentionHeads(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+                              head_dim=self._head_dim())
+
     def attention_spec(self, i: int) -> AttentionSpec:
         cfg = self.config
         attn = self.attention(i)
         layer_type = self.layer_types()[i]
         return self._attention_spec_from_linears(
             i,
-            n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads,
-            head_dim=self._head_dim(),
             scaling=float(cfg.query_pre_attn_scalar) ** -0.5,
             rope=self._rope(layer_type),
             q_norm=attn.get_submodule("q_norm"),  # (b, h, t, hd) -> same, per head

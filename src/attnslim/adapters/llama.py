@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RopeSpec
+from attnslim.adapters.base import Adapter, AttentionHeads, AttentionSpec, MLPSpec, RopeSpec
 from attnslim.registry import register_adapter
 
 _PATHS = {
@@ -55,17 +55,20 @@ class LlamaAdapter(Adapter):
         factor = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
         return RopeSpec(theta=theta, rotary_dims=int(head_dim * factor), layer_type=layer_type)
 
-    def attention_spec(self, i: int) -> AttentionSpec:
+    def attention_heads(self, i: int) -> AttentionHeads:
         cfg = self.config
+        self._check_layer(i)
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        return AttentionHeads(n_heads=n_heads, n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim)
+
+    def attention_spec(self, i: int) -> AttentionSpec:
+        cfg = self.config
+        head_dim = self.attention_heads(i).head_dim
         layer_type = self.layer_types()[self._check_layer(i)]
         window = getattr(cfg, "sliding_window", None) if layer_type == "sliding_attention" else None
         return self._attention_spec_from_linears(
             i,
-            n_heads=n_heads,
-            n_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
             scaling=head_dim**-0.5,
             rope=self._rope(head_dim, layer_type),
             sliding_window=window,

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec
+from attnslim.adapters.base import Adapter, AttentionHeads, AttentionSpec, MLPSpec
 from attnslim.errors import AttnslimError
 from attnslim.registry import register_adapter
 
@@ -72,16 +72,15 @@ class OPTAdapter(Adapter):
     def _layer(self, i: int) -> Any:
         return self.decoder_layers()[self._check_layer(i)]
 
+    def attention_heads(self, i: int) -> AttentionHeads:
+        self._check_layer(i)
+        n_heads = self.config.num_attention_heads
+        return AttentionHeads(n_heads=n_heads, n_kv_heads=n_heads, head_dim=self.config.hidden_size // n_heads)  # MHA
+
     def attention_spec(self, i: int) -> AttentionSpec:
-        cfg = self.config
-        n_heads = cfg.num_attention_heads
-        head_dim = cfg.hidden_size // n_heads
         return self._attention_spec_from_linears(
             i,
-            n_heads=n_heads,
-            n_kv_heads=n_heads,  # plain MHA
-            head_dim=head_dim,
-            scaling=head_dim**-0.5,
+            scaling=self.attention_heads(i).head_dim**-0.5,
             rope=None,  # learned positions are added to the embeddings
         )
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
-from attnslim.data import sequence_start, sequences_ending_at, token_ids
+from attnslim.data import check_draw, sequence_start, sequences_ending_at, token_ids
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Method
 from attnslim.plan import LayerEntry
@@ -43,6 +43,7 @@ def calibration_prompts(tokenizer: Any, source: str, n: int, context: int, seed:
     ids = token_ids(source, "calib", tokenizer)
     if ids.numel() < context + 1:
         raise AttnslimError(f"the {source!r} calibration split has {ids.numel()} tokens; need > context={context}")
+    check_draw(source, tokenizer, n, context, f"windows={n}")
     ends = torch.randint(0, ids.numel() - context, (n,), generator=torch.Generator().manual_seed(seed)) + context
     return sequences_ending_at(ids, ends.tolist(), context, sequence_start(tokenizer))
 

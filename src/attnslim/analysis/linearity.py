@@ -32,7 +32,8 @@ def linearity_report(model: Any, tokenizer: Any, calibration: dict[str, Any], m:
     n_layers = adapter.num_layers()
     Nbl(m=m).count(n_layers)  # validates m before any statistics are collected
     cal = {"seed": 0, "batch_size": 4, **calibration}
-    windows = calib_windows(cal["source"], tokenizer, int(cal["windows"]), int(cal["seq_len"]), int(cal["seed"]))
+    windows = calib_windows(cal["source"], tokenizer, int(cal["windows"]), int(cal["seq_len"]), int(cal["seed"]),
+                            f"windows={cal['windows']}")
     runner = LayerRunner(model, adapter, windows.ids, int(cal["batch_size"]))
     method = Nbl(m=m, input=input)
     fits: dict[int, Any] = {}

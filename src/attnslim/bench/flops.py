@@ -43,8 +43,8 @@ def flops_per_token(model: Any, context: int) -> dict[str, float]:
         elif not list(attn.parameters()):  # dropped: no attention core
             continue
         else:
-            spec = adapter.attention_spec(i)
-            core += 4.0 * context * spec.n_heads * spec.head_dim
+            heads = adapter.attention_heads(i)  # not attention_spec: factored linears have no dense weight
+            core += 4.0 * context * heads.n_heads * heads.head_dim
     layers = sum(2.0 * _linear_weights(layer) for layer in adapter.decoder_layers())
     head = 2.0 * sum(p.numel() for p in model.get_output_embeddings().parameters())
     return {"linear": layers, "attention_core": core, "lm_head": head, "total": layers + core + head}

@@ -5,6 +5,7 @@ from attnslim.data.windows import (
     TokenWindows,
     bos_note,
     calib_windows,
+    check_draw,
     check_lengths,
     eval_windows,
     sequence_start,
@@ -13,6 +14,7 @@ from attnslim.data.windows import (
 )
 
 __all__ = [
-    "SOURCES", "TokenWindows", "bos_note", "calib_windows", "check_lengths", "check_source", "describe_split",
+    "SOURCES", "TokenWindows", "bos_note", "calib_windows", "check_draw", "check_lengths", "check_source",
+    "describe_split",
     "eval_windows", "load_text", "mixture", "sequence_start", "sequences_ending_at", "token_ids",
 ]

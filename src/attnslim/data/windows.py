@@ -19,6 +19,7 @@ from attnslim.data.sources import describe_split, load_text, mixture
 from attnslim.errors import AttnslimError
 
 MAX_SEQ_LEN = 32768
+DRAW_FACTOR = 4  # a draw of seeded windows may cover a calibration split's tokens at most this many times over
 
 
 @dataclass(frozen=True)
@@ -106,15 +107,40 @@ def eval_windows(source: str, tokenizer: Any, tokens: int = 8192, seq_len: int =
     return TokenWindows(_as_sequences(ids[: n * width].view(n, width), start), source, "eval", desc)
 
 
-def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0) -> TokenWindows:
+def check_draw(source: str, tokenizer: Any, n: int, seq_len: int, where: str,
+               steps: tuple[str, int] | None = None) -> None:
+    """Refuse a draw of `n` calibration windows of `seq_len` tokens that the text cannot give, before any window
+    (or its n start indices) is allocated. The bound: a part's windows may hold at most DRAW_FACTOR times the tokens
+    of its calibration split. Windows start at random offsets with replacement, so a larger draw only repeats
+    text: it costs time and memory (10^9 windows asked for 8 GB of start indices at once) and adds no information.
+    A mixture gives window k to part k mod parts, so its bound is each part's, interleaved. `where` names the
+    setting in the error ("calibration.windows=…"); `steps` = (name, windows per step) where the count is steps ×
+    a batch, so that the fix names the steps ("heal.steps", 4)."""
+    check_lengths(seq_len)
+    if n < 1:
+        raise AttnslimError(f"{where}: the number of windows must be >= 1, got {n}")
+    parts = mixture(source)
+    most = [DRAW_FACTOR * token_ids(p, "calib", tokenizer).numel() // seq_len for p in parts]  # windows per part
+    bound = min(j + len(parts) * m for j, m in enumerate(most))  # the largest n no part of which exceeds its most
+    if n > bound:
+        sizes = ", ".join(f"{p!r} {token_ids(p, 'calib', tokenizer).numel():,}" for p in parts)
+        fix = (f"ask for at most {bound:,} windows" if steps is None else
+               f"give {steps[0]} <= {bound // steps[1]:,} ({steps[1]} windows a step)")
+        raise AttnslimError(
+            f"{where} asks for {n:,} windows of {seq_len} tokens, more than the calibration text can give: at most "
+            f"{bound:,} windows of {seq_len} ({DRAW_FACTOR}x the tokens of the split{'s' if len(parts) > 1 else ''}: "
+            f"{sizes}); {fix}, or shorter windows"
+        )
+
+
+def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0,
+                  where: str = "calibration windows") -> TokenWindows:
     """`n` windows of `seq_len` tokens drawn from the calibration split with a seeded generator.
 
     A mixture "wiki+c4" takes windows round-robin from each part's calibration split (window k from part
     k mod parts), each part with its own generator seeded `seed`, so a part's windows do not depend on the others.
     """
-    check_lengths(seq_len)
-    if n < 1:
-        raise AttnslimError(f"number of calibration windows must be >= 1, got {n}")
+    check_draw(source, tokenizer, n, seq_len, where)
     parts = mixture(source)
     counts = [len(range(j, n, len(parts))) for j in range(len(parts))]
     drawn = [_draw(p, tokenizer, c, seq_len, seed) for p, c in zip(parts, counts, strict=True) if c]

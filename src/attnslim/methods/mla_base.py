@@ -61,6 +61,8 @@ class MLABase(Method[MLAEntry, MLAStats]):
         for key in ("rank", "rope_dims"):
             v = getattr(self, key)
             require(v is None or (isinstance(v, int) and not isinstance(v, bool)), n, key, v, "an integer")
+        require(self.rank is None or self.rank >= 1, n, "rank", self.rank,
+                "an integer >= 1 (the latent rank; or leave rank out and give kv_ratio)")
         require(self.rope_dims is None or (self.rope_dims >= 0 and self.rope_dims % 2 == 0), n, "rope_dims",
                 self.rope_dims, "an even number >= 0 (rotary dims come in frequency pairs)")
         require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",

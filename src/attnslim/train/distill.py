@@ -85,7 +85,8 @@ def training_windows(cfg: DistillConfig, tokenizer: Any) -> Any:
             f"one batch of {cfg.batch_size}x{cfg.seq_len} (+1); lower train.seq_len / train.batch_size or use a "
             "longer source"
         )
-    return calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed)
+    return calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed,
+                         f"train.steps={cfg.steps} x train.batch_size={cfg.batch_size}")
 
 
 def trainable_layers(model: Any) -> dict[int, SharedAttention]:

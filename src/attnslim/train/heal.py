@@ -23,10 +23,19 @@ mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the s
 seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints or resume (unlike
 LISA's distill): a 200-step heal of SmolLM2-135M took about an hour on one contended CPU thread
 (benchmarks/latentllm.py --groups heal), so an interrupted heal restarts with the recipe.
+
+A heal that diverges is an error, never a saved model (`check_converged`): it stops at the first step whose loss
+is not finite, and at the end it refuses a heal whose mean loss over its last k steps (k = steps/5, 1..10, as in
+the report's kl_last) exceeds DIVERGED_FACTOR × the mean over its first k (kl_first) + DIVERGED_MARGIN nats. A
+heal is meant to lower its loss, and averaging k steps at each end keeps one hard batch from deciding; the
+margin keeps a heal that starts near zero loss from being refused for batch-to-batch noise. heal.lr=1000 on
+SmolLM2 went KL 0.10 -> 6.9 and saved a model whose perplexity was the vocabulary size (reliability round 3, h07);
+the settings themselves (settings.HealConfig) must now be finite, with lr <= 1.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import Any
@@ -39,6 +48,26 @@ from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.settings import PARAMS, HealConfig
 from attnslim.train.schedule import warmup_cosine
+
+DIVERGED_FACTOR = 2.0  # a heal that ends above this multiple of its starting loss (+ the margin) diverged
+DIVERGED_MARGIN = 0.05  # nats
+
+
+def check_converged(history: list[float], k: int, cfg: HealConfig) -> None:
+    """Refuse a diverged heal (module docstring): a non-finite loss, or a last-k mean loss above DIVERGED_FACTOR ×
+    the first-k mean + DIVERGED_MARGIN. `history` holds each step's loss so far; the error names both and the fix."""
+    fix = (f"lower heal.lr (now {cfg.lr:g}), e.g. to {cfg.lr / 10:g}, or remove heal: to keep the model as the "
+           "recipe's steps left it")
+    if history and not math.isfinite(history[-1]):
+        raise AttnslimError(f"heal diverged: the loss is {history[-1]} at step {len(history) - 1} of {cfg.steps}; "
+                            f"nothing was saved; {fix}")
+    if len(history) < cfg.steps:
+        return
+    first, last = sum(history[:k]) / k, sum(history[-k:]) / k
+    if last > DIVERGED_FACTOR * first + DIVERGED_MARGIN:
+        raise AttnslimError(f"heal diverged: its loss went from {first:.4g} (mean of the first {k} steps) to "
+                            f"{last:.4g} (mean of the last {k}), above the {DIVERGED_FACTOR:g}x + "
+                            f"{DIVERGED_MARGIN:g} a heal may end at; nothing was saved; {fix}")
 
 
 def healing_parameters(student: Any, teacher: Any, which: str) -> dict[str, torch.nn.Parameter]:
@@ -80,13 +109,19 @@ def heal_loss(student: Any, teacher: Any, ids: torch.Tensor, cfg: HealConfig) ->
     return loss
 
 
+def heal_draw(cfg: HealConfig) -> str:
+    """How the heal's window count reads in an error: the two settings that make it."""
+    return f"heal.steps={cfg.steps} x heal.batch_size={cfg.batch_size}"
+
+
 def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: bool = True) -> dict[str, Any]:
     """Train the selected parameters of `student` towards `teacher`'s logits; returns a JSON-ready report."""
     params = healing_parameters(student, teacher, cfg.params)
     if not params:
         raise AttnslimError("heal: no parameter was changed by compression (params='changed'); nothing to train. "
                             "Use heal.params='all' to fine-tune every parameter")
-    windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+    windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1,
+                            heal_draw(cfg))
     device = next(student.parameters()).device
     flags = {n: p.requires_grad for n, p in student.named_parameters()}
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
@@ -94,6 +129,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
     was_training = student.training
     history: list[float] = []
     began = time.time()
+    k = max(1, min(10, cfg.steps // 5))  # steps averaged for kl_first and kl_last
     try:
         student.requires_grad_(False)
         for p in params.values():
@@ -107,13 +143,13 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-            opt.step()
             history.append(float(loss.detach()))
+            check_converged(history, k, cfg)
+            opt.step()
     finally:
         student.train(was_training)
         for n, p in student.named_parameters():
             p.requires_grad_(flags[n])
-    k = max(1, min(10, len(history) // 5))
     return {
         "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "data": windows.description,
         "trainable_params": sum(p.numel() for p in params.values()), "tensors": len(params),
