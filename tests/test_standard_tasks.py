@@ -209,3 +209,12 @@ def test_attnslim_eval_equals_a_plain_lm_eval_run(task_dir: Path, tmp_path: Path
         theirs = loglikelihoods(samples[name])
         assert len(mine) == len(theirs) > 0
         assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) <= 1e-4, name
+
+
+def test_the_same_folder_serves_the_home_made_tasks(task_dir: Path):
+    from lm_eval.tasks import TaskManager
+
+    loaded = TaskManager(include_path=str(task_dir)).load([TAG])
+    tasks = loaded["tasks"]
+    assert sorted(tasks) == task_names()
+    assert all(len(t.eval_docs) >= 100 for t in tasks.values())
