@@ -104,7 +104,11 @@ def evaluate_standard(
                                       task_manager=TaskManager(include_path=str(task_dir)))
     if out is None:
         raise AttnslimError("lm-eval returned no results (a non-zero rank of a distributed run?)")
-    rows = {name: _task_row(name, out["results"], counts[name] if name != MMLU else _mmlu_n(out)) for name in names}
+    rows = {name: _task_row(name, out["results"], _scored(out, name)) for name in names}
+    for name, row in rows.items():  # lm-eval's own count of the items it scored, checked against ours
+        if name != MMLU and row["n"] != counts[name]:
+            raise AttnslimError(f"{name}: lm-eval scored {row['n']} items, attnslim expected {counts[name]}; the "
+                                "task folder and the data disagree: rewrite it with `attnslim tasks --path`")
     result: dict[str, Any] = {"tasks": rows, "average": average(rows), "limit": limit,
                               "lm_eval": out.get("lm_eval_version") or lm_eval.__version__}
     if log_samples:
@@ -112,8 +116,12 @@ def evaluate_standard(
     return result
 
 
-def _mmlu_n(out: dict[str, Any]) -> int:
-    return sum(int(v["effective"]) for k, v in out["n-samples"].items() if k.startswith("mmlu_"))
+def _scored(out: dict[str, Any], name: str) -> int:
+    """Items lm-eval scored for a task (for the MMLU group: the sum over its subjects)."""
+    samples = out["n-samples"]
+    if name == MMLU:
+        return sum(int(v["effective"]) for k, v in samples.items() if k.startswith("mmlu_"))
+    return int(samples[name]["effective"])
 
 
 def format_rows(result: dict[str, Any]) -> list[str]:
