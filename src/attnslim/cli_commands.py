@@ -73,11 +73,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from attnslim.errors import AttnslimError
     from attnslim.eval import perplexity
     from attnslim.eval.choice import choice_accuracy, choice_items
-    from attnslim.eval.tasks import evaluate_tasks, resolve_tasks
+    from attnslim.eval.lmeval_run import check_limit, evaluate_standard, format_rows
+    from attnslim.eval.standard import materialise, split_tasks
+    from attnslim.eval.tasks import TAG, TASK_DIR, evaluate_tasks, task_names
     from attnslim.inspect import parameter_groups
+    from attnslim.models.zoo import cache_root
 
-    tasks = resolve_tasks(args.tasks) if args.tasks is not None else []  # unknown names fail before loading
-    only_scores = tasks or args.choice is not None  # perplexity by default only when no score is asked for
+    # unknown names, a bad --limit, missing data or lm-eval: all fail before the model loads
+    standard, tasks = split_tasks(args.tasks, task_names(), TAG) if args.tasks is not None else ([], [])
+    if args.limit is not None and args.limit < 1:
+        raise AttnslimError(f"eval: --limit must be >= 1 (or left out for every item), got {args.limit}")
+    task_dir = materialise(cache_root(), TASK_DIR) if standard else None
+    counts = check_limit(standard, args.limit) if standard else {}
+    only_scores = tasks or standard or args.choice is not None  # perplexity by default only when no score is asked for
     if args.data is not None and not parse_sources(args.data):
         raise AttnslimError(f"--data {args.data!r} names no text source; give e.g. --data wiki,ptb or leave it out")
     sources = parse_sources(args.data if args.data is not None else "" if only_scores else "wiki,ptb,c4")
@@ -102,6 +110,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores = evaluate_tasks(model, tokenizer, tasks, args.limit, args.batch_size) if tasks else {}
     for name, s in scores.items():
         print(f"{name}: acc {s['acc']:.4f}  acc_norm {s['acc_norm']:.4f}  ({s['n']} items)", flush=True)
+    std = None
+    if standard and task_dir is not None:
+        std = evaluate_standard(model, tokenizer, standard, task_dir, args.limit, args.batch_size, counts=counts)
+        print(f"standard tasks (lm-eval {std['lm_eval']}, 0-shot, acc ± standard error):")
+        print("\n".join(format_rows(std)), flush=True)
     params, note = parameter_groups(model)
     measured = kv_bytes_per_token(model)
     kv = measured["total"]
@@ -109,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({
             "model": args.model, "ppl": ppl, "tokens": tokens, "seq_len": args.seq_len, "tasks": scores,
-            "choice": choice,
+            "standard": std, "choice": choice,
             "params": {k: params[k] for k in ("total", "attention", "mlp", "embedding")},
             "kv_bytes_per_token": kv, "no_decode_layers": measured["no_decode"],
         })
@@ -118,14 +131,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 @command("tasks")
 def cmd_tasks(args: argparse.Namespace) -> int:
+    from attnslim.eval.standard import SUITES, TASKS, data_dir, materialise, task_size
     from attnslim.eval.tasks import TAG, TASK_DIR, load_items, task_names
+    from attnslim.models.zoo import cache_root
 
-    if args.path:
-        print(TASK_DIR)
+    if args.path:  # written into the cache: its YAMLs hold the absolute paths of lm-eval's tasks and of the data
+        print(materialise(cache_root(), TASK_DIR))
         return 0
+    print("standard (lm-eval's own task definitions, local data):")
+    data = data_dir()
+    for std in TASKS.values():
+        note = "" if std.split == std.lm_eval_split else f" (lm-eval scores {std.lm_eval_split}, which does not ship)"
+        print(f"  {std.name:<24} {task_size(std.name, data):>6} items, {std.split} split{note}")
+    for suite, members in SUITES.items():
+        print(f"  suite {suite}: {','.join(members)}")
+    print("home-made (attnslim's scorer, checked equal to lm-eval's):")
     for name in task_names():
-        print(f"{name:<26} {len(load_items(name)):>4} items, 4 choices")
-    print(f"lm-eval: lm_eval --include_path {TASK_DIR} --tasks {TAG} (or any task above)")
+        print(f"  {name:<24} {len(load_items(name)):>6} items, 4 choices (tag {TAG})")
+    print("lm-eval: lm_eval --model hf --model_args pretrained=DIR --include_path $(attnslim tasks --path) "
+          "--tasks arc_easy,... (any task above)")
     return 0
 
 

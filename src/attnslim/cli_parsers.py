@@ -24,8 +24,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--data", default=None, help="text sources for perplexity (default wiki,ptb,c4 without --tasks)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated (see `attnslim tasks`)")
-    p.add_argument("--limit", type=int, default=None, help="first N items of each task (as lm_eval --limit)")
+    p.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated: lm-eval's "
+                   "standard tasks (arc_easy, piqa, ..., mmlu; `standard` = the 8-task suite) scored by lm-eval "
+                   "itself, and the home-made attnslim_* tasks (see `attnslim tasks`)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task (as lm_eval "
+                   "--limit; MMLU: of each subject); a task with fewer items is scored whole, and said so")
     p.add_argument("--batch-size", type=int, default=16, help="task batch size (as lm_eval --batch_size)")
     p.add_argument("--choice", type=int, default=None, metavar="N", help="N next-word items from the evaluation "
                    "split of --choice-source, answer read at the last prompt position (eval/choice.py): leak-free, "
@@ -36,7 +39,8 @@ def add_parsers(sub: Any) -> None:
     add_placement(p, "evaluate")
 
     p = sub.add_parser("tasks", help="list the zero-shot tasks; --path prints the lm-eval --include_path")
-    p.add_argument("--path", action="store_true")
+    p.add_argument("--path", action="store_true", help="write (once, in the attnslim cache) and print the folder "
+                   "for `lm_eval --include_path`: lm-eval's task YAMLs pointed at the local data")
 
     p = sub.add_parser("compress", help="compress a model with a recipe and save it")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
