@@ -87,8 +87,12 @@ def size_cases(p: ProbeLike) -> None:
     p.case("h09 calibration.windows=10^9", ["compress", "--recipe", "svd", "--set", "steps.0.layers=0:2",
                                             "--set", "calibration.windows=1000000000", "--out", "x"],
            timeout=300, cap=CAP)
-    p.case("a08 analyze --windows 10^9", ["analyze", "--what", "similarity", "--windows", "1000000000"],
+    p.case("a08 analyze --windows 10^9 (linearity)", ["analyze", "--what", "linearity", "--windows", "1000000000"],
            timeout=300, cap=CAP)
+    p.case("a08 analyze --windows 10^9 (similarity: capped at 8, said)", ["analyze", "--what", "similarity",
+                                                                         "--windows", "1000000000"],
+           lambda: "reads at most 8 for --windows" in (p.w / ".last_stderr").read_text(), timeout=600, cap=CAP,
+           expect="held")
 
 
 def heal_cases(p: ProbeLike) -> None:

@@ -150,6 +150,13 @@ def test_a08_analyze_windows_beyond_the_data_are_refused(what, dense_dir, capsys
     assert rc == 2 and "windows=1000000000 asks for 1,000,000,000 windows" in err and "at most" in err
 
 
+def test_a08_sampled_analyses_say_when_they_cap_windows(dense_dir, capsys):
+    """similarity reads at most 8 windows of 256 tokens whatever is asked: it runs, and says so (no silent clamp)."""
+    rc, _, err = _cli(["analyze", dense_dir, "--what", "similarity", "--windows", 10**9, "--seq-len", 32,
+                       "--source", "tiny"], capsys)
+    assert rc == 0 and "--what similarity reads at most 8 for --windows; using 8 (asked 1000000000)" in err
+
+
 # ---------------------------------------------------------------- F7: heal settings and divergence
 
 @pytest.mark.parametrize("case,key", [("h01", "lr"), ("h02", "temperature"), ("h03", "hidden"),

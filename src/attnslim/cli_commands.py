@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -240,8 +241,22 @@ def _method_from_cli(name: str, items: list[str]) -> Any:
     return lookup_method(name).from_args(args)
 
 
+# the analyses that read a fixed small sample whatever --windows / --seq-len ask (their cost grows with L²·layers)
+SAMPLE_CAPS = {"lowrank": (8, None), "similarity": (8, 256), "sensitivity": (4, 256), "conversion": (None, 256)}
+
+
+def _capped(args: argparse.Namespace) -> None:
+    """Say when an analysis reads fewer windows or shorter ones than asked (never a silent clamp)."""
+    windows, seq_len = SAMPLE_CAPS.get(args.what, (None, None))
+    for name, cap, asked in (("--windows", windows, args.windows), ("--seq-len", seq_len, args.seq_len)):
+        if cap is not None and asked > cap:
+            print(f"analyze: --what {args.what} reads at most {cap} for {name}; using {cap} (asked {asked})",
+                  file=sys.stderr, flush=True)
+
+
 def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dict[str, Any], str]:
     """Run one analysis; (report, text table)."""
+    _capped(args)
     if args.what == "linearity":
         from attnslim.analysis.linearity import format_linearity, linearity_report
 

@@ -81,7 +81,8 @@ def add_parsers(sub: Any) -> None:
                    help="conversion: a method argument, value parsed as YAML (e.g. --arg value_scale=inv_sqrt_len)")
     p.add_argument("--layers", default="all", help="conversion: the layers to measure, a recipe selector: all, a "
                    "slice '4:28', or indices '5,11,17' (e.g. Gemma-3's full-attention layers, which atp needs)")
-    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--windows", type=int, default=32,
+                   help="calibration windows (similarity and lowrank read at most 8, sensitivity 4; said when capped)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--source", default="wiki")
     p.add_argument("--json", action="store_true")
