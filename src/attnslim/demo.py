@@ -15,11 +15,15 @@ from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
-from attnslim.eval.tasks import evaluate_tasks
+from attnslim.eval.lmeval_run import evaluate_standard
+from attnslim.eval.standard import materialise
+from attnslim.eval.tasks import TASK_DIR, evaluate_tasks
 from attnslim.generate import generate_text
 from attnslim.io import COMPRESSION_JSON
 from attnslim.report import write_report
+from attnslim.safe_files import write_text_atomic
 from attnslim.targets import check_targets, miss_reasons
+from attnslim.user_cache import cache_root
 
 SOURCES = ("wiki", "ptb", "c4")
 TASKS = ("attnslim_wiki_nextsent", "attnslim_tiny_nextsent")
@@ -28,13 +32,21 @@ SPEED = {"context": 512, "new_tokens": 32, "repeats": 5}
 # items per zero-shot task in the demo: scoring the tasks is most of the demo's evaluation time, so it takes an
 # eighth of each set (the count is printed beside every accuracy); the closing line prints the full evaluation
 TASK_LIMIT = 100
+# two of the standard suite's tasks through lm-eval (eval/lmeval_run.py) on their first STANDARD_LIMIT items, the
+# same items for both models: enough to show the scale of a change, with its standard error printed, in the 6-minute
+# budget; `attnslim eval --tasks standard` scores the whole suite
+STANDARD = ("arc_easy", "piqa")
+STANDARD_LIMIT = 50
 
 
 def measure(model: Any, tokenizer: Any, tokens: int, task_limit: int | None) -> dict[str, Any]:
     ppl = {s: perplexity(model, eval_windows(s, tokenizer, tokens, 512), label=s).ppl for s in SOURCES}
     scores = evaluate_tasks(model, tokenizer, list(TASKS), task_limit)
+    standard = evaluate_standard(model, tokenizer, list(STANDARD), materialise(cache_root(), TASK_DIR),
+                                 STANDARD_LIMIT)["tasks"]
     acc = {name: r["acc"] for name, r in scores.items()}
     return {"ppl": ppl, "acc": acc, "items": {name: r["n"] for name, r in scores.items()},
+            "standard": {name: (r["acc"], r["acc_stderr"], r["n"]) for name, r in standard.items()},
             "params": get_adapter(model).param_groups(), "kv": kv_bytes_per_token(model)["total"]}
 
 
@@ -56,6 +68,8 @@ def table_rows(before: dict[str, Any], after: dict[str, Any], speed: dict[str, f
     rows = [(f"{s} ppl ({tokens} tok)", before["ppl"][s], after["ppl"][s], ".3f") for s in SOURCES]
     rows += [(f"{t.removeprefix('attnslim_')} acc ({before['items'][t]} items)", before["acc"][t], after["acc"][t],
               ".3f") for t in TASKS]
+    rows += [(f"{t} acc ({before['standard'][t][2]} items)", before["standard"][t][0], after["standard"][t][0],
+              ".3f") for t in STANDARD]
     rows += [(f"{g} params", before["params"][g], after["params"][g], ",") for g in ("attention", "mlp", "total")]
     rows.append(("KV bytes/token", before["kv"], after["kv"], ",.0f"))
     rows.append((f"decode tok/s @{SPEED['context']}", speed["dense"], speed["compressed"], ".2f"))
@@ -91,14 +105,15 @@ def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str,
 
 def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int) -> None:
     """Add the measured before/after metrics to compression.json (the report reads them)."""
-    path = Path(out) / COMPRESSION_JSON
+    path = Path(out) / COMPRESSION_JSON  # the demo's own output, just written
     info = json.loads(path.read_text())
     info["metrics"] = {name: {"before": b, "after": a} for name, b, a, _ in rows if "params" not in name}
     info["metrics_description"] = (
         f"perplexity: first {tokens} tokens of each evaluation split, 512-token windows; zero-shot: "
-        f"{', '.join(TASKS)} (acc); decode: greedy, {SPEED['new_tokens']} new tokens after {SPEED['context']} "
+        f"{', '.join(TASKS)} (acc), {', '.join(STANDARD)} (lm-eval, first {STANDARD_LIMIT} items, acc); decode: "
+        f"greedy, {SPEED['new_tokens']} new tokens after {SPEED['context']} "
         f"context, median of {SPEED['repeats']} interleaved repetitions on the CPU")
-    path.write_text(json.dumps(info, indent=1))
+    write_text_atomic(path, json.dumps(info, indent=1))
 
 
 def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = TASK_LIMIT,
@@ -128,6 +143,9 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     speed = decode_speed(dense, model)
     rows = table_rows(before, after, speed, tokens)
     print(format_table(rows))
+    print("standard-task accuracy ± its standard error (n items): " + "; ".join(
+        f"{t} {before['standard'][t][0]:.3f} ± {before['standard'][t][1]:.3f} -> {after['standard'][t][0]:.3f} ± "
+        f"{after['standard'][t][1]:.3f}" for t in STANDARD))
     print("targets of the default recipe:\n" + "\n".join(target_lines(before, after, speed, dense, model)))
     record_metrics(out, rows, tokens)
     html, _ = write_report(out)
@@ -135,7 +153,8 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     print(f"\nprompt: {PROMPT!r}\n  dense     : {dense_text!r}")
     print(f"  compressed: {generate_text(model, tokenizer, PROMPT, 30)!r}")
     print(f"\nfull evaluation (every task item, 8192 tokens per text): attnslim eval {out} --data {','.join(SOURCES)} "
-          f"--tasks {','.join(TASKS)}; the same for {model_name}; speed: attnslim bench {out} --vs {model_name}")
+          f"--tasks standard,{','.join(TASKS)}; the same for {model_name}; speed: attnslim bench {out} --vs "
+          f"{model_name}")
     if _compat.mkl_runs_generic_code():
         print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
               "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
