@@ -7,7 +7,7 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +15,14 @@ import torch
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
-from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
+from attnslim.recipe import Calibration, Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.train.heal import HealConfig, heal
 
 
@@ -92,6 +93,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     if residency.offloaded:
         refuse_offloaded(recipe, methods)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
+    recipe = replace(recipe, calibration=calibration_for(recipe, methods, adapter))
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     done: list[dict[str, Any]] = []
@@ -122,6 +124,28 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
         no_decode_layers=kv_after["no_decode"],
     )
+
+
+def calibration_for(recipe: Recipe, methods: list[Method], adapter: Adapter) -> Calibration:
+    """The recipe's calibration, with its window count raised to what its steps need on this model.
+
+    Decision: a method whose calibration need grows with the model (mla's output refit: 24 tokens per input
+    dimension of o_proj) raises the window count itself, with a log line, instead of refusing. A recipe's count is
+    tuned on one model (SmolLM2's 576 wide o_proj), and below the need the step could only refuse; raising is what
+    every user would do by hand. The raised count is the recipe that compression.json records, so the run is
+    reproducible from it. Windows keep the recipe's seq_len (its context length)."""
+    cal = recipe.calibration
+    needs = [(need, i, method) for i, method in enumerate(methods) if (need := method.calibration_need(adapter))]
+    if not needs:
+        return cal
+    need, i, method = max(needs, key=lambda item: item[0].tokens)
+    windows = -(-need.tokens // cal.seq_len)  # ceil
+    if windows <= cal.windows:
+        return cal
+    print(f"attnslim: calibration raised from {cal.windows} to {windows} windows of {cal.seq_len} tokens: recipe "
+          f"{recipe.name!r} step {i} ({method.name}) needs at least {need.tokens:,} tokens on this model for "
+          f"{need.why}", flush=True)
+    return replace(cal, windows=windows)
 
 
 def compress_offloaded(directory: Path, recipe: Recipe, out: Path, overwrite: bool = False,

@@ -239,10 +239,18 @@ def _write_stamp(directory: Path, identity: list[int]) -> None:
 
 
 def _convert(entry: ZooEntry, directory: Path) -> None:
+    source = gguf_path(entry)
+    try:
+        _convert_gguf(entry, source, directory)
+    finally:
+        if entry.split is not None:  # joined only to convert (models/parts.py): 1.1 GB not kept beside the cache
+            source.unlink(missing_ok=True)
+
+
+def _convert_gguf(entry: ZooEntry, source: Path, directory: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path(entry)
-    if entry.sha256 is not None and sha256_file(source) != entry.sha256:
+    if entry.split is None and entry.sha256 is not None and sha256_file(source) != entry.sha256:
         raise AttnslimError(f"{source} does not match its published sha256; reinstall with: {entry.install}")
     print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once, ~30 s)", flush=True)
     start = time.time()
