@@ -184,6 +184,27 @@ def test_a_bfloat16_teacher_heals_like_a_float32_one():
     assert b["kl_last"] < b["kl_first"]
 
 
+def test_compress_copies_a_bfloat16_teacher_straight_and_heals_against_it():
+    """heal.teacher_dtype bfloat16 in a recipe: the frozen teacher copy is made in bfloat16 (api._frozen_copy), its
+    tied weights stay tied, the model it was copied from is untouched, and the heal inside compress lowers the KL."""
+    from attnslim.api import _frozen_copy
+
+    model = _sharp_llama()
+    teacher = _frozen_copy(model, torch.bfloat16)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert teacher.lm_head.weight is teacher.model.embed_tokens.weight
+    base = recipe_to_dict(one_step("svd", {"ratio": 0.3, "linears": ["q", "o"]}, layers=[1, 2]))
+    base["calibration"].update(SOURCE)
+    recipe = recipe_from_dict({**base, "heal": {"steps": 6, "lr": 3e-3, "source": "tiny", "seq_len": 32,
+                                                "batch_size": 2, "teacher_dtype": "bfloat16", "checkpoint": True}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compress(model, ByteTokenizer(), recipe, progress=False)
+    assert report.heal is not None and report.heal["kl_last"] < report.heal["kl_first"]
+    assert report.heal["config"]["teacher_dtype"] == "bfloat16"
+
+
 def test_new_heal_settings_keep_old_fingerprints():
     base = recipe_to_dict(one_step("svd", {"ratio": 0.3}))
     healed = recipe_from_dict({**base, "heal": {"steps": 2}})
