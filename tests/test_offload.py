@@ -87,12 +87,14 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
                               + ("-local" if a.get("local_steps") else "") for f, m, a in CASES])
 def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     src = _checkpoint(family, tmp_path / "src")
-    # the output refit needs 24 calibration tokens per hidden dim (methods/refit.py): 32 windows of 64
-    size = {"windows": 32, "seq_len": 64} if args.get("refit_o") else {}
-    recipe = one_step(method, args, layers=LAYERS.get(method, "all"), **size)
+    # the output refit raises the calibration's windows itself (Method.calibration_need), offloaded from the meta
+    # skeleton's o_proj width: both runs use the same raised count
+    recipe = one_step(method, args, layers=LAYERS.get(method, "all"))
     memory = _in_memory(src, recipe, tmp_path / "mem")
     offloaded = compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
     assert offloaded.steps[0]["plan"] == json.loads(json.dumps(memory.steps[0]["plan"]))
+    assert offloaded.recipe == memory.recipe and offloaded.calibration == memory.calibration
+    assert (offloaded.recipe["calibration"]["windows"] > 4) == bool(args.get("refit_o"))  # one_step's 4, raised
     assert offloaded.params_after == memory.params_after
     assert offloaded.kv_bytes_per_token_after == memory.kv_bytes_per_token_after
     assert_same_weights(_weights(tmp_path / "mem"), _weights(tmp_path / "off"))
