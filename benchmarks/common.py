@@ -43,7 +43,11 @@ def resolved_fingerprint(recipe: Recipe) -> str:
     for step, out in zip(recipe.steps, d["steps"], strict=True):
         out["args"] = lookup_method(step.method).from_args(dict(step.args)).args()
     if recipe.heal is not None:
-        d["heal"] = asdict(HealConfig.from_dict(recipe.heal))
+        heal = asdict(HealConfig.from_dict(recipe.heal))
+        for key in ("teacher_dtype", "checkpoint"):  # memory settings added later; at their defaults they are what
+            if heal[key] == getattr(HealConfig, key):  # every stored row ran, so those rows stay current
+                del heal[key]
+        d["heal"] = heal
     return digest(d)
 
 

@@ -70,6 +70,19 @@ def tiny_qwen2(**overrides):
     return _tiny(Qwen2Config, Qwen2ForCausalLM, base, overrides)
 
 
+def tiny_qwen25(**overrides):
+    """Qwen2.5 as packaged (qwen2.5-1.5b): q/k/v biases, GQA 4/2 with head_dim = hidden / heads (32 here, 128
+    there), an untied LM head, no sliding window, RoPE theta 1e6; 8 layers so that every packaged recipe's layer
+    counts (drop 6, nbl 6) fit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    base = dict(
+        _COMMON, hidden_size=128, num_hidden_layers=8, num_key_value_heads=2, rope_theta=1000000.0,
+        tie_word_embeddings=False, use_sliding_window=False,
+    )
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, base, overrides)
+
+
 def tiny_mistral(**overrides):
     """Mistral: GQA, untied head, sliding window (4) in every layer (no `layer_types` in its config)."""
     from transformers import MistralConfig, MistralForCausalLM

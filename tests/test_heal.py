@@ -146,12 +146,71 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
     [({"steps": 0}, "heal.steps=0"), ({"lr": -1}, "heal.lr=-1"), ({"params": "some"}, "changed | all"),
      ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature"),
      ({"source": "wikii"}, "heal.source must be one of"), ({"source": "wiki+"}, "'wiki\\+'"),
-     ({"hidden": -1}, "heal.hidden=-1")],
+     ({"hidden": -1}, "heal.hidden=-1"), ({"teacher_dtype": "float16"}, "float32 | bfloat16"),
+     ({"checkpoint": "yes"}, "heal.checkpoint='yes' is invalid; valid: true | false")],
 )
 def test_bad_heal_settings_name_the_key(heal_args, match):
     d = recipe_to_dict(one_step("svd", {"ratio": 0.5}))
     with pytest.raises(AttnslimError, match=match):
         recipe_from_dict({**d, "heal": heal_args})
+
+
+def _healed(**settings):
+    """(student after a 6-step heal of an svd-compressed sharp tiny Llama, the heal's report, the teacher)."""
+    teacher = _sharp_llama()
+    student = _svd(copy.deepcopy(teacher))
+    cfg = HealConfig(steps=6, batch_size=2, seq_len=32, lr=3e-3, source="tiny", **settings)
+    return student, heal(student, teacher, ByteTokenizer(), cfg, progress=False), teacher
+
+
+def test_checkpointing_gives_the_same_heal_and_is_undone():
+    """Activation checkpointing recomputes each decoder layer's forward in the backward pass: the same losses and
+    trained weights (to float rounding), and the student leaves the heal without it."""
+    plain, a, _ = _healed()
+    ckpt, b, _ = _healed(checkpoint=True)
+    assert a["history"] == pytest.approx(b["history"], rel=1e-5, abs=1e-6)
+    for (n, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-5), n
+    assert not ckpt.is_activation_checkpointing and b["config"]["checkpoint"] is True
+
+
+def test_a_bfloat16_teacher_heals_like_a_float32_one():
+    """teacher_dtype bfloat16: the teacher is cast in place and its targets move by bfloat16 rounding only, so
+    the losses stay within a few % of the float32 teacher's and the heal still lowers them."""
+    _, a, _ = _healed()
+    _, b, teacher = _healed(teacher_dtype="bfloat16")
+    assert next(teacher.parameters()).dtype == torch.bfloat16
+    assert b["history"] == pytest.approx(a["history"], rel=0.05)
+    assert b["kl_last"] < b["kl_first"]
+
+
+def test_compress_copies_a_bfloat16_teacher_straight_and_heals_against_it():
+    """heal.teacher_dtype bfloat16 in a recipe: the frozen teacher copy is made in bfloat16 (api._frozen_copy), its
+    tied weights stay tied, the model it was copied from is untouched, and the heal inside compress lowers the KL."""
+    from attnslim.api import _frozen_copy
+
+    model = _sharp_llama()
+    teacher = _frozen_copy(model, torch.bfloat16)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert teacher.lm_head.weight is teacher.model.embed_tokens.weight
+    base = recipe_to_dict(one_step("svd", {"ratio": 0.3, "linears": ["q", "o"]}, layers=[1, 2]))
+    base["calibration"].update(SOURCE)
+    recipe = recipe_from_dict({**base, "heal": {"steps": 6, "lr": 3e-3, "source": "tiny", "seq_len": 32,
+                                                "batch_size": 2, "teacher_dtype": "bfloat16", "checkpoint": True}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compress(model, ByteTokenizer(), recipe, progress=False)
+    assert report.heal is not None and report.heal["kl_last"] < report.heal["kl_first"]
+    assert report.heal["config"]["teacher_dtype"] == "bfloat16"
+
+
+def test_new_heal_settings_keep_old_fingerprints():
+    base = recipe_to_dict(one_step("svd", {"ratio": 0.3}))
+    healed = recipe_from_dict({**base, "heal": {"steps": 2}})
+    assert healed.heal is not None and "teacher_dtype" not in healed.heal and "checkpoint" not in healed.heal
+    assert fingerprint(apply_overrides(healed, ["heal.teacher_dtype=float32", "heal.checkpoint=false"])) == \
+        fingerprint(healed)
 
 
 def test_heal_refuses_when_nothing_was_compressed():

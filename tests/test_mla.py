@@ -4,6 +4,7 @@ absorbed == decompressed, cached == uncached generation, save -> load, bad input
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -550,6 +551,8 @@ def _real_half_cache(model_name: str, layers: list[int], check_mla, variants=REA
     dense_kv = kv_bytes_per_token(model)["per_layer"]
     ppl = {}
     for name, method, args in variants:
+        del model
+        gc.collect()  # one model in memory at a time (qwen2.5-1.5b: 7.1 GB)
         model, _ = load_model(model_name)
         recipe = recipe_from_dict({
             "name": name, "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},

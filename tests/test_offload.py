@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnslim.api import compress, compress_offloaded, offload_reason
+from attnslim.api import compress, compress_offloaded, lean_heal, model_bytes, offload_reason
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.offload import OffloadedLayers
+from attnslim.recipe import recipe_from_dict, recipe_to_dict
 from helpers import SavingTokenizer, one_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,12 +87,14 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
                               + ("-local" if a.get("local_steps") else "") for f, m, a in CASES])
 def test_offloaded_equals_in_memory_bit_for_bit(family, method, args, tmp_path):
     src = _checkpoint(family, tmp_path / "src")
-    # the output refit needs 24 calibration tokens per hidden dim (methods/refit.py): 32 windows of 64
-    size = {"windows": 32, "seq_len": 64} if args.get("refit_o") else {}
-    recipe = one_step(method, args, layers=LAYERS.get(method, "all"), **size)
+    # the output refit raises the calibration's windows itself (Method.calibration_need), offloaded from the meta
+    # skeleton's o_proj width: both runs use the same raised count
+    recipe = one_step(method, args, layers=LAYERS.get(method, "all"))
     memory = _in_memory(src, recipe, tmp_path / "mem")
     offloaded = compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
     assert offloaded.steps[0]["plan"] == json.loads(json.dumps(memory.steps[0]["plan"]))
+    assert offloaded.recipe == memory.recipe and offloaded.calibration == memory.calibration
+    assert (offloaded.recipe["calibration"]["windows"] > 4) == bool(args.get("refit_o"))  # one_step's 4, raised
     assert offloaded.params_after == memory.params_after
     assert offloaded.kv_bytes_per_token_after == memory.kv_bytes_per_token_after
     assert_same_weights(_weights(tmp_path / "mem"), _weights(tmp_path / "off"))
@@ -237,6 +240,28 @@ def test_offload_is_chosen_when_the_model_does_not_fit(tmp_path, monkeypatch):
     assert offload_reason(str(src), recipe, torch.float32) is None
     monkeypatch.setattr(offload, "memory_available", lambda: 1000)
     assert "compressing with --offload" in offload_reason(str(src), recipe, torch.float32)
+
+
+def test_a_heal_that_does_not_fit_takes_a_bfloat16_teacher_and_checkpointing(tmp_path, monkeypatch):
+    """Between 1.5 and 2 model copies of free memory (x 1.2), a default heal gets the lean settings, with the
+    reason, and then needs no offload; below 1.5 copies nothing helps and offloading (which refuses heals) is chosen;
+    a heal whose memory settings the recipe chose is never changed."""
+    import attnslim.offload as offload
+    from attnslim.models.load import load_skeleton
+
+    src = _checkpoint("llama", tmp_path / "src")
+    size = model_bytes(load_skeleton(src)[0])
+    recipe = recipe_from_dict({**recipe_to_dict(one_step("svd", {"ratio": 0.5})), "heal": {"steps": 2}})
+    assert lean_heal(str(src), recipe, torch.float32) is None  # it fits as it is
+    monkeypatch.setattr(offload, "memory_available", lambda: int(size * 1.2 * 1.75))
+    lean, why = lean_heal(str(src), recipe, torch.float32)
+    assert lean.heal == {**recipe.heal, "teacher_dtype": "bfloat16", "checkpoint": True}
+    assert "healing with a bfloat16 teacher and activation checkpointing" in why
+    assert offload_reason(str(src), lean, torch.float32) is None and offload_reason(str(src), recipe, torch.float32)
+    chosen = recipe_from_dict({**recipe_to_dict(recipe), "heal": {"steps": 2, "checkpoint": True}})
+    assert lean_heal(str(src), chosen, torch.float32) is None
+    monkeypatch.setattr(offload, "memory_available", lambda: int(size * 1.2 * 1.25))
+    assert lean_heal(str(src), recipe, torch.float32) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

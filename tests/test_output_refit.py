@@ -85,11 +85,45 @@ def test_refit_is_off_by_default_and_refused_when_not_a_bool():
         _compress(tiny_llama(), {"kv_ratio": 0.5, "refit_o": "yes"})
 
 
-def test_refit_refuses_a_calibration_too_small_for_it():
-    """24 tokens per input dimension of o_proj (64 + 1 on tiny llama: 1,560); 16 windows of 64 are 1,024."""
+@pytest.mark.parametrize("hidden,heads", [(64, 4), (128, 4)])
+def test_the_calibration_follows_the_model_s_width(hidden, heads, capsys):
+    """The refit needs 24 tokens per input dimension of o_proj (hidden + 1): 1,560 at 64 wide, 3,096 at 128 wide.
+    A recipe with 16 windows of 64 (1,024 tokens) is raised to 25 and 49 windows, says so, records the raised
+    count in the report's recipe, and the refit runs on all of them."""
+    model = tiny_llama(hidden_size=hidden, num_attention_heads=heads, head_dim=hidden // heads)
+    report = _compress(model, {"kv_ratio": 0.5, "refit_o": True}, windows=16)
+    need = 24 * (hidden + 1)
+    windows = -(-need // 64)
+    assert report.recipe["calibration"]["windows"] == windows and report.calibration["tokens"] == windows * 64
+    assert f"calibration raised from 16 to {windows} windows of 64 tokens" in capsys.readouterr().out
+    assert all("output_refit" in entry[FIT_KEY] for entry in report.steps[0]["plan"]["layers"].values())
+
+
+def test_a_calibration_above_the_need_is_kept_and_no_refit_needs_none(capsys):
+    """40 windows of 64 (2,560 tokens) already cover tiny llama's 1,560: kept; without refit_o, 16 windows stay."""
+    kept = _compress(tiny_llama(), {"kv_ratio": 0.5, "refit_o": True}, windows=40)
+    assert kept.recipe["calibration"]["windows"] == 40
+    assert _compress(tiny_llama(), {"kv_ratio": 0.5}, windows=16).recipe["calibration"]["windows"] == 16
+    assert "calibration raised" not in capsys.readouterr().out
+
+
+def test_the_refit_itself_refuses_too_few_tokens():
+    """The refit's own guard (what a runner with fewer tokens than the rule meets, e.g. a caller that bypasses
+    compress): 24 tokens per input dimension of o_proj (64 + 1 on tiny llama: 1,560) against 1,024."""
+    from attnslim.methods.base import OutputRefit
+    from attnslim.methods.refit import refit_output
+
+    class Runner:
+        def tokens(self) -> int:
+            return 1024
+
+    model = tiny_llama()
+    adapter = get_adapter(model)
+    original = adapter.attention(0)
+    adapter.replace_attention(0, torch.nn.Identity())
     with pytest.raises(AttnslimError, match=r"layer 0: the output refit fits 65 numbers per output on 1024 calibration "
                                             r"tokens, which overfits; it needs at least 1560 .*refit_o: false"):
-        _compress(tiny_llama(), {"kv_ratio": 0.5, "refit_o": True}, windows=16)
+        refit_output(Runner(), adapter, 0, original, OutputRefit(original.o_proj, 0.0))
 
 
 @pytest.mark.real

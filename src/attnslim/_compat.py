@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -361,6 +363,24 @@ def check_positions(config: Any, tokens: int, what: str) -> None:
     if isinstance(limit, int) and tokens > limit:
         raise AttnslimError(f"{what} = {tokens} tokens exceeds the model's {limit} positions "
                             "(max_position_embeddings); use fewer tokens")
+
+
+@contextmanager
+def activation_checkpointing(model: Any) -> Iterator[None]:
+    """transformers' own activation (gradient) checkpointing of `model`'s decoder layers inside the block, undone
+    after (unless it was on before). Non-reentrant: a checkpointed layer whose inputs need no gradient (frozen
+    layers below the first trained tensor) still passes gradients to the trained tensors inside it. transformers
+    5.23 names it activation_checkpointing_*; gradient_checkpointing_* are its deprecated aliases."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise AttnslimError(f"{type(model).__name__} does not support activation checkpointing; train without it")
+    before = model.is_activation_checkpointing
+    if not before:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        if not before:
+            model.activation_checkpointing_disable()
 
 
 def input_device(model: Any) -> torch.device:

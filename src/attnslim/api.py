@@ -7,7 +7,7 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
 from attnslim.api_checks import check_device, check_model, check_tokenizer
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
@@ -22,7 +23,7 @@ from attnslim.data import calib_windows, check_draw
 from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
-from attnslim.recipe import Recipe, fingerprint, recipe_to_dict, rest_layers
+from attnslim.recipe import Calibration, Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.train.heal import HealConfig, heal, heal_draw
 
 
@@ -100,6 +101,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     if residency.offloaded:
         refuse_offloaded(recipe, methods)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
+    recipe = replace(recipe, calibration=calibration_for(recipe, methods, adapter))
     cal = recipe.calibration
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed,
                             f"calibration.windows={cal.windows}")
@@ -111,7 +113,9 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     # the teacher of every training step and of the heal: the model before the first step, so a later step
     # distils towards the original and also corrects what earlier steps lost (progressive conversion)
     trains = recipe.heal is not None or any(method.trains for method in methods)
-    original = _frozen_copy(model) if trains else None
+    bf16 = recipe.heal is not None and HealConfig.from_dict(recipe.heal).teacher_dtype == "bfloat16"
+    lean = bf16 and not any(method.trains for method in methods)  # a training step keeps a float32 teacher
+    original = _frozen_copy(model, torch.bfloat16 if lean else None) if trains else None
     for (step, candidates), method in zip(steps, methods, strict=True):
         converted = {int(k) for d in done for k in d["plan"]["layers"]}
         layers = rest_layers(adapter.num_layers(), converted) if candidates is None else candidates
@@ -135,6 +139,28 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
         no_decode_layers=kv_after["no_decode"],
     )
+
+
+def calibration_for(recipe: Recipe, methods: list[Method], adapter: Adapter) -> Calibration:
+    """The recipe's calibration, with its window count raised to what its steps need on this model.
+
+    Decision: a method whose calibration need grows with the model (mla's output refit: 24 tokens per input
+    dimension of o_proj) raises the window count itself, with a log line, instead of refusing. A recipe's count is
+    tuned on one model (SmolLM2's 576 wide o_proj), and below the need the step could only refuse; raising is what
+    every user would do by hand. The raised count is the recipe that compression.json records, so the run is
+    reproducible from it. Windows keep the recipe's seq_len (its context length)."""
+    cal = recipe.calibration
+    needs = [(need, i, method) for i, method in enumerate(methods) if (need := method.calibration_need(adapter))]
+    if not needs:
+        return cal
+    need, i, method = max(needs, key=lambda item: item[0].tokens)
+    windows = -(-need.tokens // cal.seq_len)  # ceil
+    if windows <= cal.windows:
+        return cal
+    print(f"attnslim: calibration raised from {cal.windows} to {windows} windows of {cal.seq_len} tokens: recipe "
+          f"{recipe.name!r} step {i} ({method.name}) needs at least {need.tokens:,} tokens on this model for "
+          f"{need.why}", flush=True)
+    return replace(cal, windows=windows)
 
 
 def compress_offloaded(directory: Path, recipe: Recipe, out: Path, overwrite: bool = False,
@@ -177,6 +203,9 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
 
     compute_device, compute_dtype = resolve_device(device), parse_dtype(dtype)
     check_dtype(compute_device, compute_dtype)
+    if not offload and (lean := lean_heal(name_or_path, recipe, compute_dtype)):
+        recipe, why = lean
+        print(f"attnslim: {why}", flush=True)
     if not offload and (reason := offload_reason(name_or_path, recipe, compute_dtype)):
         print(f"attnslim: {reason}", flush=True)
         offload = True
@@ -196,21 +225,64 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
 
 def offload_reason(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> str | None:
     """Why `name_or_path` should be compressed with --offload (it would not fit in memory), or None. Counts the
-    parameters of a meta-device skeleton (no weights read); a recipe that trains also holds a teacher copy."""
+    parameters of a meta-device skeleton (no weights read); a recipe that trains also holds a teacher copy (half a
+    copy for a heal with a bfloat16 teacher)."""
+    sizes = _model_and_free_bytes(name_or_path, dtype)
+    if sizes is None:
+        return None  # not a local checkpoint (a hub id, a GGUF name): only the in-memory path can load it
+    size, free = sizes
+    need = int(size * _copies(recipe) * 1.2)
+    if need <= free:
+        return None
+    return (f"the model needs about {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and "
+            f"{free / 2**30:.1f} GiB of memory is available: compressing with --offload (one decoder layer in "
+            "memory at a time, weights read from disk)")
+
+
+def lean_heal(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> tuple[Recipe, str] | None:
+    """(the recipe with its heal's memory settings on, the reason) when the heal would not fit in memory with a
+    float32 teacher but fits with a bfloat16 teacher and activation checkpointing (train/heal.py), else None.
+
+    Decision: as with --offload, memory picks the setting and says so, rather than refusing (an offloaded
+    compression cannot heal at all). Only a heal left at the float32 defaults is changed; the settings used are
+    the recipe compression.json records."""
+    if recipe.heal is None or HealConfig.from_dict(recipe.heal) != HealConfig.from_dict(
+            {**recipe.heal, "teacher_dtype": "float32", "checkpoint": False}):
+        return None
+    sizes = _model_and_free_bytes(name_or_path, dtype)
+    if sizes is None:
+        return None
+    size, free = sizes
+    lean = replace(recipe, heal={**recipe.heal, "teacher_dtype": "bfloat16", "checkpoint": True})
+    full, need = int(size * _copies(recipe) * 1.2), int(size * _copies(lean) * 1.2)
+    if full <= free or need > free:
+        return None
+    return lean, (f"the heal needs about {full / 2**30:.1f} GiB with a float32 teacher and {free / 2**30:.1f} GiB "
+                  f"is available: healing with a bfloat16 teacher and activation checkpointing (about "
+                  f"{need / 2**30:.1f} GiB; heal.teacher_dtype, heal.checkpoint)")
+
+
+def _model_and_free_bytes(name_or_path: str, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(bytes of the model's parameters in `dtype`, memory available now), or None for a model that is not a local
+    checkpoint. Counts a meta-device skeleton: no weights are read."""
     from attnslim.models.load import checkpoint_directory, load_skeleton
     from attnslim.offload import memory_available
 
     try:
         skeleton, _ = load_skeleton(checkpoint_directory(name_or_path), dtype)
     except AttnslimError:
-        return None  # not a local checkpoint (a hub id, a GGUF name): only the in-memory path can load it
-    copies = 2 if recipe.heal is not None or any(m.trains for m in check_recipe(recipe)) else 1
-    need, free = int(model_bytes(skeleton) * copies * 1.2), memory_available()
-    if need <= free:
         return None
-    return (f"the model needs about {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and "
-            f"{free / 2**30:.1f} GiB of memory is available: compressing with --offload (one decoder layer in "
-            "memory at a time, weights read from disk)")
+    return model_bytes(skeleton), memory_available()
+
+
+def _copies(recipe: Recipe) -> float:
+    """Model copies a compression holds: the model, plus a teacher when a step trains (float32) or the recipe heals
+    (half a copy with a bfloat16 teacher)."""
+    if any(m.trains for m in check_recipe(recipe)):
+        return 2.0
+    if recipe.heal is None:
+        return 1.0
+    return 1.5 if HealConfig.from_dict(recipe.heal).teacher_dtype == "bfloat16" else 2.0
 
 
 def model_bytes(model: Any) -> int:
@@ -263,8 +335,13 @@ def _refuse_compressed(model: Any) -> None:
                             "model with one recipe that holds all the steps (a recipe may have several steps)")
 
 
-def _frozen_copy(model: Any) -> Any:
-    teacher = copy.deepcopy(model).eval()
+def _frozen_copy(model: Any, dtype: torch.dtype | None = None) -> Any:
+    """A frozen copy of `model`; with `dtype`, its parameters are copied straight into that dtype (deepcopy's memo
+    maps each parameter to its cast copy), so a bfloat16 teacher never holds a float32 copy on the way."""
+    memo: dict[int, Any] = {}
+    if dtype is not None:
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
+    teacher = copy.deepcopy(model, memo).eval()
     teacher.requires_grad_(False)
     return teacher
 

@@ -50,9 +50,10 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
 
 PARAMS = ("changed", "all")
 MAX_HEAL_LR = 1.0  # AdamW steps each weight by about lr: at lr > 1 a pretrained model's weights are overwritten
+TEACHER_DTYPES = ("float32", "bfloat16")
 
 
-_LATER = ("hidden",)  # HealConfig settings added after recipes were fingerprinted
+_LATER = ("hidden", "teacher_dtype", "checkpoint")  # HealConfig settings added after recipes were fingerprinted
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class HealConfig:
     source: str = "wiki"
     seed: int = 0
     hidden: float = 0.0  # weight of the hidden-state term (train/heal.py); 0: logits only
+    teacher_dtype: str = "float32"  # bfloat16: the teacher held and run in half the memory (train/heal.py)
+    checkpoint: bool = False  # gradient checkpointing of the student's decoder layers (train/heal.py)
 
     def __post_init__(self) -> None:
         check_source("heal.source", self.source)
@@ -77,14 +80,16 @@ class HealConfig:
             "lr": (0 < self.lr <= MAX_HEAL_LR, f"in (0, {MAX_HEAL_LR:g}]"),
             "weight_decay": (self.weight_decay >= 0, ">= 0"),
             "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
-            "hidden": (self.hidden >= 0, ">= 0"), "params": (self.params in PARAMS, " | ".join(PARAMS))})
+            "hidden": (self.hidden >= 0, ">= 0"), "params": (self.params in PARAMS, " | ".join(PARAMS)),
+            "teacher_dtype": (self.teacher_dtype in TEACHER_DTYPES, " | ".join(TEACHER_DTYPES)),
+            "checkpoint": (isinstance(self.checkpoint, bool), "true | false")})
 
     @classmethod
     def from_dict(cls, d: Any) -> HealConfig:
         return config_from_mapping(cls, "heal", d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every setting, except those added after recipes were fingerprinted (`hidden`) while at their default:
+        """Every setting, except those added after recipes were fingerprinted (_LATER) while at their default:
         a recipe written before them keeps its fingerprint, and stored benchmark rows stay current."""
         default = {f.name: f.default for f in fields(self) if f.name in _LATER}
         return {k: v for k, v in asdict(self).items() if not (k in default and v == default[k])}

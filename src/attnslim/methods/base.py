@@ -97,6 +97,13 @@ class OutputRefit(NamedTuple):
     ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
 
 
+class CalibrationNeed(NamedTuple):
+    """What `Method.calibration_need` says a step needs of the calibration on a given model."""
+
+    tokens: int  # the fewest calibration tokens (windows x seq_len)
+    why: str  # the part of the method that needs them and its rule, for the log line
+
+
 class LocalFit(NamedTuple):
     """What `Method.local_fit` asks the pipeline to train (methods/local_fit.py)."""
 
@@ -156,6 +163,13 @@ class Method(Generic[E, S]):
         """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
         squares so that the new attention's output matches the original's on the same calibration inputs
         (calib/refit.py; sequential steps only). Default: none."""
+        return None
+
+    def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
+        """The fewest calibration tokens this configuration needs on `adapter`'s model, when that depends on the
+        model's sizes (mla's output refit: 24 tokens per input dimension of o_proj). `compress` raises the recipe's
+        window count to meet it, with a log line, so one recipe serves models of any width. Default: none. Read only
+        shapes (modules exist on the meta device with --offload)."""
         return None
 
     def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:

@@ -76,6 +76,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.stats import InputStats
@@ -89,9 +90,10 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
-from attnslim.methods.base import NO_CONTEXT, LocalFit, OutputRefit, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, CalibrationNeed, LocalFit, OutputRefit, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
+from attnslim.methods.refit import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
@@ -182,6 +184,17 @@ class MLA(MLABase):
         if not self.local_steps:
             return None
         return LocalFit(self._installed(adapter, layer), self.local_steps, float(self.local_lr))
+
+    def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
+        """refit_o: the refit's token rule on the widest o_proj input (the converted o_proj keeps the dense one's
+        n_heads x head_dim inputs): 36,888 tokens on a hidden size of 1536 against 13,848 on SmolLM2's 576."""
+        linears = [adapter.linear(i, "o") for i in range(adapter.num_layers())]
+        widths = [m.in_features for m in linears if isinstance(m, nn.Linear)]  # else the refit's own guard decides
+        if not self.refit_o or not widths:
+            return None
+        width = max(widths)
+        return CalibrationNeed(refit_tokens(width), f"its output refit of o_proj ({MIN_TOKENS_PER_DIM} tokens per "
+                                                    f"input dimension, {width} + 1 inputs)")
 
     def _installed(self, adapter: Adapter, layer: int) -> MLAAttention:
         module = adapter.attention(layer)

@@ -38,6 +38,11 @@ from attnslim.plan import JSON
 MIN_TOKENS_PER_DIM = 24
 
 
+def refit_tokens(in_features: int) -> int:
+    """The fewest calibration tokens a refit of a linear with `in_features` inputs (plus its bias) needs."""
+    return MIN_TOKENS_PER_DIM * (in_features + 1)
+
+
 @contextmanager
 def _paired_outputs(new: nn.Module, original: nn.Module, linear: nn.Linear, stats: JointStats) -> Iterator[None]:
     """While the block runs, every call of `new` adds (input of `linear`, original's output on the same call) to
@@ -70,7 +75,7 @@ def refit_output(runner: LayerRunner, adapter: Adapter, layer: int, original: nn
     if new is original:
         raise AttnslimError(f"layer {layer}: the output refit found the original attention still installed; "
                             "it runs after convert replaced it")
-    tokens, need = runner.tokens(), MIN_TOKENS_PER_DIM * (linear.in_features + 1)
+    tokens, need = runner.tokens(), refit_tokens(linear.in_features)
     if tokens < need:
         raise AttnslimError(f"layer {layer}: the output refit fits {linear.in_features + 1} numbers per output on "
                             f"{tokens} calibration tokens, which overfits; it needs at least {need} "

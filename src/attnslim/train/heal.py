@@ -18,6 +18,16 @@ Which parameters train (`params`):
             pretrained tensors the methods left as they were stay frozen. The default.
   all       every parameter except the (tied) token embedding.
 The teacher is the model before the recipe's first step (api.compress keeps a frozen copy when `heal` is set).
+Memory (what a heal holds: the student, the teacher, the optimizer state of the trained tensors only, and the
+student's activations for the backward pass through every layer above the first trained one; at 1.5B and
+151,936-word vocabularies the logits alone are ~0.6 GB per copy per 1,024 tokens):
+  teacher_dtype  bfloat16 casts the teacher, in place, before the first step: half its memory; its logits are
+                 cast back to float32 for the KL. Targets move by bfloat16 rounding, so it is opt-in.
+  checkpoint     gradient checkpointing of the student's decoder layers (transformers' own, non-reentrant, so
+                 that frozen inputs still pass gradients to the trained tensors inside): the activations of one
+                 layer at a time instead of all, for one more forward per step. Same gradients up to rounding.
+Measured on SmolLM2 (peak RSS of the default recipe's heal, each setting): BENCHMARKS.md, section "Heal memory"
+(benchmarks/heal_memory.py, results/heal-memory.json).
 Data: steps · batch_size windows of seq_len tokens from the calibration split of `source` (a source or a
 mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the statistics windows of the same
 seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints or resume (unlike
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any
 
@@ -44,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.settings import PARAMS, HealConfig
@@ -122,10 +134,11 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
                             "Use heal.params='all' to fine-tune every parameter")
     windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1,
                             heal_draw(cfg))
-    device = next(student.parameters()).device
     flags = {n: p.requires_grad for n, p in student.named_parameters()}
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
     teacher.eval()
+    if cfg.teacher_dtype == "bfloat16":
+        teacher.to(torch.bfloat16)  # in place: the caller's frozen copy, used by nothing after the heal
     was_training = student.training
     history: list[float] = []
     began = time.time()
@@ -135,17 +148,8 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
         for p in params.values():
             p.requires_grad_(True)
         student.train()
-        for step in tqdm(range(cfg.steps), desc="heal", disable=not progress):
-            ids = windows.ids[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
-            for group in opt.param_groups:
-                group["lr"] = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
-            loss = heal_loss(student, teacher, ids, cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-            history.append(float(loss.detach()))
-            check_converged(history, k, cfg)
-            opt.step()
+        with _compat.activation_checkpointing(student) if cfg.checkpoint else nullcontext():
+            _train(student, teacher, windows.ids, params, opt, cfg, history, k, progress)
     finally:
         student.train(was_training)
         for n, p in student.named_parameters():
@@ -157,3 +161,21 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
         "kl_first": sum(history[:k]) / k, "kl_last": sum(history[-k:]) / k,
         "history": [round(v, 5) for v in history],
     }
+
+
+def _train(student: Any, teacher: Any, ids_all: torch.Tensor, params: dict[str, torch.nn.Parameter],
+           opt: torch.optim.Optimizer, cfg: HealConfig, history: list[float], k: int, progress: bool) -> None:
+    """The heal's steps: one batch of `ids_all` (steps * batch_size, seq_len) each; losses appended to history,
+    checked by `check_converged` before each step is taken (k: the steps averaged at either end)."""
+    device = next(student.parameters()).device
+    for step in tqdm(range(cfg.steps), desc="heal", disable=not progress):
+        ids = ids_all[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
+        for group in opt.param_groups:
+            group["lr"] = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
+        loss = heal_loss(student, teacher, ids, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+        history.append(float(loss.detach()))
+        check_converged(history, k, cfg)
+        opt.step()
