@@ -39,7 +39,7 @@ def test_demo_target_lines_give_reasons_for_structural_misses():
                          dense, model)
     text = "\n".join(lines)
     assert "[met] KV bytes/token" in text and "0.500×" in text and "[met] wiki perplexity" in text
-    assert "[MISSED] zero-shot accuracy" in text and "tiny_nextsent -5.0 points" in text
+    assert "[MISSED] zero-shot accuracy" in text and "piqa -5.0 points" in text
     assert "[MISSED] total parameters" in text and "why: dense parameters are embedding" in text
     assert "[MISSED] decode tokens/s" in text and "0.75× (repetitions 0.70–0.80×)" in text
     assert "why: FLOPs per new token at 512" in text

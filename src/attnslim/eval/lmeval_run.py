@@ -11,6 +11,7 @@ mean (tasks independent: sqrt(sum se^2) / k).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -24,18 +25,31 @@ from attnslim.eval.causal import require_causal
 from attnslim.eval.standard import LAMBADA, MMLU, TASKS, data_dir, task_size
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+OVERRIDE_NOTICE = "overrides existing task"  # lm-eval's warning, once per task, that an included task replaces its own
+
+
+class _NoOverrideNotices(logging.Filter):
+    """Drops lm-eval's per-task "overrides existing task" warnings: overriding lm-eval's data location is what the
+    task folder is for (same names, only the data changed), and 70 such lines bury the scores."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return OVERRIDE_NOTICE not in str(record.msg)
 
 
 @contextmanager
 def offline() -> Iterator[None]:
     """HF_DATASETS_OFFLINE / HF_HUB_OFFLINE set for the call, restored after: the tasks read local files and the
     model is an object, so nothing should reach the hub; if something in lm-eval or datasets tried, it fails fast
-    instead of waiting on a network that is not there."""
+    instead of waiting on a network that is not there. lm-eval's notices that our tasks override its own are dropped
+    for the call (they are the point of the task folder)."""
     saved = {k: os.environ.get(k) for k in OFFLINE}
     os.environ.update(OFFLINE)
+    index_log, quiet = logging.getLogger("lm_eval.tasks._index"), _NoOverrideNotices()
+    index_log.addFilter(quiet)
     try:
         yield
     finally:
+        index_log.removeFilter(quiet)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
