@@ -1,10 +1,11 @@
 """A plan (one candidate per layer) as an ordinary recipe, and the installation of a whole plan for scoring.
 
 The recipe groups the layers that chose the same candidate into one step (`layers: [..]`), steps ordered by their
-first layer so that a step's sequential fits see most of their upstream layers already converted; kept layers are
-in no step. It is validated by the recipe's own checks (methods and arguments, disjoint layers) before it is
-returned, and it is what `compress` runs: each layer fitted on the outputs of the layers converted before it.
-"""
+first layer so that a step's sequential fits see most of their upstream layers already converted, sharing steps
+last (a receiver reads its donor's scores inside one model forward, which the later steps' layer-by-layer
+calibration would break: modules/score_link.py); kept layers are in no step. It is validated by the recipe's own
+checks (methods and arguments, disjoint layers) before it is returned, and it is what `compress` runs: each layer
+fitted on the outputs of the layers converted before it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from attnslim.adapters.base import Adapter
 from attnslim.api import check_recipe
 from attnslim.errors import AttnslimError
 from attnslim.methods import METHODS
-from attnslim.planner.candidates import Candidate
+from attnslim.planner.candidates import SHARING, Candidate
 from attnslim.planner.costs import entry_for, method_of, restored
 from attnslim.planner.measure import Bank
 from attnslim.recipe import Calibration, Recipe, Step
@@ -29,7 +30,8 @@ def plan_recipe(choice: Sequence[Candidate], name: str, description: str, calibr
     for i, c in enumerate(choice):
         if c.method is not None:
             groups.setdefault(c.label, (c, []))[1].append(i)
-    steps = [Step(c.kind, list(layers), c.step_args()) for c, layers in sorted(groups.values(), key=lambda g: g[1][0])]
+    ordered = sorted(groups.values(), key=lambda g: (g[0].kind in SHARING, g[1][0]))
+    steps = [Step(c.kind, list(layers), c.step_args()) for c, layers in ordered]
     if not steps:  # every layer kept: a recipe needs a step
         raise AttnslimError("the budget keeps every layer as it is; there is nothing to compress (ask for a "
                             "smaller --kv)")

@@ -25,6 +25,7 @@ KINDS = ("keep", "mla", "nbl", "drop", "ds")
 DEFAULT_KINDS = ("keep", "mla", "nbl", "drop", "ds")
 DEFAULT_LADDER = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # mla's kv_ratio per width (kept fraction per layer)
 ENGINES = ("hf", "vllm")
+SHARING = ("ds",)  # kinds that read layer i-1's scores: layer i-1 must be kept or share too
 VLLM_ROPE = 64  # DeepSeek-V3's qk_rope_head_dim, the only rotary width vLLM's MLA backends take
 VLLM_LORA_RANKS = (256, 512)  # kv_lora_rank: widths 320 and 576 with the 64-dim rotary key
 DEFAULT_MLA_ARGS: dict[str, Any] = {"refit_o": True}  # one-shot: o_proj refitted (recipes/mla-oneshot.yaml)

@@ -4,9 +4,10 @@ One walk over the decoder with a calibration runner (calib/runner.py) on the fit
 what compress will fit on): at layer i every method's statistics are collected in one run of the layer, each
 candidate is converted exactly as its recipe step would convert it (the method's `convert`, then its output refit
 and local fit: pipeline.convert_and_fit), the KL to the dense model is measured on separate scoring windows from
-layer i on (score.kl_from), and the layer is restored. The fitted modules of `mla` and `nbl` are kept (`Bank`), so
-a whole plan can be assembled and scored without fitting again (refine.py); `drop` and `ds` are rebuilt.
-"""
+layer i on (score.kl_from), and the layer is restored. A candidate whose conversion the method refuses at a layer
+(e.g. a fit on a degenerate covariance) is not offered there; the refusal is recorded. The fitted modules of `mla`
+and `nbl` are kept (`Bank`), so a whole plan can be assembled and scored without fitting again (refine.py); `drop`
+and `ds` are rebuilt."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from attnslim.adapters.base import Adapter
 from attnslim.calib.runner import LayerRunner
+from attnslim.errors import AttnslimError
 from attnslim.methods import Method
 from attnslim.methods.base import Collector
 from attnslim.pipeline import convert_and_fit
@@ -43,6 +45,7 @@ class Measured:
     quality: dict[tuple[int, str], float]  # KL per scored token, keep = 0
     bank: Bank
     seconds: float
+    refused: dict[tuple[int, str], str] = field(default_factory=dict)  # the method's refusal at that layer
 
 
 class _FanOut(Collector[None]):
@@ -76,6 +79,7 @@ def measure(model: Any, adapter: Adapter, options: Mapping[int, list[Candidate]]
     runner = LayerRunner(model, adapter, fit_ids, batch_size)
     scored = LayerRunner(model, adapter, scores.ids, scores.ids.shape[0])  # one batch: the dense inputs per layer
     quality: dict[tuple[int, str], float] = {}
+    refused: dict[tuple[int, str], str] = {}
     bank = Bank()
     inputs: dict[int, torch.Tensor] = {}
     for i in tqdm(range(adapter.num_layers()), desc="planner: candidates per layer", disable=not progress,
@@ -92,11 +96,15 @@ def measure(model: Any, adapter: Adapter, options: Mapping[int, list[Candidate]]
             method = methods[c.label]
             group = touched(method, i)
             with restored(adapter, group):
-                convert_and_fit(runner, method, adapter, i, entry_for(method, adapter, i), stats[c.label])
+                try:
+                    convert_and_fit(runner, method, adapter, i, entry_for(method, adapter, i), stats[c.label])
+                except AttnslimError as err:  # this layer cannot take it (e.g. a fit on a degenerate layer)
+                    refused[(i, c.label)] = str(err)
+                    continue
                 first = min(group)
                 quality[(i, c.label)] = kl_from(model, adapter, scores, first, inputs[first])
                 if c.kind in KEPT_KINDS:
                     bank.modules[(i, c.label)] = (adapter.attention(i), adapter.attention_norm(i))
         runner.run_layer(i)
         scored.run_layer(i)
-    return Measured(quality, bank, time.time() - start)
+    return Measured(quality, bank, time.time() - start, refused)

@@ -26,15 +26,13 @@ from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
-from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, Candidate, candidate_set
+from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
 from attnslim.planner.costs import Resources, resources
 from attnslim.planner.measure import measure
 from attnslim.planner.refine import refine
 from attnslim.planner.score import kl, score_set
 from attnslim.planner.solve import Budget, Option, solve
 from attnslim.recipe import Calibration, Recipe
-
-SHARING = ("ds",)  # kinds that read layer i-1's scores: layer i-1 must be kept or share too
 
 
 @dataclass(frozen=True)
@@ -129,6 +127,9 @@ def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = Tru
     held_out = score_set(model, tokenizer, cal.source, cfg.refine_windows, cfg.score_seq_len, cal.seed + 2)
     measured = measure(model, adapter, {i: [c for c, _ in row] for i, row in enumerate(rows)}, fit.ids, scores,
                        cal.batch_size, progress)
+    for (i, label), why in measured.refused.items():
+        refused.setdefault(str(i), {})[label] = why
+    rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
     options = _as_options(rows, measured.quality)
     first = solve(options, budgets)
 

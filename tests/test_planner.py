@@ -1,0 +1,106 @@
+"""The planner on tiny random models: exact costs, a planted linear layer, mixed plans, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.bench import kv_bytes_per_token
+from attnslim.cli import main as cli_main
+from attnslim.errors import AttnslimError
+from attnslim.planner.assemble import plan_recipe
+from attnslim.planner.candidates import candidate_set
+from attnslim.planner.costs import resources
+from attnslim.planner.run import PlanConfig, plan_model
+from attnslim.recipe import Calibration, recipe_from_dict, recipe_to_dict
+from conftest import tiny_llama, tiny_qwen2
+from helpers import ByteTokenizer, reloaded_with_both_loaders
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CAL = Calibration(source="tiny", windows=8, seq_len=32, seed=0, batch_size=4)
+
+
+def _config(**kw: object) -> PlanConfig:
+    base: dict[str, object] = dict(calibration=CAL, score_windows=2, score_seq_len=32, refine_windows=2,
+                                   ladder=(0.25, 0.5), mla_args={}, rounds=2, tries=3)
+    return PlanConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _by_label(**kw: object) -> dict[str, object]:
+    return {c.label: c for c in candidate_set(**kw)}  # type: ignore[arg-type]
+
+
+def test_mixed_plan_costs_are_what_the_cache_holds_and_it_saves_and_loads(tmp_path: object) -> None:
+    model = tiny_llama(num_hidden_layers=5)
+    c = _by_label(mla_args={})
+    choice = [c["mla@0.5"], c["keep"], c["ds"], c["nbl"], c["drop"]]
+    adapter = get_adapter(model)
+    predicted = [resources(adapter, i, cand, 64) for i, cand in enumerate(choice)]  # type: ignore[arg-type]
+    recipe = plan_recipe(choice, "mixed", "", CAL)  # type: ignore[arg-type]
+    assert recipe_from_dict(recipe_to_dict(recipe)) == recipe
+    assert [(s.method, s.layers) for s in recipe.steps] == [("mla", (0,)), ("nbl", (3,)), ("drop", (4,)), ("ds", (2,))]
+    report = compress(model, ByteTokenizer(), recipe, progress=False)
+    measured = kv_bytes_per_token(model)["per_layer"]
+    assert measured == [r.kv_bytes for r in predicted]
+    assert report.kv_bytes_per_token_after == sum(r.kv_bytes for r in predicted)
+    attention = [sum(p.numel() for p in adapter.attention(i).parameters()) for i in range(5)]
+    assert [attention[0], attention[2], attention[3], attention[4]] == [predicted[i].params for i in (0, 2, 3, 4)]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    reloaded_with_both_loaders(model, report.to_json(), tmp_path / "out", ids)  # type: ignore[operator]
+
+
+def test_planted_affine_layer_is_linearised() -> None:
+    """Layer 1's values are a constant (W_v = 0, b_v ≠ 0): its attention output is W_o b_v whatever the input,
+    an affine map NBL fits exactly while drop loses it. Under a KV budget that needs one layer's cache gone, the
+    plan linearises that layer and no other."""
+    model = tiny_qwen2()
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        attn = adapter.attention(1)
+        attn.v_proj.weight.zero_()
+        attn.v_proj.bias.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    result = plan_model(model, ByteTokenizer(), _config(kv=0.7, kinds=("keep", "mla", "nbl", "drop"),
+                                                        ladder=(0.5,)), progress=False)
+    choices = [row["choice"] for row in result.report["layers"]]
+    assert choices[1] == "nbl" and choices.count("nbl") == 1
+    options = result.report["options"]["1"]
+    assert options["nbl"]["kl"] < 1e-3 * options["drop"]["kl"]
+    assert result.report["used"]["kv"] <= 0.7
+
+
+def test_plan_meets_the_budget_exactly_and_reports_why() -> None:
+    model = tiny_llama()
+    result = plan_model(model, ByteTokenizer(), _config(kv=0.4), progress=False)
+    ref = tiny_llama()
+    compress(model, ByteTokenizer(), result.recipe, progress=False)
+    kv = kv_bytes_per_token(model)["total"] / kv_bytes_per_token(ref)["total"]
+    assert kv <= 0.4 and kv == pytest.approx(result.report["used"]["kv"])
+    est = result.report["estimate"]
+    assert est["measured"] <= est["measured_first"]
+    assert len(result.report["layers"]) == 4 and result.report["binding"] == ["kv"]
+
+
+def test_unreachable_budget_is_refused_before_measuring() -> None:
+    with pytest.raises(AttnslimError, match=r"below the smallest any plan reaches, 0\.25"):
+        plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.1, kinds=("keep", "mla")), progress=False)
+
+
+def test_engine_that_serves_no_candidate_names_the_layer() -> None:
+    # vLLM's MLA widths (320, 576) exceed this tiny model's whole KV (2·2·16 values per layer)
+    with pytest.raises(AttnslimError, match=r"layer 0: engine 'vllm' serves none of the candidates"):
+        plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.5, kinds=("mla",), engine="vllm"), progress=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--kv", "0", "--out", "{tmp}/p.yaml"], "in (0, 1]"),
+    (["plan", "--kv", "1.5", "--out", "{tmp}/p.yaml"], "in (0, 1]"),
+    (["plan", "--kv", "0.5", "--candidates", "mla,lora", "--out", "{tmp}/p.yaml"], "unknown ['lora']"),
+    (["plan", "--kv", "0.5", "--out", "{tmp}/p.txt"], "must end in .yaml"),
+    (["compress", "--kv", "0.5", "--recipe", "mla", "--out", "{tmp}/o"], "drop --recipe/--set"),
+])
+def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                                      argv: list[str], message: str) -> None:
+    assert cli_main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert message in capsys.readouterr().err
