@@ -63,12 +63,18 @@ class _FanOut(Collector[None]):
 
 def _statistics(runner: LayerRunner, adapter: Adapter, layer: int,
                 methods: Mapping[str, Method[Any, Any]]) -> dict[str, Any]:
-    """Each method's statistics of `layer` on the runner's current (dense) inputs, from one run of the layer."""
-    collectors = {label: m.collector(adapter, layer) for label, m in methods.items()}
+    """Each method's statistics of `layer` on the runner's current (dense) inputs, from one run of the layer. The
+    candidates of one method share them: a candidate set gives one method the same arguments but its size (mla's
+    kv_ratio, which its statistics do not depend on), so each method collects once."""
+    collectors: dict[str, Collector[Any]] = {}
+    for m in methods.values():
+        if m.name not in collectors:
+            collectors[m.name] = m.collector(adapter, layer)
     fan = _FanOut([c for c in collectors.values() if c.sites])
     if fan.sites:
         runner.run_layer(layer, fan.sites, fan, advance=False)
-    return {label: c.result() for label, c in collectors.items()}
+    results = {name: c.result() for name, c in collectors.items()}
+    return {label: results[m.name] for label, m in methods.items()}
 
 
 @torch.no_grad()

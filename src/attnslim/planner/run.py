@@ -7,6 +7,7 @@
     3. each candidate's quality cost measured alone (measure.py)
     4. the exact additive optimum (solve.py), then re-scored whole and refined (refine.py)
     5. the recipe (assemble.py) and the report
+Steps 1-3 (`prepare`) do not depend on the budgets: one measurement serves several (`choose`).
 Calibration: the fits use the recipe's calibration windows (what compress will use); per-layer costs and the
 whole-plan score use other windows of the same calibration source, drawn with seeds +1 and +2.
 """
@@ -28,9 +29,9 @@ from attnslim.errors import AttnslimError
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
 from attnslim.planner.costs import Resources, resources
-from attnslim.planner.measure import measure
+from attnslim.planner.measure import Measured, measure
 from attnslim.planner.refine import refine
-from attnslim.planner.score import kl, score_set
+from attnslim.planner.score import ScoreSet, kl, score_set
 from attnslim.planner.solve import Budget, Option, solve
 from attnslim.recipe import Calibration, Recipe
 
@@ -110,17 +111,30 @@ def _as_options(rows: list[list[tuple[Candidate, Resources]]], quality: dict[tup
             for i, row in enumerate(rows)]
 
 
+@dataclass
+class Prepared:
+    """Everything a plan needs that does not depend on the budgets: candidates, their costs, measured KL, and the
+    fitted modules (so one measurement serves several budgets: `choose`)."""
+
+    rows: list[list[tuple[Candidate, Resources]]]
+    refused: dict[str, dict[str, str]]
+    dense: list[Resources]
+    measured: Measured
+    held_out: ScoreSet
+    windows: dict[str, Any]
+    seconds: float
+
+
 @torch.no_grad()
-def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
-    """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why."""
+def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> Prepared:
+    """Candidates and exact costs per layer, `cfg`'s budgets checked against them, then every candidate measured."""
     start = time.time()
     adapter = get_adapter(model)
     cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args)
     rows, refused = _options(adapter, cands, cfg.decode_at, cfg.engine)
     keep = Candidate("keep", {}, "keep")
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
-    budgets = _budgets(model, adapter, cfg, dense)
-    solve(_as_options(rows, {}), budgets)  # an unreachable budget is refused here, before any measurement
+    solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
     cal = cfg.calibration
     fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
     scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
@@ -130,38 +144,53 @@ def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = Tru
     for (i, label), why in measured.refused.items():
         refused.setdefault(str(i), {})[label] = why
     rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
+    windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
+               "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
+    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start)
+
+
+@torch.no_grad()
+def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = True) -> PlanResult:
+    """The plan under `cfg`'s budgets from `prepared`'s measurements: solved, re-scored whole, refined."""
+    start = time.time()
+    adapter = get_adapter(model)
+    rows, measured = prepared.rows, prepared.measured
+    budgets = _budgets(model, adapter, cfg, prepared.dense)
     options = _as_options(rows, measured.quality)
     first = solve(options, budgets)
 
     def whole(choice: list[int]) -> float:
         with installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank):
-            return kl(model, held_out)
+            return kl(model, prepared.held_out)
 
     refined = refine(options, first.choice, budgets, whole, cfg.rounds, cfg.tries, progress)
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
-    final = solve_summary(options, refined.choice, budgets)
     recipe = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
-                         "measured KL under the budgets", cal)
+                         "measured KL under the budgets", cfg.calibration)
     table = {i: {c.label: {"kv_bytes": r.kv_bytes, "params": r.params, "decode_bytes": r.decode_bytes,
                            "kl": measured.quality.get((i, c.label), 0.0)} for c, r in row}
              for i, row in enumerate(rows)}
     report = {
         "budgets": {b.resource: b.fraction for b in budgets}, "engine": cfg.engine,
-        "decode_at": cfg.decode_at, "used": final, "binding": first.binding,
-        "layers": choice_table(chosen, table), "options": {str(i): t for i, t in table.items()},
-        "refused": refused,
+        "decode_at": cfg.decode_at, "used": solve_summary(options, refined.choice, budgets),
+        "binding": first.binding, "layers": choice_table(chosen, table),
+        "options": {str(i): t for i, t in table.items()}, "refused": prepared.refused,
         "estimate": {"additive_first": refined.additive, "measured_first": refined.measured_first,
                      "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
                      "measured": refined.measured,
                      "measured_over_additive_first": refined.measured_first / max(refined.additive, 1e-12)},
-        "refine": refined.history,
-        "windows": {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
-                    "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens},
+        "refine": refined.history, "windows": prepared.windows,
         "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
-        "seconds": {"measure": measured.seconds, "refine": refined.seconds, "total": time.time() - start},
+        "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
+                    "total": prepared.seconds + time.time() - start},
     }
     return PlanResult(recipe, report)
+
+
+def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
+    """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why."""
+    return choose(model, prepare(model, tokenizer, cfg, progress), cfg, progress)
 
 
 def solve_summary(options: list[list[Option]], choice: list[int], budgets: list[Budget]) -> dict[str, float]:
