@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,3 +106,30 @@ def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys:
                                                       argv: list[str], message: str) -> None:
     assert cli_main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from attnslim.io import load
+    from attnslim.recipe import load_recipe
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    options = ["--kv", "0.6", "--candidates", "keep,mla,nbl,drop", "--ladder", "0.5", "--calib-source", "tiny",
+               "--calib-windows", "4", "--score-windows", "2", "--rounds", "1"]
+    assert cli_main(["plan", str(ckpt), *options, "--out", str(tmp_path / "plan.yaml")]) == 0
+    assert "binding: kv" in capsys.readouterr().out
+    recipe = load_recipe(tmp_path / "plan.yaml")  # the recipe's own checks pass on what plan wrote
+    report = json.loads((tmp_path / "plan.report.json").read_text())
+    step_of = {i: ("mla@0.5" if s.method == "mla" else s.method) for s in recipe.steps for i in s.layers}
+    assert [r["choice"] for r in report["layers"]] == [step_of.get(i, "keep") for i in range(4)]
+    assert cli_main(["compress", str(ckpt), *options, "--out", str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "compression.json").read_text())
+    assert info["planner"]["budgets"] == {"kv": 0.6} and info["planner"]["kv_measured"] <= 0.6
+    assert info["kv_bytes_per_token_after"] / info["kv_bytes_per_token_before"] == info["planner"]["kv_measured"]
+    load(tmp_path / "out")
