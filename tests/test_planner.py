@@ -133,3 +133,24 @@ def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
     assert info["planner"]["budgets"] == {"kv": 0.6} and info["planner"]["kv_measured"] <= 0.6
     assert info["kv_bytes_per_token_after"] / info["kv_bytes_per_token_before"] == info["planner"]["kv_measured"]
     load(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_scoring_from_a_layer_equals_the_whole_forward(family: str) -> None:
+    """kl_from(i) runs layers i.. on the recorded dense inputs of layer i: with only layer i changed it must give
+    the KL of the whole model's forward."""
+    from attnslim.calib.runner import LayerRunner
+    from attnslim.modules.dropped import DroppedAttention
+    from attnslim.planner.score import kl, kl_from, score_set
+    from conftest import TINY_BUILDERS
+
+    model = TINY_BUILDERS[family]()
+    adapter = get_adapter(model)
+    scores = score_set(model, ByteTokenizer(), "tiny", 2, 16, seed=1)
+    runner = LayerRunner(model, adapter, scores.ids, scores.ids.shape[0])
+    for i in range(2):
+        runner.run_layer(i)
+    adapter.replace_attention(2, DroppedAttention(2, model.config.hidden_size))
+    whole = kl(model, scores)
+    assert whole > 1e-4
+    assert kl_from(model, adapter, scores, 2, runner.hidden[0]) == pytest.approx(whole, rel=1e-4, abs=1e-7)

@@ -24,6 +24,7 @@ from torch import nn
 from attnslim import _compat
 from attnslim.adapters.base import Adapter
 from attnslim.data import calib_windows
+from attnslim.errors import AttnslimError
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,14 @@ def starting_at(adapter: Adapter, start: int, hidden: torch.Tensor) -> Iterator[
     below = [layers[j] for j in range(start)]
 
     def feed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        given = args[0] if args else kwargs["hidden_states"]
+        if not isinstance(given, torch.Tensor) or given.shape != hidden.shape:  # the layers below must pass it on
+            raise AttnslimError(f"internal: decoder layer {start} received {type(given).__name__} "
+                                f"{getattr(given, 'shape', '')} instead of hidden states {tuple(hidden.shape)}; this "
+                                "transformers version's decoder loop is not what the planner's scoring expects")
         if args:
-            return (hidden.to(args[0].device), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden.to(kwargs["hidden_states"].device)}
+            return (hidden.to(given.device), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden.to(given.device)}
 
     handle = layers[start].register_forward_pre_hook(feed, with_kwargs=True)
     try:
