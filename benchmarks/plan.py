@@ -26,9 +26,11 @@ from attnslim.planner.run import PlanConfig, choose, prepare
 from attnslim.recipe import Calibration, recipe_to_dict
 
 
-def _single(method: str, kv: float, args: dict[str, Any]) -> dict[str, Any]:
+def baseline(method: str, kv: float) -> dict[str, Any]:
+    """A single-method row at `kv`: mla with refit_o (recipes/mla-oneshot.yaml's one-shot fit), others as they are."""
+    args = {"kv_ratio": kv, **({"refit_o": True} if method == "mla" else {})}
     return {"name": f"{method}-kv{kv:g}", "calibration": calibration(),
-            "steps": [{"method": method, "layers": "all", "args": {"kv_ratio": kv, **args}}]}
+            "steps": [{"method": method, "layers": "all", "args": args}]}
 
 
 def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
@@ -71,7 +73,7 @@ def main() -> None:
         harness.run(f"plan-kv{kv:g}", recipe, summary)
     for kv in (float(b) for b in args.budgets.split(",")):
         for method in filter(None, args.baselines.split(",")):
-            harness.run(f"{method}-kv{kv:g}", _single(method, kv, {"refit_o": True} if method == "mla" else {}))
+            harness.run(f"{method}-kv{kv:g}", baseline(method, kv))
 
 
 if __name__ == "__main__":
