@@ -10,6 +10,7 @@ import torch
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
+from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.cli import main as cli_main
 from attnslim.errors import AttnslimError
 from attnslim.planner.assemble import plan_recipe
@@ -40,6 +41,8 @@ def test_mixed_plan_costs_are_what_the_cache_holds_and_it_saves_and_loads(tmp_pa
     choice = [c["mla@0.5"], c["keep"], c["ds"], c["nbl"], c["drop"]]
     adapter = get_adapter(model)
     predicted = [resources(adapter, i, cand, 64) for i, cand in enumerate(choice)]  # type: ignore[arg-type]
+    dense = [resources(adapter, i, c["keep"], 64) for i in range(5)]  # type: ignore[arg-type]
+    dense_decode = decode_bytes_per_token(model, 64, [r.kv_bytes for r in dense])["total"]
     recipe = plan_recipe(choice, "mixed", "", CAL)  # type: ignore[arg-type]
     assert recipe_from_dict(recipe_to_dict(recipe)) == recipe
     assert [(s.method, s.layers) for s in recipe.steps] == [("mla", (0,)), ("nbl", (3,)), ("drop", (4,)), ("ds", (2,))]
@@ -47,6 +50,8 @@ def test_mixed_plan_costs_are_what_the_cache_holds_and_it_saves_and_loads(tmp_pa
     measured = kv_bytes_per_token(model)["per_layer"]
     assert measured == [r.kv_bytes for r in predicted]
     assert report.kv_bytes_per_token_after == sum(r.kv_bytes for r in predicted)
+    decode = decode_bytes_per_token(model, 64, measured)["total"]
+    assert decode == dense_decode - sum(r.decode_bytes for r in dense) + sum(r.decode_bytes for r in predicted)
     attention = [sum(p.numel() for p in adapter.attention(i).parameters()) for i in range(5)]
     assert [attention[0], attention[2], attention[3], attention[4]] == [predicted[i].params for i in (0, 2, 3, 4)]
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -154,3 +159,17 @@ def test_scoring_from_a_layer_equals_the_whole_forward(family: str) -> None:
     whole = kl(model, scores)
     assert whole > 1e-4
     assert kl_from(model, adapter, scores, 2, runner.hidden[0]) == pytest.approx(whole, rel=1e-4, abs=1e-7)
+
+
+def test_params_and_decode_budgets_hold_on_the_compressed_model() -> None:
+    model, ref = tiny_llama(), tiny_llama()
+    cfg = _config(kv=0.6, params=0.97, decode_bytes=0.6, decode_at=64)
+    result = plan_model(model, ByteTokenizer(), cfg, progress=False)
+    used = result.report["used"]
+    assert used["params"] <= 0.97 and used["decode"] <= 0.6 and used["kv"] <= 0.6
+    compress(model, ByteTokenizer(), result.recipe, progress=False)
+    params = get_adapter(model).param_groups()["total"] / get_adapter(ref).param_groups()["total"]
+    assert params == pytest.approx(used["params"]) and params <= 0.97
+    kv, kv_ref = kv_bytes_per_token(model)["per_layer"], kv_bytes_per_token(ref)["per_layer"]
+    decode = decode_bytes_per_token(model, 64, kv)["total"] / decode_bytes_per_token(ref, 64, kv_ref)["total"]
+    assert decode == pytest.approx(used["decode"]) and decode <= 0.6
