@@ -173,3 +173,16 @@ def test_params_and_decode_budgets_hold_on_the_compressed_model() -> None:
     kv, kv_ref = kv_bytes_per_token(model)["per_layer"], kv_bytes_per_token(ref)["per_layer"]
     decode = decode_bytes_per_token(model, 64, kv)["total"] / decode_bytes_per_token(ref, 64, kv_ref)["total"]
     assert decode == pytest.approx(used["decode"]) and decode <= 0.6
+
+
+def test_vllm_engine_offers_only_its_mla_widths_and_kv_free_layers() -> None:
+    from attnslim.planner.run import layer_options
+
+    model = tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    cands = candidate_set(engine="vllm")
+    assert [c.label for c in cands] == ["keep", "mla@256+64", "mla@512+64", "nbl", "drop"]
+    assert cands[1].args["layout"] == "deepseek"
+    rows, refused = layer_options(get_adapter(model), cands, 64, "vllm")
+    assert [[c.label for c, _ in row] for row in rows] == [["keep", "mla@256+64", "nbl", "drop"]] * 4
+    assert [r.kv_bytes for c, r in rows[0] if c.kind == "mla"] == [320 * 4]  # kv_lora_rank 256 + rope 64, float32
+    assert "exceeds" in refused["0"]["mla@512+64"]  # 512 latent dims > this layer's 2·n_kv·d_h − d_rope

@@ -69,7 +69,7 @@ class PlanResult:
     report: dict[str, Any]
 
 
-def _options(adapter: Adapter, cands: Sequence[Candidate], context: int, engine: str
+def layer_options(adapter: Adapter, cands: Sequence[Candidate], context: int, engine: str
              ) -> tuple[list[list[tuple[Candidate, Resources]]], dict[str, dict[str, str]]]:
     """Per layer the candidates it can take with their costs; the refusals of the others, per layer."""
     out: list[list[tuple[Candidate, Resources]]] = []
@@ -131,7 +131,7 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
     start = time.time()
     adapter = get_adapter(model)
     cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args)
-    rows, refused = _options(adapter, cands, cfg.decode_at, cfg.engine)
+    rows, refused = layer_options(adapter, cands, cfg.decode_at, cfg.engine)
     keep = Candidate("keep", {}, "keep")
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
     solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
