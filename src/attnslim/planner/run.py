@@ -143,6 +143,10 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
                        cal.batch_size, progress)
     for (i, label), why in measured.refused.items():
         refused.setdefault(str(i), {})[label] = why
+    kept = {c.label for i, row in enumerate(rows) for c, _ in row if (i, c.label) not in measured.refused}
+    if lost := sorted({label for _, label in measured.refused} - kept):  # a setting's problem, not a layer's
+        why = next(w for (_, label), w in sorted(measured.refused.items()) if label == lost[0])
+        raise AttnslimError(f"candidate {lost[0]} was refused at every layer that could hold it: {why}")
     rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
     windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
                "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
