@@ -78,3 +78,9 @@ def test_nbl_and_composed_benchmark_recipes_are_valid(script: Any) -> None:
     args = [{"m": 6}, {"m": 6, **nbl.PAPER}] + [{"m": 6, "criterion": c} for c in nbl.SELECTIONS]
     _check({f"nbl-{i}": nbl.recipe(f"nbl-{i}", cal, nbl.nbl(a)) for i, a in enumerate(args)})
     _check(composed.variants(16))
+
+
+@pytest.mark.parametrize("kv", [0.5, 0.25])
+def test_plan_benchmark_baselines_are_valid(script: Any, kv: float) -> None:
+    plan: ModuleType = script("plan")
+    _check({f"{m}-kv{kv:g}": plan.baseline(m, kv) for m in ("mla", "transmla")})

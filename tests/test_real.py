@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -88,3 +90,39 @@ def test_svdllm_on_real_model_save_load(smol, tmp_path):
     prompt = ids[:, :12]
     assert torch.equal(loaded.generate(prompt, max_new_tokens=5, do_sample=False),
                        loaded.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=False))
+
+
+@pytest.mark.skipif(os.environ.get("ATTNSLIM_PLANNER_REAL") != "1", reason=(
+    "issue 45's target, not met yet: its one run (43 min on the shared 2-core host) planned 13.148 against uniform "
+    "mla's 12.902 wiki perplexity at KV 0.5; a CI run would spend ~15 min to fail. ATTNSLIM_PLANNER_REAL=1 runs it"))
+def test_planned_kv50_beats_uniform_mla_at_the_same_kv(smol):
+    """The planner at KV 0.5 against uniform mla at kv_ratio 0.5 (same fit: no refit, the same calibration
+    windows), both compressed from the packaged model and scored on the same evaluation tokens. Kept short: few
+    calibration windows, two scoring windows, a two-width ladder, no sharing candidate."""
+    import copy
+
+    from attnslim.api import compress
+    from attnslim.bench import kv_bytes_per_token
+    from attnslim.eval import perplexity
+    from attnslim.planner.run import PlanConfig, plan_model
+    from attnslim.recipe import Calibration, recipe_from_dict
+
+    model, tokenizer = smol
+    cal = Calibration(source="wiki", windows=8, seq_len=256, seed=0, batch_size=4)
+    cfg = PlanConfig(kv=0.5, kinds=("keep", "mla", "nbl", "drop"), ladder=(0.5, 0.75), calibration=cal,
+                     score_windows=2, refine_windows=2, rounds=1, tries=3, mla_args={})
+    dense_kv = kv_bytes_per_token(model)["total"]
+    planned = copy.deepcopy(model)
+    result = plan_model(planned, tokenizer, cfg, progress=False)
+    compress(planned, tokenizer, result.recipe, progress=False)
+    uniform = copy.deepcopy(model)
+    compress(uniform, tokenizer, recipe_from_dict({
+        "name": "mla-kv50", "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
+        "steps": [{"method": "mla", "layers": "all", "args": {"kv_ratio": 0.5}}]}), progress=False)
+    kv_planned = kv_bytes_per_token(planned)["total"] / dense_kv
+    kv_uniform = kv_bytes_per_token(uniform)["total"] / dense_kv
+    assert kv_planned <= 0.5 <= kv_uniform
+    windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=512)
+    ppl_planned = perplexity(planned, windows, progress=False).ppl
+    ppl_uniform = perplexity(uniform, windows, progress=False).ppl
+    assert ppl_planned < ppl_uniform, (ppl_planned, ppl_uniform, result.report["layers"])

@@ -18,6 +18,24 @@ def add_placement(p: Any, what: str) -> None:
                    "runs generic code (AMD); every model of the command alike (modules/cpu_linear.py)")
 
 
+def add_plan_options(p: Any) -> None:
+    """The planner's options beside its KV budget (`plan`, `compress --kv`)."""
+    p.add_argument("--params", type=float, default=None, help="also keep at most this fraction of the parameters")
+    p.add_argument("--decode-bytes", type=float, default=None, help="also read at most this fraction of the bytes "
+                   "a dense decode step reads at --decode-at tokens of context")
+    p.add_argument("--decode-at", type=int, default=4096, help="context of --decode-bytes (default 4096)")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="hf: every candidate; vllm: only what stock "
+                   "vLLM's MLA kernels (widths 320/576, DeepSeek layout) and attnslim's plugin (nbl, drop) serve")
+    p.add_argument("--candidates", default=None, help="comma-separated kinds among keep,mla,nbl,drop,ds (default all)")
+    p.add_argument("--ladder", default=None, help="mla's kept KV fractions per layer, comma-separated "
+                   "(default 0.125,0.25,0.375,0.5,0.625,0.75)")
+    p.add_argument("--calib-source", default="wiki", help="calibration text (fits and costs; never evaluation text)")
+    p.add_argument("--calib-windows", type=int, default=32, help="fit windows of 512 tokens (what compress uses)")
+    p.add_argument("--score-windows", type=int, default=4, help="windows of 256 tokens each layer's cost is "
+                   "measured on, and the whole plan's (held out)")
+    p.add_argument("--rounds", type=int, default=4, help="refinement rounds on the whole plan's cost (0: none)")
+
+
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -44,8 +62,12 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("compress", help="compress a model with a recipe and save it")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--recipe", default="default", help="a recipe name in recipes/ or a YAML path")
+    p.add_argument("--recipe", default=None, help="a recipe name in recipes/ or a YAML path (default: default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    p.add_argument("--kv", type=float, default=None, help="instead of a recipe: plan one for this kept fraction of "
+                   "the dense KV cache (as `attnslim plan`), then compress with it; the plan goes into "
+                   "compression.json")
+    add_plan_options(p)
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--offload", action="store_true", help="keep the weights on disk and compress one decoder layer "
@@ -54,6 +76,15 @@ def add_parsers(sub: Any) -> None:
                    "cuda:N (statistics stay float64)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16 (also the saved "
                    "weights' dtype)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("plan", help="choose per layer among keep, MLA widths, NBL, drop and sharing under budgets; "
+                       "write the plan as a recipe")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--kv", type=float, required=True, help="kept fraction of the dense KV cache, in (0, 1]")
+    add_plan_options(p)
+    p.add_argument("--out", required=True, help="the plan's recipe (.yaml); its report is written beside it "
+                   "(.report.json)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")

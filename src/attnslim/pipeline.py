@@ -58,7 +58,7 @@ def run_step(
             part = method.plan(adapter, [i], {i: stats}, context)
             plan.merge(part, i)
             with _converting(res, method, adapter, i):
-                plan.record(i, _convert_refit(runner, method, adapter, i, part.layers[i], stats))
+                plan.record(i, convert_and_fit(runner, method, adapter, i, part.layers[i], stats))
             if method.sequential:
                 runner.run_layer(i)  # propagate through the converted layer
     return plan
@@ -74,7 +74,7 @@ def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry:
                                 "sequential step with statistics (methods/refit.py, methods/local_fit.py)")
 
 
-def _convert_refit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
+def convert_and_fit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
                    stats: Any) -> Fit:
     """Convert layer i, then refit what `method.output_refit` names and train what `method.local_fit` names, both
     on the runner's inputs of layer i (methods/refit.py, methods/local_fit.py); the fit's diagnostics gain theirs
@@ -155,6 +155,6 @@ def _run_selecting(
             if i in chosen:
                 fresh = _collect(runner, method, adapter, i, advance=False)
                 with _converting(res, method, adapter, i):
-                    plan.record(i, _convert_refit(runner, method, adapter, i, plan.layers[i], fresh))
+                    plan.record(i, convert_and_fit(runner, method, adapter, i, plan.layers[i], fresh))
             runner.run_layer(i)
     return plan

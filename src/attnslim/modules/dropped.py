@@ -23,6 +23,9 @@ class DroppedAttention(ReplacementAttention):
         _compat.cache_mark_tokens(past_key_values, self.layer_idx, hidden_states)
         return torch.zeros_like(hidden_states)
 
+    def kv_cache_bytes_per_token(self) -> int:
+        return 1  # the position marker only (_compat.cache_mark_tokens)
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "DroppedAttention"}
 

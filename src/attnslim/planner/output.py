@@ -1,0 +1,80 @@
+"""What a plan gives its user: the recipe as YAML (a header of comments says what was chosen and why) beside a
+JSON report, a printed table, and `plan_and_compress` (the `compress --kv` command: plan, then compress the same
+model in memory and record the plan, its costs and the budgets in compression.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from attnslim.errors import AttnslimError
+from attnslim.planner.run import PlanConfig, PlanResult, plan_model
+from attnslim.recipe import recipe_to_dict
+from attnslim.safe_files import write_text_atomic
+
+
+def plan_table(report: dict[str, Any]) -> list[str]:
+    """One line per layer (choice, KV bytes/token, params, KL alone) and the totals."""
+    lines = [f"{'layer':>5}  {'choice':<10} {'KV B/tok':>9} {'params':>10} {'KL alone':>10}"]
+    lines += [f"{r['layer']:>5}  {r['choice']:<10} {r['kv_bytes']:>9.0f} {r['params']:>10,} {r['kl']:>10.5f}"
+              for r in report["layers"]]
+    used = ", ".join(f"{k} {v:.4f}" for k, v in report["used"].items())
+    budgets = ", ".join(f"{k} {v:g}" for k, v in report["budgets"].items())
+    est = report["estimate"]
+    lines.append(f"budgets {budgets}; used {used}; binding: {', '.join(report['binding']) or 'none'}")
+    lines.append(f"KL per token: additive estimate {est['additive_first']:.5f}, measured whole "
+                 f"{est['measured_first']:.5f} (x{est['measured_over_additive_first']:.2f}); after refinement "
+                 f"{est['measured']:.5f} (additive {est['additive']:.5f})")
+    return lines
+
+
+def plan_yaml(result: PlanResult) -> str:
+    """The recipe as YAML under a comment header (the table): readable, editable, `compress --recipe` runs it."""
+    header = ["# Written by `attnslim plan`: one step per candidate, the layers that chose it listed; kept layers are",
+              "# in no step. Edit freely: compress validates it like any recipe. Why each layer got what it got:",
+              *[f"#   {line}" for line in plan_table(result.report)]]
+    body = yaml.safe_dump(recipe_to_dict(result.recipe), sort_keys=False, default_flow_style=None, width=110)
+    return "\n".join(header) + "\n" + body
+
+
+def check_plan_out(out: Path) -> None:
+    """Refuse, before planning, an output the plan cannot be written to."""
+    if out.suffix not in (".yaml", ".yml"):
+        raise AttnslimError(f"--out {out} must end in .yaml (the plan is a recipe)")
+    if not out.parent.is_dir():
+        raise AttnslimError(f"--out {out}: the directory {out.parent} does not exist; create it or choose another")
+
+
+def write_plan(result: PlanResult, out: Path) -> Path:
+    """`out` (the recipe YAML) and its report beside it (`out` with suffix .report.json); returns the report path."""
+    check_plan_out(out)
+    report_path = out.with_suffix(".report.json")
+    write_text_atomic(out, plan_yaml(result))
+    write_text_atomic(report_path, json.dumps(result.report, indent=1, default=float))
+    return report_path
+
+
+def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: bool = False,
+                      dtype: str = "float32", progress: bool = True) -> tuple[PlanResult, Any]:
+    """Plan `name_or_path` under `cfg`, compress it with the plan in memory and save it to `out`."""
+    from attnslim.api import compress
+    from attnslim.io import save
+    from attnslim.models.load import load_model
+    from attnslim.offload.compute import parse_dtype
+
+    model, tokenizer = load_model(name_or_path, parse_dtype(dtype))
+    result = plan_model(model, tokenizer, cfg, progress)
+    report = compress(model, tokenizer, result.recipe, progress)
+    measured = report.kv_bytes_per_token_after / report.kv_bytes_per_token_before
+    result.report["kv_measured"] = measured
+    if measured > cfg.kv:
+        raise AttnslimError(f"internal: the planned model caches {measured:.4f} of the dense KV bytes, above the "
+                            f"budget {cfg.kv:g}; nothing was saved. Please report this with the plan: "
+                            f"{result.report['layers']}")
+    extra = {"base_model": name_or_path, "compute": {"device": "cpu", "dtype": dtype, "offload": False},
+             "planner": result.report}
+    save(model, tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
+    return result, report

@@ -1,0 +1,203 @@
+"""`plan_model`: from budgets to a recipe and the report of why (the `attnslim plan` command).
+
+    1. candidates per layer with their exact resource costs (candidates.py, costs.py); a layer that cannot take a
+       candidate loses it (the method's refusal is recorded), a layer left with none is refused by name
+    2. the budgets checked against what any plan reaches, before any measurement (solve.py refuses with the
+       smallest reachable value)
+    3. each candidate's quality cost measured alone (measure.py)
+    4. the exact additive optimum (solve.py), then re-scored whole and refined (refine.py)
+    5. the recipe (assemble.py) and the report
+Steps 1-3 (`prepare`) do not depend on the budgets: one measurement serves several (`choose`).
+Calibration: the fits use the recipe's calibration windows (what compress will use); per-layer costs and the
+whole-plan score use other windows of the same calibration source, drawn with seeds +1 and +2.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.adapters.base import Adapter
+from attnslim.bench.flops import decode_bytes_per_token
+from attnslim.data import calib_windows
+from attnslim.errors import AttnslimError
+from attnslim.planner.assemble import choice_table, installed, plan_recipe
+from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
+from attnslim.planner.costs import Resources, resources
+from attnslim.planner.measure import Measured, measure
+from attnslim.planner.refine import refine
+from attnslim.planner.score import ScoreSet, kl, score_set
+from attnslim.planner.solve import Budget, Option, solve
+from attnslim.recipe import Calibration, Recipe
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    kv: float  # kept fraction of the dense KV cache (bytes per token)
+    params: float | None = None  # kept fraction of the dense model's parameters
+    decode_bytes: float | None = None  # kept fraction of the bytes a dense decode step reads at `decode_at`
+    decode_at: int = 4096
+    engine: str = "hf"
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    ladder: tuple[float, ...] = DEFAULT_LADDER
+    calibration: Calibration = field(default_factory=Calibration)
+    score_windows: int = 4  # per-layer cost windows (scored at their second half)
+    score_seq_len: int = 256
+    refine_windows: int = 4  # held-out windows of the whole-plan score
+    rounds: int = 4  # refinement rounds (0: no refinement, the solver's plan)
+    tries: int = 6  # changes measured per round
+    mla_args: dict[str, Any] | None = None
+    nbl_args: dict[str, Any] | None = None
+
+    def budgets_text(self) -> str:
+        parts = [f"kv {self.kv:g}"]
+        if self.params is not None:
+            parts.append(f"params {self.params:g}")
+        if self.decode_bytes is not None:
+            parts.append(f"decode bytes {self.decode_bytes:g} at {self.decode_at}")
+        return ", ".join(parts)
+
+
+@dataclass
+class PlanResult:
+    recipe: Recipe
+    report: dict[str, Any]
+
+
+def layer_options(adapter: Adapter, cands: Sequence[Candidate], context: int, engine: str
+             ) -> tuple[list[list[tuple[Candidate, Resources]]], dict[str, dict[str, str]]]:
+    """Per layer the candidates it can take with their costs; the refusals of the others, per layer."""
+    out: list[list[tuple[Candidate, Resources]]] = []
+    refused: dict[str, dict[str, str]] = {}
+    for i in range(adapter.num_layers()):
+        row = []
+        for c in cands:
+            try:
+                row.append((c, resources(adapter, i, c, context)))
+            except AttnslimError as err:
+                refused.setdefault(str(i), {})[c.label] = str(err)
+        if not row:
+            why = "; ".join(f"{k}: {v}" for k, v in refused.get(str(i), {}).items())
+            raise AttnslimError(f"layer {i}: engine {engine!r} serves none of the candidates "
+                                f"{[c.label for c in cands]} for it ({why}); offer keep (--candidates keep,...) "
+                                "or use --engine hf")
+        out.append(row)
+    return out, refused
+
+
+def _budgets(model: Any, adapter: Adapter, cfg: PlanConfig, dense: list[Resources]) -> list[Budget]:
+    """The budgets as rows over the attention's per-layer costs; the rest of the model is the fixed part."""
+    kv_total = sum(r.kv_bytes for r in dense)
+    out = [Budget("kv", cfg.kv, kv_total)]
+    if cfg.params is not None:
+        total = float(adapter.param_groups()["total"])
+        out.append(Budget("params", cfg.params, total, total - sum(r.params for r in dense)))
+    if cfg.decode_bytes is not None:
+        total = decode_bytes_per_token(model, cfg.decode_at, [r.kv_bytes for r in dense])["total"]
+        out.append(Budget("decode", cfg.decode_bytes, total, total - sum(r.decode_bytes for r in dense)))
+    return out
+
+
+def _as_options(rows: list[list[tuple[Candidate, Resources]]], quality: dict[tuple[int, str], float]
+                ) -> list[list[Option]]:
+    return [[Option(c.label, quality.get((i, c.label), 0.0),
+                    {"kv": r.kv_bytes, "params": float(r.params), "decode": r.decode_bytes},
+                    ("keep", *SHARING) if c.kind in SHARING else None) for c, r in row]
+            for i, row in enumerate(rows)]
+
+
+@dataclass
+class Prepared:
+    """Everything a plan needs that does not depend on the budgets: candidates, their costs, measured KL, and the
+    fitted modules (so one measurement serves several budgets: `choose`)."""
+
+    rows: list[list[tuple[Candidate, Resources]]]
+    refused: dict[str, dict[str, str]]
+    dense: list[Resources]
+    measured: Measured
+    held_out: ScoreSet
+    windows: dict[str, Any]
+    seconds: float
+
+
+@torch.no_grad()
+def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> Prepared:
+    """Candidates and exact costs per layer, `cfg`'s budgets checked against them, then every candidate measured."""
+    start = time.time()
+    adapter = get_adapter(model)
+    cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args)
+    rows, refused = layer_options(adapter, cands, cfg.decode_at, cfg.engine)
+    keep = Candidate("keep", {}, "keep")
+    dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
+    solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
+    cal = cfg.calibration
+    fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
+    scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
+    held_out = score_set(model, tokenizer, cal.source, cfg.refine_windows, cfg.score_seq_len, cal.seed + 2)
+    measured = measure(model, adapter, {i: [c for c, _ in row] for i, row in enumerate(rows)}, fit.ids, scores,
+                       cal.batch_size, progress)
+    for (i, label), why in measured.refused.items():
+        refused.setdefault(str(i), {})[label] = why
+    kept = {c.label for i, row in enumerate(rows) for c, _ in row if (i, c.label) not in measured.refused}
+    if lost := sorted({label for _, label in measured.refused} - kept):  # a setting's problem, not a layer's
+        why = next(w for (_, label), w in sorted(measured.refused.items()) if label == lost[0])
+        raise AttnslimError(f"candidate {lost[0]} was refused at every layer that could hold it: {why}")
+    rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
+    windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
+               "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
+    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start)
+
+
+@torch.no_grad()
+def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = True) -> PlanResult:
+    """The plan under `cfg`'s budgets from `prepared`'s measurements: solved, re-scored whole, refined."""
+    start = time.time()
+    adapter = get_adapter(model)
+    rows, measured = prepared.rows, prepared.measured
+    budgets = _budgets(model, adapter, cfg, prepared.dense)
+    options = _as_options(rows, measured.quality)
+    first = solve(options, budgets)
+
+    def whole(choice: list[int]) -> float:
+        with installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank):
+            return kl(model, prepared.held_out)
+
+    refined = refine(options, first.choice, budgets, whole, cfg.rounds, cfg.tries, progress)
+    chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
+    recipe = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
+                         f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
+                         "measured KL under the budgets", cfg.calibration)
+    table = {i: {c.label: {"kv_bytes": r.kv_bytes, "params": r.params, "decode_bytes": r.decode_bytes,
+                           "kl": measured.quality.get((i, c.label), 0.0)} for c, r in row}
+             for i, row in enumerate(rows)}
+    report = {
+        "budgets": {b.resource: b.fraction for b in budgets}, "engine": cfg.engine,
+        "decode_at": cfg.decode_at, "used": solve_summary(options, refined.choice, budgets),
+        "binding": first.binding, "layers": choice_table(chosen, table),
+        "options": {str(i): t for i, t in table.items()}, "refused": prepared.refused,
+        "estimate": {"additive_first": refined.additive, "measured_first": refined.measured_first,
+                     "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
+                     "measured": refined.measured,
+                     "measured_over_additive_first": refined.measured_first / max(refined.additive, 1e-12)},
+        "refine": refined.history, "windows": prepared.windows,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
+        "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
+                    "total": prepared.seconds + time.time() - start},
+    }
+    return PlanResult(recipe, report)
+
+
+def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
+    """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why."""
+    return choose(model, prepare(model, tokenizer, cfg, progress), cfg, progress)
+
+
+def solve_summary(options: list[list[Option]], choice: list[int], budgets: list[Budget]) -> dict[str, float]:
+    """Each budgeted resource's use by `choice`, as a fraction of the dense model's."""
+    return {b.resource: b.as_fraction(sum(options[i][o].costs[b.resource] for i, o in enumerate(choice)))
+            for b in budgets}

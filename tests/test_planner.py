@@ -1,0 +1,188 @@
+"""The planner on tiny random models: exact costs, a planted linear layer, mixed plans, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnslim.adapters import get_adapter
+from attnslim.api import compress
+from attnslim.bench import kv_bytes_per_token
+from attnslim.bench.flops import decode_bytes_per_token
+from attnslim.cli import main as cli_main
+from attnslim.errors import AttnslimError
+from attnslim.planner.assemble import plan_recipe
+from attnslim.planner.candidates import candidate_set
+from attnslim.planner.costs import resources
+from attnslim.planner.run import PlanConfig, plan_model
+from attnslim.recipe import Calibration, recipe_from_dict, recipe_to_dict
+from conftest import tiny_llama, tiny_qwen2
+from helpers import ByteTokenizer, reloaded_with_both_loaders
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CAL = Calibration(source="tiny", windows=8, seq_len=32, seed=0, batch_size=4)
+
+
+def _config(**kw: object) -> PlanConfig:
+    base: dict[str, object] = dict(calibration=CAL, score_windows=2, score_seq_len=32, refine_windows=2,
+                                   ladder=(0.25, 0.5), mla_args={}, rounds=2, tries=3)
+    return PlanConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _by_label(**kw: object) -> dict[str, object]:
+    return {c.label: c for c in candidate_set(**kw)}  # type: ignore[arg-type]
+
+
+def test_mixed_plan_costs_are_what_the_cache_holds_and_it_saves_and_loads(tmp_path: object) -> None:
+    model = tiny_llama(num_hidden_layers=5)
+    c = _by_label(mla_args={})
+    choice = [c["mla@0.5"], c["keep"], c["ds"], c["nbl"], c["drop"]]
+    adapter = get_adapter(model)
+    predicted = [resources(adapter, i, cand, 64) for i, cand in enumerate(choice)]  # type: ignore[arg-type]
+    dense = [resources(adapter, i, c["keep"], 64) for i in range(5)]  # type: ignore[arg-type]
+    dense_decode = decode_bytes_per_token(model, 64, [r.kv_bytes for r in dense])["total"]
+    recipe = plan_recipe(choice, "mixed", "", CAL)  # type: ignore[arg-type]
+    assert recipe_from_dict(recipe_to_dict(recipe)) == recipe
+    assert [(s.method, s.layers) for s in recipe.steps] == [("mla", (0,)), ("nbl", (3,)), ("drop", (4,)), ("ds", (2,))]
+    report = compress(model, ByteTokenizer(), recipe, progress=False)
+    measured = kv_bytes_per_token(model)["per_layer"]
+    assert measured == [r.kv_bytes for r in predicted]
+    assert report.kv_bytes_per_token_after == sum(r.kv_bytes for r in predicted)
+    decode = decode_bytes_per_token(model, 64, measured)["total"]
+    assert decode == dense_decode - sum(r.decode_bytes for r in dense) + sum(r.decode_bytes for r in predicted)
+    attention = [sum(p.numel() for p in adapter.attention(i).parameters()) for i in range(5)]
+    assert [attention[0], attention[2], attention[3], attention[4]] == [predicted[i].params for i in (0, 2, 3, 4)]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    reloaded_with_both_loaders(model, report.to_json(), tmp_path / "out", ids)  # type: ignore[operator]
+
+
+def test_planted_affine_layer_is_linearised() -> None:
+    """Layer 1's values are a constant (W_v = 0, b_v ≠ 0): its attention output is W_o b_v whatever the input,
+    an affine map NBL fits exactly while drop loses it. Under a KV budget that needs one layer's cache gone, the
+    plan linearises that layer and no other."""
+    model = tiny_qwen2()
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        attn = adapter.attention(1)
+        attn.v_proj.weight.zero_()
+        attn.v_proj.bias.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    result = plan_model(model, ByteTokenizer(), _config(kv=0.7, kinds=("keep", "mla", "nbl", "drop"),
+                                                        ladder=(0.5,)), progress=False)
+    choices = [row["choice"] for row in result.report["layers"]]
+    assert choices[1] == "nbl" and choices.count("nbl") == 1
+    options = result.report["options"]["1"]
+    assert options["nbl"]["kl"] < 1e-3 * options["drop"]["kl"]
+    assert result.report["used"]["kv"] <= 0.7
+
+
+def test_plan_meets_the_budget_exactly_and_reports_why() -> None:
+    model = tiny_llama()
+    result = plan_model(model, ByteTokenizer(), _config(kv=0.4), progress=False)
+    ref = tiny_llama()
+    compress(model, ByteTokenizer(), result.recipe, progress=False)
+    kv = kv_bytes_per_token(model)["total"] / kv_bytes_per_token(ref)["total"]
+    assert kv <= 0.4 and kv == pytest.approx(result.report["used"]["kv"])
+    est = result.report["estimate"]
+    assert est["measured"] <= est["measured_first"]
+    assert len(result.report["layers"]) == 4 and result.report["binding"] == ["kv"]
+
+
+def test_unreachable_budget_is_refused_before_measuring() -> None:
+    with pytest.raises(AttnslimError, match=r"below the smallest any plan reaches, 0\.25"):
+        plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.1, kinds=("keep", "mla")), progress=False)
+
+
+def test_engine_that_serves_no_candidate_names_the_layer() -> None:
+    # vLLM's MLA widths (320, 576) exceed this tiny model's whole KV (2·2·16 values per layer)
+    with pytest.raises(AttnslimError, match=r"layer 0: engine 'vllm' serves none of the candidates"):
+        plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.5, kinds=("mla",), engine="vllm"), progress=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--kv", "0", "--out", "{tmp}/p.yaml"], "in (0, 1]"),
+    (["plan", "--kv", "1.5", "--out", "{tmp}/p.yaml"], "in (0, 1]"),
+    (["plan", "--kv", "0.5", "--candidates", "mla,lora", "--out", "{tmp}/p.yaml"], "unknown ['lora']"),
+    (["plan", "--kv", "0.5", "--out", "{tmp}/p.txt"], "must end in .yaml"),
+    (["compress", "--kv", "0.5", "--recipe", "mla", "--out", "{tmp}/o"], "drop --recipe/--set"),
+])
+def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                                      argv: list[str], message: str) -> None:
+    assert cli_main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from attnslim.io import load
+    from attnslim.recipe import load_recipe
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    options = ["--kv", "0.6", "--candidates", "keep,mla,nbl,drop", "--ladder", "0.5", "--calib-source", "tiny",
+               "--calib-windows", "4", "--score-windows", "2", "--rounds", "1"]
+    assert cli_main(["plan", str(ckpt), *options, "--out", str(tmp_path / "plan.yaml")]) == 0
+    assert "binding: kv" in capsys.readouterr().out
+    recipe = load_recipe(tmp_path / "plan.yaml")  # the recipe's own checks pass on what plan wrote
+    report = json.loads((tmp_path / "plan.report.json").read_text())
+    step_of = {i: ("mla@0.5" if s.method == "mla" else s.method) for s in recipe.steps for i in s.layers}
+    assert [r["choice"] for r in report["layers"]] == [step_of.get(i, "keep") for i in range(4)]
+    assert cli_main(["compress", str(ckpt), *options, "--out", str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "compression.json").read_text())
+    assert info["planner"]["budgets"] == {"kv": 0.6} and info["planner"]["kv_measured"] <= 0.6
+    assert info["kv_bytes_per_token_after"] / info["kv_bytes_per_token_before"] == info["planner"]["kv_measured"]
+    load(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_scoring_from_a_layer_equals_the_whole_forward(family: str) -> None:
+    """kl_from(i) runs layers i.. on the recorded dense inputs of layer i: with only layer i changed it must give
+    the KL of the whole model's forward."""
+    from attnslim.calib.runner import LayerRunner
+    from attnslim.modules.dropped import DroppedAttention
+    from attnslim.planner.score import kl, kl_from, score_set
+    from conftest import TINY_BUILDERS
+
+    model = TINY_BUILDERS[family]()
+    adapter = get_adapter(model)
+    scores = score_set(model, ByteTokenizer(), "tiny", 2, 16, seed=1)
+    runner = LayerRunner(model, adapter, scores.ids, scores.ids.shape[0])
+    for i in range(2):
+        runner.run_layer(i)
+    adapter.replace_attention(2, DroppedAttention(2, model.config.hidden_size))
+    whole = kl(model, scores)
+    assert whole > 1e-4
+    assert kl_from(model, adapter, scores, 2, runner.hidden[0]) == pytest.approx(whole, rel=1e-4, abs=1e-7)
+
+
+def test_params_and_decode_budgets_hold_on_the_compressed_model() -> None:
+    model, ref = tiny_llama(), tiny_llama()
+    cfg = _config(kv=0.6, params=0.97, decode_bytes=0.6, decode_at=64)
+    result = plan_model(model, ByteTokenizer(), cfg, progress=False)
+    used = result.report["used"]
+    assert used["params"] <= 0.97 and used["decode"] <= 0.6 and used["kv"] <= 0.6
+    compress(model, ByteTokenizer(), result.recipe, progress=False)
+    params = get_adapter(model).param_groups()["total"] / get_adapter(ref).param_groups()["total"]
+    assert params == pytest.approx(used["params"]) and params <= 0.97
+    kv, kv_ref = kv_bytes_per_token(model)["per_layer"], kv_bytes_per_token(ref)["per_layer"]
+    decode = decode_bytes_per_token(model, 64, kv)["total"] / decode_bytes_per_token(ref, 64, kv_ref)["total"]
+    assert decode == pytest.approx(used["decode"]) and decode <= 0.6
+
+
+def test_vllm_engine_offers_only_its_mla_widths_and_kv_free_layers() -> None:
+    from attnslim.planner.run import layer_options
+
+    model = tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    cands = candidate_set(engine="vllm")
+    assert [c.label for c in cands] == ["keep", "mla@256+64", "mla@512+64", "nbl", "drop"]
+    assert cands[1].args["layout"] == "deepseek"
+    rows, refused = layer_options(get_adapter(model), cands, 64, "vllm")
+    assert [[c.label for c, _ in row] for row in rows] == [["keep", "mla@256+64", "nbl", "drop"]] * 4
+    assert [r.kv_bytes for c, r in rows[0] if c.kind == "mla"] == [320 * 4]  # kv_lora_rank 256 + rope 64, float32
+    assert "exceeds" in refused["0"]["mla@512+64"]  # 512 latent dims > this layer's 2·n_kv·d_h − d_rope

@@ -1,0 +1,104 @@
+"""The planner's solver on constructed costs: the brute-force optimum, every budget honoured, refusals."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from attnslim.errors import AttnslimError
+from attnslim.planner.solve import Budget, Option, smallest, solve
+
+
+def _random_options(rng: random.Random, layers: int, per_layer: int, donor: bool = False) -> list[list[Option]]:
+    out = []
+    for i in range(layers):
+        opts = [Option("keep", 0.0, {"kv": 100.0, "params": 50.0, "decode": 200.0})]
+        for o in range(per_layer - 1):
+            kv = float(rng.randint(0, 90))
+            opts.append(Option(f"c{o}", rng.uniform(0.01, 2.0), {"kv": kv, "params": float(rng.randint(10, 70)),
+                                                                 "decode": 100.0 + kv}))
+        if donor and i > 0:  # a sharing-like option: cheap, but only after a kept (or shared) layer
+            opts.append(Option("ds", rng.uniform(0.0, 0.3), {"kv": 40.0, "params": 30.0, "decode": 140.0},
+                               prev=("keep", "ds")))
+        out.append(opts)
+    return out
+
+
+def _brute(options: list[list[Option]], budgets: list[Budget]) -> float | None:
+    best = None
+    for choice in itertools.product(*(range(len(o)) for o in options)):
+        picked = [options[i][o] for i, o in enumerate(choice)]
+        if any(p.prev is not None and (i == 0 or options[i - 1][choice[i - 1]].label not in p.prev)
+               for i, p in enumerate(picked)):
+            continue
+        if any(b.fixed + sum(p.costs[b.resource] for p in picked) > b.limit + b.fixed for b in budgets):
+            continue
+        q = sum(p.quality for p in picked)
+        best = q if best is None or q < best else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solver_finds_the_brute_force_optimum_and_honours_every_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    options = _random_options(rng, layers=4, per_layer=4, donor=seed % 2 == 0)
+    budgets = [Budget("kv", rng.uniform(0.3, 0.8), 400.0)]
+    if seed % 3 == 0:
+        budgets.append(Budget("params", rng.uniform(0.6, 1.0), 200.0))
+    if seed % 4 == 0:
+        budgets.append(Budget("decode", rng.uniform(0.7, 1.0), 1000.0, fixed=150.0))
+    best = _brute(options, budgets)
+    if best is None:
+        with pytest.raises(AttnslimError):
+            solve(options, budgets)
+        return
+    sol = solve(options, budgets)
+    assert sol.quality == pytest.approx(best, abs=1e-9)
+    picked = [options[i][o] for i, o in enumerate(sol.choice)]
+    for b in budgets:
+        assert b.fixed + sum(p.costs[b.resource] for p in picked) <= b.fraction * b.total
+        assert sol.used[b.resource] <= b.fraction
+    for i, p in enumerate(picked):
+        assert p.prev is None or options[i - 1][sol.choice[i - 1]].label in p.prev
+
+
+def test_sharing_needs_its_donor_to_compute_scores() -> None:
+    cheap = {"kv": 0.0, "params": 1.0, "decode": 1.0}
+    options = [[Option("keep", 0.0, {"kv": 12.0, "params": 1.0, "decode": 1.0}), Option("mla", 0.1, cheap)],
+               [Option("keep", 0.0, {"kv": 12.0, "params": 1.0, "decode": 1.0}),
+                Option("ds", 0.0, {"kv": 5.0, "params": 1.0, "decode": 1.0}, prev=("keep", "ds")),
+                Option("mla", 1.0, cheap)]]
+    # ds at layer 1 is free but needs layer 0 kept: KV ≤ 10 must choose mla at 0 and then cannot take ds
+    sol = solve(options, [Budget("kv", 10 / 24, 24.0)])
+    assert [options[i][o].label for i, o in enumerate(sol.choice)] == ["mla", "mla"]
+    sol = solve(options, [Budget("kv", 17 / 24, 24.0)])
+    assert [options[i][o].label for i, o in enumerate(sol.choice)] == ["keep", "ds"]
+
+
+def test_infeasible_budget_names_the_smallest_reachable() -> None:
+    options = [[Option("keep", 0.0, {"kv": 100.0, "params": 1, "decode": 1}),
+                Option("half", 1.0, {"kv": 50.0, "params": 1, "decode": 1})] for _ in range(3)]
+    with pytest.raises(AttnslimError, match=r"below the smallest any plan reaches, 0\.5\b"):
+        solve(options, [Budget("kv", 0.4, 300.0)])
+    assert smallest(options, Budget("kv", 0.4, 300.0), []) == pytest.approx(0.5)
+
+
+def test_contradictory_budgets_say_which_binds() -> None:
+    # the KV-free option costs parameters: KV ≤ 0.5 needs it on two layers, params ≤ 0.7 allows it on one
+    options = [[Option("keep", 0.0, {"kv": 10.0, "params": 10.0, "decode": 1}),
+                Option("linear", 1.0, {"kv": 0.0, "params": 20.0, "decode": 1})] for _ in range(3)]
+    budgets = [Budget("kv", 0.5, 30.0), Budget("params", 0.7, 60.0)]
+    with pytest.raises(AttnslimError, match="contradict") as err:
+        solve(options, budgets)
+    assert "under parameters (--params) ≤ 0.7 the smallest KV cache (--kv) is 0.6667" in str(err.value)
+    assert "under KV cache (--kv) ≤ 0.5 the smallest parameters (--params) is 0.8333" in str(err.value)
+    sol = solve(options, [Budget("kv", 0.7, 30.0), Budget("params", 0.9, 60.0)])
+    assert sol.binding == ["kv"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_budget_out_of_range_is_refused(fraction: float) -> None:
+    with pytest.raises(AttnslimError, match=r"in \(0, 1\]"):
+        Budget("kv", fraction, 100.0)
