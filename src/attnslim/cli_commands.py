@@ -338,6 +338,12 @@ def _capped(args: argparse.Namespace) -> None:
                   file=sys.stderr, flush=True)
 
 
+def _cap(asked: int, what: str, which: int) -> int:
+    """`asked` limited by SAMPLE_CAPS[what][which] (0: windows, 1: seq_len), the one place the caps are written."""
+    cap = SAMPLE_CAPS[what][which]
+    return asked if cap is None else min(asked, cap)
+
+
 def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dict[str, Any], str]:
     """Run one analysis; (report, text table)."""
     _capped(args)
@@ -350,7 +356,7 @@ def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dic
     if args.what == "lowrank":
         from attnslim.analysis.lowrank import format_lowrank, lowrank_report
 
-        report = lowrank_report(model, tokenizer, args.source, n=min(args.windows, 8))
+        report = lowrank_report(model, tokenizer, args.source, n=_cap(args.windows, "lowrank", 0))
         return report, format_lowrank(report)
     if args.what == "conversion":
         from attnslim.adapters import get_adapter
@@ -360,16 +366,16 @@ def _analysis(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[dic
         method = _method_from_cli(args.method, args.arg)
         layers = resolve_layers(selector_from_text(args.layers), get_adapter(model).num_layers())
         report = conversion_report(model, tokenizer, method, args.source, n=args.windows,
-                                   context=min(args.seq_len, 256), layers=layers)
+                                   context=_cap(args.seq_len, "conversion", 1), layers=layers)
         return report, format_conversion(report)
     from attnslim.analysis import similarity
 
     if args.what == "similarity":
-        report = similarity.similarity_report(model, tokenizer, args.source, n=min(args.windows, 8),
-                                              seq_len=min(args.seq_len, 256))
+        report = similarity.similarity_report(model, tokenizer, args.source, n=_cap(args.windows, "similarity", 0),
+                                              seq_len=_cap(args.seq_len, "similarity", 1))
         return report, similarity.format_similarity(report)
-    report = similarity.sensitivity_report(model, tokenizer, args.source, n=min(args.windows, 4),
-                                           seq_len=min(args.seq_len, 256))
+    report = similarity.sensitivity_report(model, tokenizer, args.source, n=_cap(args.windows, "sensitivity", 0),
+                                           seq_len=_cap(args.seq_len, "sensitivity", 1))
     return report, similarity.format_sensitivity(report)
 
 
