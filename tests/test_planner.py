@@ -86,6 +86,8 @@ def test_plan_meets_the_budget_exactly_and_reports_why() -> None:
     assert kv <= 0.4 and kv == pytest.approx(result.report["used"]["kv"])
     est = result.report["estimate"]
     assert est["measured"] <= est["measured_first"]
+    assert est["measured"] <= min(s["measured"] for s in result.report["starts"].values())
+    assert result.report["starts"][result.report["start"]]["measured"] == est["measured_start"]
     assert len(result.report["layers"]) == 4 and result.report["binding"] == ["kv"]
 
 

@@ -102,3 +102,23 @@ def test_contradictory_budgets_say_which_binds() -> None:
 def test_budget_out_of_range_is_refused(fraction: float) -> None:
     with pytest.raises(AttnslimError, match=r"in \(0, 1\]"):
         Budget("kv", fraction, 100.0)
+
+
+def test_refinement_starts_add_penalised_and_uniform_plans_without_duplicates() -> None:
+    """Three layers; keep (2 KV), mla (1 KV, costs 0.9/0.8/0.7), nbl (0 KV, costs 0.4/0.5/0.6); KV at most half
+    (3 of 6). Additive optimum: nbl, nbl, keep (0.9). With nbl's cost x2: nbl, keep, mla (1.5, next 1.6); x4 gives
+    the same plan (2.3, next 2.4: measured once). Uniform: mla everywhere (nbl everywhere fits too, caching less)."""
+    from attnslim.planner.starts import start_plans, uniform_plan
+
+    def opt(label: str, q: float, kv: float) -> Option:
+        return Option(label, q, {"kv": kv, "params": 0.0, "decode": 0.0})
+
+    options = [[opt("keep", 0.0, 2.0), opt("mla@0.5", m, 1.0), opt("nbl", q, 0.0)]
+               for m, q in ((0.9, 0.4), (0.8, 0.5), (0.7, 0.6))]
+    kinds = [["keep", "mla", "nbl"]] * 3
+    budgets = [Budget("kv", 0.5, 6.0)]
+    first = solve(options, budgets).choice
+    assert first == [2, 2, 0]
+    starts = start_plans(options, kinds, budgets, first)
+    assert starts == {"additive": [2, 2, 0], "no-KV x2": [2, 0, 1], "uniform mla@0.5": [1, 1, 1]}
+    assert uniform_plan(options, [Budget("kv", 0.1, 6.0)]) == ("nbl", [2, 2, 2])  # the only uniform plan that fits

@@ -20,6 +20,8 @@ from attnslim.api_checks import check_device, check_model, check_tokenizer
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows, check_draw
+from attnslim.data.generated import SELF
+from attnslim.data.sources import mixture
 from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
@@ -103,8 +105,11 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
     recipe = replace(recipe, calibration=calibration_for(recipe, methods, adapter))
     cal = recipe.calibration
+    if residency.offloaded and SELF in mixture(cal.source):
+        raise AttnslimError("calibration.source 'self' samples the dense model, which --offload keeps on disk; "
+                            "compress without --offload, or calibrate on a text source (wiki, c4, file:PATH)")
     windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed,
-                            f"calibration.windows={cal.windows}")
+                            f"calibration.windows={cal.windows}", model=model)
     heal_config = None if recipe.heal is None else HealConfig.from_dict(recipe.heal)
     if heal_config is not None:  # the heal's data, refused here rather than after every step has run
         check_draw(heal_config.source, tokenizer, heal_config.steps * heal_config.batch_size, heal_config.seq_len,

@@ -70,7 +70,7 @@ class Calibration:
     batch_size: int = 4
 
     def __post_init__(self) -> None:
-        check_source("calibration.source", self.source)
+        check_source("calibration.source", self.source, generated=True)
         _check_int("calibration.windows", self.windows, 1)
         _check_int("calibration.seq_len", self.seq_len, 2, 32768)
         _check_int("calibration.seed", self.seed)

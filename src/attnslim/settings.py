@@ -73,7 +73,7 @@ class HealConfig:
     checkpoint: bool = False  # gradient checkpointing of the student's decoder layers (train/heal.py)
 
     def __post_init__(self) -> None:
-        check_source("heal.source", self.source)
+        check_source("heal.source", self.source, generated=True)
         check_ints("heal", self, {"steps": 1, "batch_size": 1, "seq_len": 2, "seed": 0})
         check_numbers("heal", self, ("lr", "weight_decay", "warmup", "temperature", "hidden"))
         check_ranges("heal", self, {

@@ -23,6 +23,13 @@ class _Captured(Exception):
     """Raised by the layer-0 hook to stop the forward pass once its inputs are captured."""
 
 
+class _AttentionDone(Exception):
+    """Raised after a layer's attention when nothing past it is wanted (`run_layer` without advancing)."""
+
+
+ATTENTION_SITES = frozenset({"attn_in", "o_in", "attn_out", "resid_in"})  # sites at or before the attention output
+
+
 class LayerRunner:
     """Holds the current inputs of one decoder layer for every calibration batch."""
 
@@ -83,15 +90,27 @@ class LayerRunner:
         """Run decoder layer `layer` on every batch, feeding site activations to `callback`.
 
         With advance=True the stored hidden states become the layer's outputs (the next layer's inputs).
+        Without advancing, when every requested site is at or before the attention's output, the layer stops
+        after its attention (hooks on the attention, e.g. an output refit's, have run by then): the MLP's work
+        would be thrown away.
         """
         module = self.adapter.decoder_layers()[layer]
         cb = callback or (lambda site, x: None)
+        stop_early = not advance and set(sites) <= ATTENTION_SITES
         with capture_sites(self.adapter, layer, set(sites), cb):
-            for b, (hidden, kwargs) in enumerate(zip(self.hidden, self.kwargs, strict=True)):
-                out = module(hidden, **kwargs[self.layer_types[layer]])
-                out = out[0] if isinstance(out, tuple) else out
-                if advance:
-                    self.hidden[b] = out
+            stop = self.adapter.attention(layer).register_forward_hook(_stop) if stop_early else None
+            try:
+                for b, (hidden, kwargs) in enumerate(zip(self.hidden, self.kwargs, strict=True)):
+                    try:
+                        out = module(hidden, **kwargs[self.layer_types[layer]])
+                    except _AttentionDone:
+                        continue
+                    out = out[0] if isinstance(out, tuple) else out
+                    if advance:
+                        self.hidden[b] = out
+            finally:
+                if stop is not None:
+                    stop.remove()
 
     def tokens(self) -> int:
         """Calibration tokens each layer sees (every window's positions)."""
@@ -100,3 +119,8 @@ class LayerRunner:
     def run_all(self, layers: range, desc: str = "calibration") -> None:
         for i in tqdm(layers, desc=desc, leave=False):
             self.run_layer(i)
+
+
+def _stop(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    """A forward hook registered after every other hook of the attention: its output is all that was wanted."""
+    raise _AttentionDone

@@ -71,11 +71,13 @@ def mixture(source: str) -> list[str]:
     return parts
 
 
-def check_source(where: str, source: Any) -> None:
-    """Refuse anything but a named source, file:PATH or a mixture of named sources, before any work starts."""
+def check_source(where: str, source: Any, generated: bool = False) -> None:
+    """Refuse anything but a named source, file:PATH or a mixture of named sources, before any work starts.
+    `generated`: calibration may also name 'self', text the dense model samples (data/generated.py)."""
     parts = source.split("+") if isinstance(source, str) and not source.startswith("file:") else [source]
-    if not all(isinstance(p, str) and (p in SOURCES or (p.startswith("file:") and len(p) > 5)) for p in parts):
-        raise AttnslimError(f"{where} must be one of {SOURCES}, 'file:PATH', or a mixture such as 'wiki+c4', "
+    named = SOURCES + (("self",) if generated else ())
+    if not all(isinstance(p, str) and (p in named or (p.startswith("file:") and len(p) > 5)) for p in parts):
+        raise AttnslimError(f"{where} must be one of {named}, 'file:PATH', or a mixture such as 'wiki+c4', "
                             f"got {source!r}")
 
 
@@ -99,6 +101,8 @@ def load_text(source: str, split: str) -> str:
 
 def describe_split(source: str, split: str) -> str:
     """One line for reports: which part of which source."""
+    if source == "self":
+        return "self: sampled from the dense model at temperature 1"
     if source == "ptb":
         return f"ptb official {'train' if split == 'calib' else 'test'} split"
     part = "first 90%" if split == "calib" else "last 10%"

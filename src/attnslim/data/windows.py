@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from attnslim.data.generated import SELF, generated_windows
 from attnslim.data.sources import describe_split, load_text, mixture
 from attnslim.errors import AttnslimError
 
 MAX_SEQ_LEN = 32768
+MAX_GENERATED = 4096  # windows the part 'self' may sample (each one a generation of seq_len tokens)
 DRAW_FACTOR = 4  # a draw of seeded windows may cover a calibration split's tokens at most this many times over
 
 
@@ -120,10 +122,16 @@ def check_draw(source: str, tokenizer: Any, n: int, seq_len: int, where: str,
     if n < 1:
         raise AttnslimError(f"{where}: the number of windows must be >= 1, got {n}")
     parts = mixture(source)
-    most = [DRAW_FACTOR * token_ids(p, "calib", tokenizer).numel() // seq_len for p in parts]  # windows per part
-    bound = min(j + len(parts) * m for j, m in enumerate(most))  # the largest n no part of which exceeds its most
+    if SELF in parts and n > len(parts) * MAX_GENERATED:
+        raise AttnslimError(f"{where} asks for {n:,} windows; the part 'self' samples each of its windows from the "
+                            f"model, at most {MAX_GENERATED:,} of them (hours of generation beyond); ask for fewer")
+    texts = [(j, p) for j, p in enumerate(parts) if p != SELF]  # sampled text has no split to exhaust
+    if not texts:
+        return
+    most = {j: DRAW_FACTOR * token_ids(p, "calib", tokenizer).numel() // seq_len for j, p in texts}  # per part
+    bound = min(j + len(parts) * m for j, m in most.items())  # the largest n no part of which exceeds its most
     if n > bound:
-        sizes = ", ".join(f"{p!r} {token_ids(p, 'calib', tokenizer).numel():,}" for p in parts)
+        sizes = ", ".join(f"{p!r} {token_ids(p, 'calib', tokenizer).numel():,}" for _, p in texts)
         fix = (f"ask for at most {bound:,} windows" if steps is None else
                f"give {steps[0]} <= {bound // steps[1]:,} ({steps[1]} windows a step)")
         raise AttnslimError(
@@ -134,16 +142,21 @@ def check_draw(source: str, tokenizer: Any, n: int, seq_len: int, where: str,
 
 
 def calib_windows(source: str, tokenizer: Any, n: int, seq_len: int, seed: int = 0,
-                  where: str = "calibration windows") -> TokenWindows:
+                  where: str = "calibration windows", model: Any = None) -> TokenWindows:
     """`n` windows of `seq_len` tokens drawn from the calibration split with a seeded generator.
 
     A mixture "wiki+c4" takes windows round-robin from each part's calibration split (window k from part
     k mod parts), each part with its own generator seeded `seed`, so a part's windows do not depend on the others.
+    The part "self" is sampled from `model` (data/generated.py): callers that calibrate a model pass it.
     """
     check_draw(source, tokenizer, n, seq_len, where)
     parts = mixture(source)
+    if SELF in parts and model is None:
+        raise AttnslimError(f"{where}: source 'self' samples the dense model, which this command does not load; "
+                            "give a text source (wiki, c4, file:PATH)")
     counts = [len(range(j, n, len(parts))) for j in range(len(parts))]
-    drawn = [_draw(p, tokenizer, c, seq_len, seed) for p, c in zip(parts, counts, strict=True) if c]
+    drawn = [generated_windows(model, tokenizer, c, seq_len, seed) if p == SELF
+             else _draw(p, tokenizer, c, seq_len, seed) for p, c in zip(parts, counts, strict=True) if c]
     order = [drawn[k % len(parts)][k // len(parts)] for k in range(n)]
     desc = " + ".join(f"{describe_split(p, 'calib')}, {c}x{seq_len} tokens" for p, c in zip(parts, counts, strict=True)
                       if c)

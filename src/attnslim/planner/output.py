@@ -26,8 +26,10 @@ def plan_table(report: dict[str, Any]) -> list[str]:
     est = report["estimate"]
     lines.append(f"budgets {budgets}; used {used}; binding: {', '.join(report['binding']) or 'none'}")
     lines.append(f"KL per token: additive estimate {est['additive_first']:.5f}, measured whole "
-                 f"{est['measured_first']:.5f} (x{est['measured_over_additive_first']:.2f}); after refinement "
-                 f"{est['measured']:.5f} (additive {est['additive']:.5f})")
+                 f"{est['measured_first']:.5f} (x{est['measured_over_additive_first']:.2f})")
+    starts = ", ".join(f"{name} {s['measured']:.5f}" for name, s in report["starts"].items())
+    lines.append(f"starts measured whole: {starts}; refined from {report['start']}: {est['measured']:.5f} "
+                 f"(additive {est['additive']:.5f})")
     return lines
 
 

@@ -65,13 +65,15 @@ def _changes(options: Sequence[Sequence[Option]], choice: list[int], budgets: Se
 
 
 def refine(options: Sequence[Sequence[Option]], choice: list[int], budgets: Sequence[Budget],
-           measure: Callable[[list[int]], float], rounds: int = 4, tries: int = 6, progress: bool = True) -> Refined:
-    """Local search from `choice` on `measure` (the whole plan's KL); see the module docstring."""
+           measure: Callable[[list[int]], float], rounds: int = 4, tries: int = 6, progress: bool = True,
+           measured: float | None = None, seen: set[tuple[int, ...]] | None = None) -> Refined:
+    """Local search from `choice` on `measure` (the whole plan's KL); see the module docstring. `measured`: the
+    start's measured cost when already known; `seen`: plans measured before (not proposed again)."""
     start = time.time()
     additive = sum(options[i][o].quality for i, o in enumerate(choice))
-    current, best = list(choice), measure(choice)
+    current, best = list(choice), measure(choice) if measured is None else measured
     out = Refined(list(choice), additive, best, best)
-    seen = {tuple(choice)}
+    seen = set(seen or ()) | {tuple(choice)}
     for r in tqdm(range(rounds), desc="planner: refine", disable=not progress, leave=False):
         proposals = [(d, c) for d, c in _changes(options, current, budgets) if c not in seen][:tries]
         if not proposals:

@@ -5,7 +5,8 @@
     2. the budgets checked against what any plan reaches, before any measurement (solve.py refuses with the
        smallest reachable value)
     3. each candidate's quality cost measured alone (measure.py)
-    4. the exact additive optimum (solve.py), then re-scored whole and refined (refine.py)
+    4. the exact additive optimum (solve.py) and a few other starts (starts.py), each re-scored whole; the best
+       refined (refine.py)
     5. the recipe (assemble.py) and the report
 Steps 1-3 (`prepare`) do not depend on the budgets: one measurement serves several (`choose`).
 Calibration: the fits use the recipe's calibration windows (what compress will use); per-layer costs and the
@@ -33,6 +34,7 @@ from attnslim.planner.measure import Measured, measure
 from attnslim.planner.refine import refine
 from attnslim.planner.score import ScoreSet, kl, score_set
 from attnslim.planner.solve import Budget, Option, solve
+from attnslim.planner.starts import start_plans
 from attnslim.recipe import Calibration, Recipe
 
 
@@ -136,7 +138,7 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
     solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
     cal = cfg.calibration
-    fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed)
+    fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed, model=model)
     scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
     held_out = score_set(model, tokenizer, cal.source, cfg.refine_windows, cfg.score_seq_len, cal.seed + 2)
     measured = measure(model, adapter, {i: [c for c, _ in row] for i, row in enumerate(rows)}, fit.ids, scores,
@@ -167,7 +169,11 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
         with installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank):
             return kl(model, prepared.held_out)
 
-    refined = refine(options, first.choice, budgets, whole, cfg.rounds, cfg.tries, progress)
+    starts = start_plans(options, [[c.kind for c, _ in row] for row in rows], budgets, first.choice)
+    start_cost = {name: whole(choice) for name, choice in starts.items()}
+    best = min(start_cost, key=lambda name: start_cost[name])
+    refined = refine(options, starts[best], budgets, whole, cfg.rounds, cfg.tries, progress, start_cost[best],
+                     {tuple(c) for c in starts.values()})
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
     recipe = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
@@ -180,10 +186,14 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
         "decode_at": cfg.decode_at, "used": solve_summary(options, refined.choice, budgets),
         "binding": first.binding, "layers": choice_table(chosen, table),
         "options": {str(i): t for i, t in table.items()}, "refused": prepared.refused,
-        "estimate": {"additive_first": refined.additive, "measured_first": refined.measured_first,
+        "starts": {name: {"measured": start_cost[name], "additive": _additive(options, choice),
+                          "kv": solve_summary(options, choice, budgets)["kv"]} for name, choice in starts.items()},
+        "start": best,
+        "estimate": {"additive_first": first.quality, "measured_first": start_cost["additive"],
+                     "additive_start": refined.additive, "measured_start": refined.measured_first,
                      "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
                      "measured": refined.measured,
-                     "measured_over_additive_first": refined.measured_first / max(refined.additive, 1e-12)},
+                     "measured_over_additive_first": start_cost["additive"] / max(first.quality, 1e-12)},
         "refine": refined.history, "windows": prepared.windows,
         "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
         "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
@@ -195,6 +205,10 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
 def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
     """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why."""
     return choose(model, prepare(model, tokenizer, cfg, progress), cfg, progress)
+
+
+def _additive(options: list[list[Option]], choice: list[int]) -> float:
+    return float(sum(options[i][o].quality for i, o in enumerate(choice)))
 
 
 def solve_summary(options: list[list[Option]], choice: list[int], budgets: list[Budget]) -> dict[str, float]:

@@ -44,7 +44,7 @@ class ScoreSet:
 def score_set(model: Any, tokenizer: Any, source: str, windows: int, seq_len: int, seed: int) -> ScoreSet:
     """`windows` calibration windows of `source` drawn with `seed` (the planner draws its scoring and held-out
     windows with other seeds than the fit's), scored at their second half."""
-    drawn = calib_windows(source, tokenizer, windows, seq_len, seed)
+    drawn = calib_windows(source, tokenizer, windows, seq_len, seed, model=model)
     positions = torch.arange(seq_len // 2, seq_len)
     return ScoreSet(drawn.ids, positions, log_probs(model, drawn.ids, positions), drawn.description)
 

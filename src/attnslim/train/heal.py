@@ -133,7 +133,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
         raise AttnslimError("heal: no parameter was changed by compression (params='changed'); nothing to train. "
                             "Use heal.params='all' to fine-tune every parameter")
     windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1,
-                            heal_draw(cfg))
+                            heal_draw(cfg), model=teacher)
     flags = {n: p.requires_grad for n, p in student.named_parameters()}
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
     teacher.eval()
