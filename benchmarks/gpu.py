@@ -52,6 +52,7 @@ from attnslim.models.load import checkpoint_directory, load_random
 from attnslim.recipe import RECIPES_DIR, recipe_from_dict
 
 MODELS = ("smollm2-135m", "gemma3-270m")
+SHAPES_ONLY = ("qwen2.5-1.5b",)  # packed for the planner probe's shapes (`make qwen15` installs it here)
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 CALIBRATION_TEXT = "calibration.txt"
 
@@ -60,7 +61,7 @@ def pack(directory: Path) -> None:
     """Write what the GPU machine needs and cannot download: each packaged model's config and tokenizer files
     and a calibration text."""
     directory.mkdir(parents=True, exist_ok=True)
-    for name in MODELS:
+    for name in MODELS + SHAPES_ONLY:
         load_model(name)  # converts the packaged GGUF into the cache directory if needed
         source = checkpoint_directory(name)
         (directory / name).mkdir(exist_ok=True)
@@ -111,6 +112,36 @@ def probe(pack_dir: Path, name: str, device: torch.device, only: set[str], out: 
             out[path.stem] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:240]}{at}"
         print(f"probe {path.stem}: {out[path.stem]}", flush=True)
         save()
+
+
+def plan_probe(pack_dir: Path, name: str, device: torch.device, kv: float, out: dict[str, Any]) -> None:
+    """The planner on `device`: `attnslim plan` at `kv` (short settings: 4 calibration windows of 512 tokens, 2
+    scoring windows, one refinement round, three MLA widths) and the compression of its plan, both on a random
+    model living there; then the mixed model's checks (cached decode against the full forward, greedy generation)
+    and the timings. Random weights make the choices meaningless; what this measures is that the path runs on the
+    device, its numerics, and how long it takes there."""
+    from attnslim.planner.run import PlanConfig, plan_model
+    from attnslim.recipe import Calibration
+
+    model, tokenizer = load_random(pack_dir / name)
+    model.to(device)
+    cal = Calibration(source=f"file:{pack_dir / CALIBRATION_TEXT}", windows=4, seq_len=512, seed=0, batch_size=4)
+    cfg = PlanConfig(kv=kv, calibration=cal, score_windows=2, refine_windows=2, rounds=1, tries=2,
+                     ladder=(0.25, 0.5, 0.75), mla_args={})  # refit_o needs more calibration than this probe draws
+    began = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = plan_model(model, tokenizer, cfg, progress=False)
+        planned = time.time()
+        compress(model, tokenizer, result.recipe, progress=False)
+    vocab = int(model.config.vocab_size)
+    out.update({"kv": kv, "plan_seconds": round(planned - began, 1),
+                "compress_seconds": round(time.time() - planned, 1),
+                "choices": [row["choice"] for row in result.report["layers"]], "used": result.report["used"],
+                "devices": sorted({p.device.type for p in model.parameters()}),
+                "cached_vs_full": cached_vs_full(model, vocab), "greedy_cached_equals_uncached":
+                generate_matches_greedy(model, vocab)})
+    print(f"plan {name} kv {kv}: {out}", flush=True)
 
 
 @torch.no_grad()
@@ -184,6 +215,8 @@ def main() -> None:
     parser.add_argument("--convert-on", default="cuda", help="where the MLA conversion runs (cpu or cuda)")
     parser.add_argument("--probe", default="smollm2-135m", help="the model the recipe probe runs on ('' for none)")
     parser.add_argument("--recipes", default="", help="comma-separated recipe names the probe runs (default: all)")
+    parser.add_argument("--plan", default="", help="models the planner probe runs on, comma-separated ('' none)")
+    parser.add_argument("--plan-kv", type=float, default=0.5)
     args = parser.parse_args()
     if args.pack:
         pack(args.pack)
@@ -206,6 +239,14 @@ def main() -> None:
         results["probe"] = {"model": args.probe, "recipes": {}}
         probe(args.source, args.probe, torch.device(args.device), {r for r in args.recipes.split(",") if r},
               results["probe"]["recipes"], save)
+    for name in [n for n in args.plan.split(",") if n]:
+        results.setdefault("plan", {})[name] = {}
+        try:
+            plan_probe(args.source, name, torch.device(args.device), args.plan_kv, results["plan"][name])
+        except Exception as err:  # reported, and the next model still runs
+            results["plan"][name]["error"] = f"{type(err).__name__}: {err}"[:400]
+            traceback.print_exc()
+        save()
     print(json.dumps({n: r.get("checks") for n, r in results["models"].items()}, indent=1))
 
 
