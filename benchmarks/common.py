@@ -4,6 +4,9 @@ Each variant = one recipe applied to a fresh copy of the model; results are appe
 benchmarks/results/ as soon as they exist, so an interrupted run resumes where it stopped (variants whose
 recipe is already recorded are skipped: same recipe fingerprint, and the same method defaults where the row
 recorded them, `resolved_fingerprint`).
+
+Device: `ATTNSLIM_BENCH_DEVICE=cuda` runs every variant's compression and evaluation on a GPU (the model is
+loaded on CPU, then moved there; every result records its device). Default: the CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from attnslim.recipe import Recipe, digest, fingerprint, recipe_from_dict, recip
 from attnslim.settings import HealConfig
 
 RESULTS = Path(__file__).parent / "results"
+DEVICE = torch.device(os.environ.get("ATTNSLIM_BENCH_DEVICE", "cpu"))
+
+
+def load_on_device(name: str) -> tuple[Any, Any]:
+    """`load_model(name)` moved to the benchmark's DEVICE."""
+    model, tokenizer = load_model(name)
+    return model.to(DEVICE), tokenizer
 
 
 def resolved_fingerprint(recipe: Recipe) -> str:
@@ -62,7 +72,8 @@ def environment() -> dict[str, Any]:
     which runs its generic code on non-Intel CPUs (BENCHMARKS "MLA: decode core kernels"), so the vendor
     changes what is fast. A preloaded library (LD_PRELOAD) is recorded too: it can change that dispatch."""
     env = {
-        **library_versions(), "python": platform.python_version(), "device": "cpu",
+        **library_versions(), "python": platform.python_version(), "device": DEVICE.type,
+        **({"gpu": torch.cuda.get_device_name(DEVICE)} if DEVICE.type == "cuda" else {}),
         "cpu": cpu_model(), "cpu_vendor": _compat.cpu_info("vendor_id"), "blas": _compat.blas_name(),
         "threads": torch.get_num_threads(),
         "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
@@ -107,7 +118,7 @@ class Harness:
 
     def dense(self) -> dict[str, Any]:
         if "dense" not in self.data:
-            model, tokenizer = load_model(self.model_name)
+            model, tokenizer = load_on_device(self.model_name)
             self.data["dense"] = self.evaluate(model, tokenizer, "dense")
             self.save()
         return dict(self.data["dense"])
@@ -121,7 +132,7 @@ class Harness:
             print(f"[skip] {key}: already measured", flush=True)
             return dict(done)
         dense = self.dense()
-        model, tokenizer = load_model(self.model_name)
+        model, tokenizer = load_on_device(self.model_name)
         self.windows(tokenizer)  # before compressing: refuses stored rows scored on other windows
         start = time.time()
         report = compress(model, tokenizer, recipe)

@@ -9,6 +9,10 @@ benchmarks/results/plan-MODEL.json; each planned row carries its plan report (ch
 the measured whole-plan KL, plan seconds).
 
     python benchmarks/plan.py --budgets 0.5,0.25 --sources wiki
+    ATTNSLIM_BENCH_DEVICE=cuda python benchmarks/plan.py ...     # on a GPU (benchmarks/common.py)
+
+`--heal 0.25`: at those budgets the plan and uniform `mla` also get the standard heal (recipes/default.yaml's:
+40 steps of logit distillation on wiki + c4 + TinyStories), rows `plan-kvF-heal40` and `mla-kvF-heal40`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from common import Harness, calibration
+from common import Harness, calibration, load_on_device
 
-from attnslim.models import load_model
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER
 from attnslim.planner.run import PlanConfig, choose, prepare
-from attnslim.recipe import Calibration, recipe_to_dict
+from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
+
+STANDARD_HEAL = load_recipe("default").heal  # the demo recipe's heal
 
 
 def baseline(method: str, kv: float) -> dict[str, Any]:
@@ -36,7 +41,7 @@ def baseline(method: str, kv: float) -> dict[str, Any]:
 def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
            ) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
     """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary)."""
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_on_device(model_name)
     cfg = PlanConfig(kv=min(budgets), kinds=tuple(args.candidates.split(",")),
                      ladder=tuple(float(f) for f in args.ladder.split(",")), score_windows=args.score_windows,
                      refine_windows=args.score_windows, rounds=args.rounds, calibration=Calibration(**calibration()))
@@ -50,6 +55,7 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
                    "plan_measure_seconds": round(prepared.seconds, 1),
                    "plan_layers": [r["choice"] for r in report["layers"]], "plan_used": report["used"],
                    "plan_estimate": report["estimate"], "plan_refine": report["refine"],
+                   "plan_starts": report["starts"], "plan_start": report["start"],
                    "plan_config": report["config"], "plan_windows": report["windows"]}
         out.append((kv, recipe_to_dict(result.recipe), summary))
     return out
@@ -67,13 +73,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--baselines", default="mla,transmla", help="single-method rows beside each plan")
     p.add_argument("--name", default=None, help="results file stem (default plan-MODEL)")
+    p.add_argument("--heal", default="", help="budgets whose plan and uniform mla also get the standard heal")
     args = p.parse_args()
     harness = Harness(args.name or f"plan-{args.model}", args.model, tuple(args.sources.split(",")), args.tokens)
+    healed = {float(b) for b in args.heal.split(",") if b}
     for kv, recipe, summary in _plans(args.model, [float(b) for b in args.budgets.split(",")], args):
-        harness.run(f"plan-kv{kv:g}", recipe, summary)
-    for kv in (float(b) for b in args.budgets.split(",")):
+        harness.run(f"plan-kv{kv:g}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
             harness.run(f"{method}-kv{kv:g}", baseline(method, kv))
+        if kv in healed:
+            harness.run(f"plan-kv{kv:g}-heal40", {**recipe, "heal": STANDARD_HEAL}, summary)
+            harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv), "heal": STANDARD_HEAL})
 
 
 if __name__ == "__main__":
