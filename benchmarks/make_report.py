@@ -13,6 +13,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report_gpu import GPU_SPECIAL  # noqa: E402
+from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
 from report_reliability import reliability_section, write_summary  # noqa: E402
 from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
@@ -21,7 +22,7 @@ from report_standard import standard_section  # noqa: E402
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
-SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL}
+SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
@@ -132,7 +133,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-kernels-intel",
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
-         "mla-gemma3-speed", "gpu-h200",
+         "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
@@ -144,6 +145,7 @@ HEADLINES = (
     ("nbl", "nbl", "nbl-similarity-m6", "drop-similarity-layers-m6", "--recipe nbl"),
     ("lisa", "lisa", "lisa-50", "ds-50", "--recipe lisa"),
     ("atp (serving cache)", "atp", "hybrid r=1/4", "recent r=1/4", "--recipe atp"),
+    ("planner (mla, nbl, drop, keep per layer)", "plan-smollm2-135m-h100", "plan-kv0.5", "mla-kv0.5", "--kv 0.5"),
 )
 
 

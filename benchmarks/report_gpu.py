@@ -60,4 +60,4 @@ def gpu_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
-GPU_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"gpu-h200": gpu_section}
+GPU_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"gpu-h200": gpu_section, "gpu-probe-h100": gpu_section}
