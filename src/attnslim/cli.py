@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnslim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     cli_parsers.add_parsers(sub)
+    cli_parsers.add_examples(sub)
     return parser
 
 

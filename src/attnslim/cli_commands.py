@@ -154,6 +154,23 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("recipes")
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from attnslim.recipe_catalog import catalog, default_results_dir, format_catalog
+
+    results = default_results_dir() if args.results is None else args.results.expanduser()
+    if args.results is not None and not results.is_dir():
+        raise AttnslimError(f"--results {args.results}: not a directory; give the folder of the benchmark results "
+                            "(a source checkout's benchmarks/results)")
+    entries = catalog(results)
+    print(format_catalog(entries, results))
+    if args.json:
+        emit_json({"results": str(results), "recipes": [asdict(e) for e in entries]})
+    return 0
+
+
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
     from attnslim.inspect import format_inspection, inspect_model
