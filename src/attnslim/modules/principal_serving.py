@@ -80,8 +80,8 @@ def pivot_tokens(u: torch.Tensor, avail: torch.Tensor, r: int) -> tuple[torch.Te
     selectable token was left (fewer real tokens than r).
     Each step keeps the picked directions Q (orthonormalised twice, CGS2) instead of rewriting every row's
     residual: a new direction q ⊥ Q gives residual·q = u·q, so the squared residual norms are downdated by
-    (u q)² — one (n, m) matvec per pick, no (n, m) residual rewritten (0.57 s at n = 1024, r = 508, batch 2:
-    benchmarks/kernels.py).
+    (u q)² — one (n, m) matvec per pick, no (n, m) residual rewritten (timed by benchmarks/kernels.py,
+    results/kernels.txt).
     """
     b, n, m = u.shape
     u64 = u.to(torch.float64)
