@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from attnslim import cli_commands, cli_parsers
+from attnslim import cli_analyze, cli_commands, cli_compress, cli_measure, cli_parsers
 from attnslim.errors import AttnslimError
 from attnslim.outdir import terminate_as_exit
 
@@ -16,6 +16,9 @@ def _quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+COMMAND_MODULES = (cli_analyze, cli_compress, cli_measure)  # imported for their @command registrations
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""The arguments of every `attnslim` subcommand (argparse); the commands themselves are in cli_commands.py."""
+"""The arguments of every `attnslim` subcommand (argparse); the commands themselves are in cli_commands.py (export,
+serve), cli_measure.py, cli_compress.py and cli_analyze.py."""
 
 from __future__ import annotations
 
