@@ -1,4 +1,4 @@
-"""The source keeps the shape DESIGN promises: short method headers, no measured figure in a docstring."""
+"""The source keeps the shape DESIGN promises: short method headers, no measured figure in a docstring, small files."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from attnslim.methods import METHODS
 
 SRC = Path(attnslim.__file__).parent
 HEADER_LINES = 25  # DESIGN, Style 8: what, from which paper, what is approximated, the cost, where it lives
+FILE_LINES = 400  # DESIGN, Style 9
 # a measured outcome written as a ratio, a percentage of a result, a time or a perplexity (goals, settings and formats
 # name no such unit: targets.py's "≤ 0.5 × dense" has a space before ×, a setting has no unit)
 MEASURED = re.compile(r"\b\d+(\.\d+)?(x|×)\s+(slower|faster|dense|smaller|larger)|\b\d+(\.\d+)?\s?s at n\b|"
@@ -43,3 +44,7 @@ def test_no_docstring_carries_a_measured_figure():
             for m in [MEASURED.search(doc)] if m]
     assert hits == [], f"name the BENCHMARKS.md section instead of the figure: {hits}"
 
+
+def test_no_source_file_is_over_the_size_limit():
+    sizes = {str(p.relative_to(SRC)): len(p.read_text(encoding="utf-8").splitlines()) for p in SRC.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > FILE_LINES} == {}
