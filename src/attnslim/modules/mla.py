@@ -7,28 +7,21 @@
     logit_i = scaling · (N_q,i q_i · k_n + RoPE(R_q,i q_i) · k_r)     q_nope = N_q (h, D_n, d_h), q_rope = R_q
     y = o_proj(concat_i softmax(logit_i) v_g(i))
 
-QK-norm (Gemma-3: k = g ⊙ u / rms(u) per KV head, before RoPE): the factors above describe the linear keys g ⊙ u
-(methods/mla_base.fit_spec), and each new token's s_j = 1/rms(u_j) per KV head j is computed once, from the
-model's own pre-norm key u = W_k x (`key_norm`, the original k_proj), and cached: logit_i = s_j(i) · (as above).
-The scale is the model's whatever the rank (not rebuilt from the latent: Gemma-3's gains have zeros, so g ⊙ u
-cannot give back u); it costs n_kv values per token and W_k's weights, which the fused decode's one input GEMM
-includes.
-The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing (b, 1, t, 0) in the
-value slot: r + d_rope (+ n_kv) values per token and layer. In a dynamic cache (generate()'s default) the layer
-becomes a `_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
+QK-norm (k = g ⊙ u / rms(u) per KV head): the factors describe g ⊙ u, and s_j = 1/rms(u_j) of the model's own
+u = W_k x (`key_norm`) is cached per KV head: logit_i = s_j(i) · (as above); docs/methods/mla.md says why.
+The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing in the value slot; in
+a dynamic cache the layer becomes a `_compat.ReservedRowsLayer`, which appends in place (no copy per step).
 Two paths give the same output (tested):
   absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
-             d_h (r + d_rope) + r d_h for the absorbed projections. Decode's fused weights, the kernel of its core
-             (grouped GEMMs or the cache split over threads) and the straight step of a sequence under way belong
-             to the decode engine, modules/mla_decode.py.
+             d_h (r + d_rope) + r d_h for the absorbed projections. Fused weights, the core's kernel and the
+             straight step of a sequence under way: the decode engine, modules/mla_decode.py.
   decompress (prefill): every cached token's key per query head [M_iᵀ c; k_r] with M_i = B_kᵀ N_q,i, and its
              value B_v c, then attention at width d_h + d_rope per head (N_q,i q_i · B_k c = q_i · M_iᵀ c).
 B_kᵀ N_q,i is a product of two parameters; outside autograd it is computed once per parameter version.
-RoPE tables come from the model's rotary module (scaled RoPE stays exact), gathered at the kept frequencies
-`rope_freq`, at absolute cache positions: keys are rotated once when cached, so sliding-window caches (which
-keep only the last window) and left padding (every position of a row shifts alike) need nothing more.
+RoPE tables come from the model's rotary module (scaled RoPE stays exact) at the kept frequencies `rope_freq` and
+absolute cache positions: keys are rotated once when cached, so sliding windows and left padding need nothing more.
 """
 
 from __future__ import annotations
