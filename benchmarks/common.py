@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attnslim import _compat
+from attnslim import host
 from attnslim.adapters import get_adapter
 from attnslim.api import compress, library_versions
 from attnslim.bench import kv_bytes_per_token
@@ -64,7 +64,7 @@ def resolved_fingerprint(recipe: Recipe) -> str:
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows: speed results from different
     machines differ (a shared runner's host can change between runs), so every result names its CPU."""
-    return _compat.cpu_info("model name") or platform.processor() or platform.machine()
+    return host.cpu_info("model name") or platform.processor() or platform.machine()
 
 
 def environment() -> dict[str, Any]:
@@ -74,7 +74,7 @@ def environment() -> dict[str, Any]:
     env = {
         **library_versions(), "python": platform.python_version(), "device": DEVICE.type,
         **({"gpu": torch.cuda.get_device_name(DEVICE)} if DEVICE.type == "cuda" else {}),
-        "cpu": cpu_model(), "cpu_vendor": _compat.cpu_info("vendor_id"), "blas": _compat.blas_name(),
+        "cpu": cpu_model(), "cpu_vendor": host.cpu_info("vendor_id"), "blas": host.blas_name(),
         "threads": torch.get_num_threads(),
         "command": shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),  # quoted: re-runnable
     }

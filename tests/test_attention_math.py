@@ -85,7 +85,7 @@ def test_split_attention_in_bfloat16_stays_within_its_rounding() -> None:
 def test_split_count_uses_threads_where_pieces_are_long_enough(generic_blas: bool, monkeypatch) -> None:
     """Pieces of at least a kernel block (512 rows) where MKL runs its fast kernels, of 256 where it runs generic
     code (the grouped GEMMs are slow there)."""
-    monkeypatch.setattr(split._compat, "mkl_runs_generic_code", lambda: generic_blas)
+    monkeypatch.setattr(split.host, "mkl_runs_generic_code", lambda: generic_blas)
     q = torch.zeros(1, 9, 1, 24)
     before = torch.get_num_threads()
     try:
@@ -119,15 +119,15 @@ def test_compact_linear_is_dense_exactly_at_full_rank(rank: int, dense: bool) ->
 @pytest.mark.parametrize("blas, vendor, generic", [("mkl", "AuthenticAMD", True), ("mkl", "GenuineIntel", False),
                                                    ("openblas", "AuthenticAMD", False), ("mkl", "", False)])
 def test_mkl_generic_code_is_read_from_the_blas_and_the_cpu_vendor(blas, vendor, generic, monkeypatch) -> None:
-    from attnslim import _compat
+    from attnslim import host
 
-    monkeypatch.setattr(_compat, "blas_name", lambda: blas)
-    monkeypatch.setattr(_compat, "cpu_info", lambda field: vendor if field == "vendor_id" else "")
-    _compat.mkl_runs_generic_code.cache_clear()
+    monkeypatch.setattr(host, "blas_name", lambda: blas)
+    monkeypatch.setattr(host, "cpu_info", lambda field: vendor if field == "vendor_id" else "")
+    host.mkl_runs_generic_code.cache_clear()
     try:
-        assert _compat.mkl_runs_generic_code() is generic
+        assert host.mkl_runs_generic_code() is generic
     finally:
-        _compat.mkl_runs_generic_code.cache_clear()
+        host.mkl_runs_generic_code.cache_clear()
 
 
 def test_a_decode_mask_that_keeps_every_row_is_dropped() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnslim import _compat
+from attnslim import host
 from attnslim.api import compress
 from attnslim.errors import AttnslimError
 from attnslim.modules import cpu_linear
@@ -19,7 +19,7 @@ from attnslim.modules.mla import MLAAttention
 from conftest import TINY_BUILDERS
 from helpers import ByteTokenizer, one_step
 
-pytestmark = pytest.mark.skipif(not _compat.onednn_linear_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not host.onednn_linear_available(), reason="torch built without oneDNN")
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -27,13 +27,13 @@ IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 def onednn_calls(monkeypatch):
     """Weight shapes of every oneDNN linear call."""
     shapes: list[tuple[int, ...]] = []
-    real = _compat.onednn_linear
+    real = host.onednn_linear
 
     def spy(x, weight, bias):
         shapes.append(tuple(weight.shape))
         return real(x, weight, bias)
 
-    monkeypatch.setattr(_compat, "onednn_linear", spy)
+    monkeypatch.setattr(host, "onednn_linear", spy)
     return shapes
 
 
@@ -120,7 +120,7 @@ def test_bad_requests_are_refused_with_the_fix(monkeypatch):
     with pytest.raises(AttnslimError, match="runs on the CPU; the model has weights on meta: move it to the CPU"):
         set_cpu_linear(on_meta, "onednn")
     assert type(on_meta[0]) is nn.Linear  # refused before anything was switched
-    monkeypatch.setattr(_compat, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(host, "onednn_linear_available", lambda: False)
     with pytest.raises(AttnslimError, match="no oneDNN linear op .*use 'torch'"):
         set_cpu_linear(model, "onednn")
 

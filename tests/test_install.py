@@ -47,6 +47,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                            cwd=work, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(venv)), f"attnslim imported from {where}, not from the installed wheel"
     assert "--overwrite" in attnslim("demo", "--help")
+    listed = attnslim("recipes")  # no benchmark results beside an installed wheel: said, not guessed
+    assert "svdllm" in listed and "not measured" in listed and "give --results DIR" in listed
     attnslim("compress", "--recipe", "svdllm", "--set", "steps.0.layers=0:1", "--set", "calibration.windows=2",
              "--set", "calibration.seq_len=64", "--out", "svdllm")
     assert (work / "svdllm" / "attnslim_hf.py").is_file()

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from attnslim import _compat
+from attnslim import _compat, host
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
@@ -518,14 +518,14 @@ def _real_onednn_agrees(model, ids: torch.Tensor) -> None:
     F.linear to float32 rounding, and the fused decode projection really ran on it."""
     from attnslim.modules.cpu_linear import set_cpu_linear
 
-    out, weights, real = {}, [], _compat.onednn_linear
-    _compat.onednn_linear = lambda x, w, b: weights.append(tuple(w.shape)) or real(x, w, b)
+    out, weights, real = {}, [], host.onednn_linear
+    host.onednn_linear = lambda x, w, b: weights.append(tuple(w.shape)) or real(x, w, b)
     try:
         for kernel in ("torch", "onednn"):
             set_cpu_linear(model, kernel)
             out[kernel] = _prefill_and_step(model, ids)
     finally:
-        _compat.onednn_linear = real
+        host.onednn_linear = real
         set_cpu_linear(model, "torch")
     fused = next(m for m in model.modules() if isinstance(m, MLAAttention)).fused()
     assert fused is not None and tuple(fused.w_in.shape) in weights

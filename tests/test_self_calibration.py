@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
-from helpers import BosTokenizer, ByteTokenizer, one_step
 
 from attnslim.api import compress
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.recipe import recipe_from_dict
+from conftest import tiny_llama
+from helpers import BosTokenizer, ByteTokenizer, one_step
 
 
 class _EosTokenizer(ByteTokenizer):

@@ -1,6 +1,5 @@
-"""The only module that knows transformers-version details: masks, caches, attention call signature (and the one
-private torch op attnslim calls, oneDNN's linear `onednn_linear`, and what torch's build and the host tell about
-its BLAS: `blas_name`, `cpu_info`, `mkl_runs_generic_code`).
+"""The only module that knows transformers-version details: masks, caches, attention call signature. What torch's
+build and the host offer (BLAS, CPU vendor, oneDNN's linear) is in host.py, which imports torch only.
 
 Decoder layers of transformers 5.x call their attention as
     self_attn(hidden_states=..., position_embeddings=(cos, sin) | absent, attention_mask=..., past_key_values=...,
@@ -11,11 +10,9 @@ for modules/base.ReplacementAttention, so replacement modules never see HF's key
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -387,45 +384,3 @@ def input_device(model: Any) -> torch.device:
     """Where a model's input ids go: its input embedding's device (an offloaded model's first parameter may be on
     the meta device, or on another device than the embedding)."""
     return model.get_input_embeddings().weight.device
-
-
-# torch's bundled oneDNN linear: a private op of torch's oneDNN integration, schema (input, weight, bias, attr,
-# scalars, algorithm); absent from builds without oneDNN
-_ONEDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-
-
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's linear op (modules/cpu_linear.py)."""
-    return _ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available()
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) through oneDNN: x (..., d_in), weight (d_out, d_in) contiguous -> (..., d_out)."""
-    assert _ONEDNN_LINEAR is not None, "check onednn_linear_available() first"
-    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-
-
-def blas_name() -> str:
-    """The BLAS this torch build calls for float32 GEMMs (its BLAS_INFO: "mkl" in the x86 wheels), or "unknown"."""
-    return next((part.split("=", 1)[1] for part in torch.__config__.show().replace(",", " ").split()
-                 if part.startswith("BLAS_INFO=")), "unknown")
-
-
-def cpu_info(field: str) -> str:
-    """A field of /proc/cpuinfo's first processor ("vendor_id", "model name"; '' where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-@functools.lru_cache(maxsize=1)
-def mkl_runs_generic_code() -> bool:
-    """Whether torch's float32 GEMMs run MKL's generic code: MKL picks its vectorised kernels by CPU vendor, so on
-    an x86 CPU that is not Intel's (AMD) it runs generic ones (BENCHMARKS "MLA: decode core kernels", beside the
-    same host with MKL's Intel paths forced by benchmarks/with_mkl_intel_paths.sh)."""
-    vendor = cpu_info("vendor_id")
-    return blas_name() == "mkl" and bool(vendor) and vendor != "GenuineIntel"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from attnslim import cli_commands, cli_parsers
+from attnslim import cli_analyze, cli_commands, cli_compress, cli_measure, cli_parsers
 from attnslim.errors import AttnslimError
 from attnslim.outdir import terminate_as_exit
 
@@ -18,10 +18,14 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+COMMAND_MODULES = (cli_analyze, cli_compress, cli_measure)  # imported for their @command registrations
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnslim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     cli_parsers.add_parsers(sub)
+    cli_parsers.add_examples(sub)
     return parser
 
 

@@ -1,11 +1,61 @@
-"""The arguments of every `attnslim` subcommand (argparse); the commands themselves are in cli_commands.py."""
+"""The arguments of every `attnslim` subcommand (argparse); the commands themselves are in cli_commands.py (export,
+serve), cli_measure.py, cli_compress.py and cli_analyze.py."""
 
 from __future__ import annotations
 
+import argparse
+import textwrap
 from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"
+# the parser is built at every command, so it imports nothing heavy: these two are kept equal to models.ZOO and
+# recipe.RECIPES_DIR by tests/test_cli_help.py
+PACKAGED_MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-1.5b")
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+# one example per command, shown under its --help (and checked to parse by tests/test_cli_help.py)
+EXAMPLES = {
+    "eval": "attnslim eval out/mla --data wiki,c4 --tokens 4096",
+    "tasks": "attnslim tasks --path",
+    "recipes": "attnslim recipes --json",
+    "compress": "attnslim compress smollm2-135m --recipe mla --out out/mla",
+    "plan": "attnslim plan smollm2-135m --kv 0.5 --out plan.yaml",
+    "generate": "attnslim generate out/mla --prompt 'The history of'",
+    "demo": "attnslim demo --out out/demo",
+    "analyze": "attnslim analyze smollm2-135m --what linearity --plot linearity.svg",
+    "bench": "attnslim bench out/mla --vs smollm2-135m --contexts 512,2048",
+    "report": "attnslim report out/mla",
+    "inspect": "attnslim inspect out/mla",
+    "export": "attnslim export out/mla-deepseek --to deepseek-v3 --out out/mla-deepseek-v3",
+    "serve": "attnslim serve out/nbl --port 8000",
+}
+
+
+def model_help(compressed: bool | None) -> str:
+    """What MODEL may be, for a command that reads an attnslim output (`compressed`), one that refuses it (False), or
+    one that reads what load_model reads without saying more (None)."""
+    outputs = {True: ", or an attnslim output directory", None: "",
+               False: "; not an attnslim output (compress the original model, with every step in one recipe)"}
+    return (f"a packaged model name ({', '.join(PACKAGED_MODELS)}; default {DEFAULT_MODEL}), a local Hugging Face "
+            f"directory of safetensors weights, or a hub id org/name when the hub is reachable{outputs[compressed]}")
+
+
+def compress_description() -> str:
+    names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+    paragraphs = ("Compress MODEL with a recipe and save the result to --out (loadable by attnslim.load and by "
+                  "transformers with trust_remote_code).",
+                  f"Packaged recipes (--recipe NAME): {names}. `attnslim recipes` gives each one's purpose and what "
+                  "was measured of it; --recipe also takes a YAML path.",
+                  "MODEL: " + model_help(compressed=False) + ".")
+    return "\n\n".join(textwrap.fill(text, 100, break_on_hyphens=False) for text in paragraphs)
+
+
+def add_examples(sub: Any) -> None:
+    """Every subcommand's --help ends with its example; descriptions and examples keep their line breaks."""
+    for name, parser in sub.choices.items():
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = f"example:\n  {EXAMPLES[name]}"
 
 
 def add_placement(p: Any, what: str) -> None:
@@ -38,7 +88,7 @@ def add_plan_options(p: Any) -> None:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
     p.add_argument("--data", default=None, help="text sources for perplexity (default wiki,ptb,c4 without --tasks)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=512)
@@ -60,9 +110,16 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--path", action="store_true", help="write (once, in the attnslim cache) and print the folder "
                    "for `lm_eval --include_path`: lm-eval's task YAMLs pointed at the local data")
 
-    p = sub.add_parser("compress", help="compress a model with a recipe and save it")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    p.add_argument("--recipe", default=None, help="a recipe name in recipes/ or a YAML path (default: default)")
+    p = sub.add_parser("recipes", help="list the packaged recipes: each one's purpose and what was measured of it")
+    p.add_argument("--results", type=Path, default=None, help="benchmark results to read the measurements from "
+                   "(default: the source checkout's benchmarks/results)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("compress", help="compress a model with a recipe and save it",
+                       description=compress_description())
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=False))
+    p.add_argument("--recipe", default=None, help="a packaged recipe's name (listed above; `attnslim recipes`) or a "
+                   "YAML path (default: default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     p.add_argument("--kv", type=float, default=None, help="instead of a recipe: plan one for this kept fraction of "
                    "the dense KV cache (as `attnslim plan`), then compress with it; the plan goes into "
@@ -80,7 +137,7 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("plan", help="choose per layer among keep, MLA widths, NBL, drop and sharing under budgets; "
                        "write the plan as a recipe")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=False))
     p.add_argument("--kv", type=float, required=True, help="kept fraction of the dense KV cache, in (0, 1]")
     add_plan_options(p)
     p.add_argument("--out", required=True, help="the plan's recipe (.yaml); its report is written beside it "
@@ -88,7 +145,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=40)
     add_placement(p, "generate with")
@@ -103,7 +160,7 @@ def add_parsers(sub: Any) -> None:
                    "demo.TASK_LIMIT)")
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses on a model")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=None))
     p.add_argument("--what", required=True, help="linearity (NBL) | lowrank (ATP) | similarity | sensitivity (LISA) "
                    "| conversion (per-layer cost of --method, each layer converted alone)")
     p.add_argument("--m", type=int, default=6, help="linearity: how many layers to select")
@@ -120,7 +177,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--plot", default=None, help="also write the analysis' figures to this SVG file")
 
     p = sub.add_parser("bench", help="params, KV bytes, FLOPs, prefill/decode speed (interleaved vs --vs)")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
     p.add_argument("--vs", default=None, help="reference model (default: none; ratios need one)")
     p.add_argument("--contexts", default="512,2048")
     p.add_argument("--new-tokens", type=int, default=32)
@@ -132,7 +189,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("directory")
 
     p = sub.add_parser("inspect", help="parameters per group, KV bytes/token, per-layer attention")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("export", help="write an all-MLA output as a stock DeepSeek-V3 checkpoint (transformers and "

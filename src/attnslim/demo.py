@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnslim import _compat
+from attnslim import host
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
@@ -147,7 +147,7 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     print(f"\nfull evaluation (every task item, 8192 tokens per text): attnslim eval {out} --data {','.join(SOURCES)} "
           f"--tasks standard; the same for {model_name}; speed: attnslim bench {out} --vs "
           f"{model_name}")
-    if _compat.mkl_runs_generic_code():
+    if host.mkl_runs_generic_code():
         print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
               "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
     print(f"demo wall time: {time.perf_counter() - start:.0f} s (compression {report.seconds:.0f} s)")

@@ -9,15 +9,11 @@ teacher-forced loss over the window, because a non-causal replacement (ATP's pap
 targets of every other position. The windows come from the calibration split, so a selection made from the
 ranking never looks at evaluation text.
 
-Lone costs do not add up: on SmolLM2-135M with ATP's layer at 1/2 keys (V′/√L; 32 windows of 256 tokens) they
-are 0.03-0.20 nats except layers 0, 1 (0.61, 1.14) and 24 (0.28); they sum to 4.23, while all 30 converted
-together cost 7.15 (`attnslim analyze smollm2-135m --what conversion --arg value_scale=inv_sqrt_len`). More
-keys do not lower them: at r = L (the same command with `--arg rank=1.0 --layers 0,1,2,24`) layers 0 and 1
-cost 0.61 and 1.20.
-Converting the k layers of lowest cost keeps more accuracy than the last k, not all of it (benchmarks/atp.py
---choice-cheapest; 100 next-word items, dense 0.96): the cheapest 10 give 0.90 (the last 10: 0.80), the
-cheapest 15 give 0.80, and 0.94 after 80 steps of LoRA recovery (train/lora.py, loss "kd"); the cheapest 20
-give 0.72, 0.84 after the same recovery.
+Lone costs do not add up (ATP's paper layer on SmolLM2: the sum of the lone costs is well below the cost of all
+layers converted together), and converting the k cheapest layers keeps more accuracy than the last k, not all of
+it. The figures and their commands: docs/methods/atp.md, "Which layers tolerate the conversion", and the archived
+section "ATP: recovery of the paper's layer on all 30 layers (losses compared) and on the cheapest layers"
+(docs/benchmarks-archive.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Progressive conversion: convert a few layers, recover with LoRA, re-rank the rest on the recovered model, repeat.
 
-Converting every layer at once compounds the per-layer errors (analysis/conversion.py: on SmolLM2-135M, ATP's
-layer at 1/2 keys costs 0.03-0.20 nats per layer alone but 7.15 with all 30 together), and a short LoRA run
-cannot undo that much at once. Stages split the work: stage s converts the layers of lowest *current*
-conversion cost until `counts[s]` layers are converted (the costs are measured on the model as recovered by the
-earlier stages, since they change), then trains LoRA (train/lora.py) against the original model (`teacher`),
-merged in place before the next stage.
+Converting every layer at once compounds the per-layer errors (analysis/conversion.py: the lone costs sum to far
+less than all layers' together), and a short LoRA run cannot undo that much at once. Stages split the work: stage s
+converts the layers of lowest *current* conversion cost until `counts[s]` layers are converted (the costs are
+measured on the model as recovered by the earlier stages, since they change), then trains LoRA (train/lora.py)
+against the original model (`teacher`), merged in place before the next stage.
 
-Measured (benchmarks/atp.py --choice-progressive; ATP's layer at 1/2 keys with V′/√L on SmolLM2-135M, 80 steps
-of all-position KD per stage at lr 1e-3, 100 next-word items, dense 0.96): 15 → 22 → 30 layers give 0.94 →
-0.86 → 0.61; 15 → 22 → 26 → 28 → 30 give 0.94 → 0.86 → 0.74 → 0.72 → 0.66. Converting all layers at once
-with 150 steps gives 0.67 (300 steps: 0.61), so on this budget the stages do not beat one shot: accuracy falls
-by about 2 points per layer converted beyond the cheapest 15, whatever the path.
+Measured (benchmarks/atp.py --choice-progressive; the archived section "ATP: recovery of the paper's layer on all
+30 layers (losses compared) and on the cheapest layers", rows "progressive"): on its budget the stages do not beat
+converting every layer at once; docs/methods/atp.md, "Which layers tolerate the conversion", has the figures.
 
 Resumable: stage s checkpoints to `out_dir/stage-{s}`; a rerun replays finished stages from their checkpoints
 (zero training steps, the same merged weights) and continues the unfinished one. The ranking is deterministic

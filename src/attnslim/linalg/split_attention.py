@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from attnslim import _compat
+from attnslim import host
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # cached rows per piece at least. Where MKL runs its fast kernels, the grouped GEMMs win below the kernel's own
-# block of 512 keys per piece; where it runs generic code (non-Intel CPUs: `_compat.mkl_runs_generic_code`) the
+# block of 512 keys per piece; where it runs generic code (non-Intel CPUs: `host.mkl_runs_generic_code`) the
 # pieces in parallel win from 256 rows per piece on 2 threads (BENCHMARKS "MLA: decode core kernels" and its
 # forced-Intel-paths twin, measured on the same host)
 MIN_ROWS = 512
@@ -37,7 +37,7 @@ def split_count(q: torch.Tensor, rows: int) -> int:
     cache) or the kernel cannot run (not the CPU, not float32/bfloat16, a torch without the op)."""
     if not runs_on(q):
         return 1
-    least = MIN_ROWS_GENERIC_BLAS if _compat.mkl_runs_generic_code() else MIN_ROWS
+    least = MIN_ROWS_GENERIC_BLAS if host.mkl_runs_generic_code() else MIN_ROWS
     return max(1, min(torch.get_num_threads(), rows // least))
 
 

@@ -1,62 +1,25 @@
-"""`latentllm`: LatentLLM — attention-aware joint tensor compression (Koike-Akino et al., MERL 2025; seed 001).
+"""`latentllm`: LatentLLM, attention-aware joint tensor compression (Koike-Akino et al., MERL 2025; seed 001).
 
-Approximates, per layer, without training:
-  q/k  qk=joint (default): the pre-softmax logits of every head by shared latents A_q x, A_k x and per-head
-       decompressions (Tucker/HOSVD of the whitened per-head bilinear forms, Alg. 1; linalg/tucker.joint_qk),
-       which turns MHA/GQA into multi-head latent attention (`LatentAttention`, latent key cache; the joint fits
-       of q/k and v/o are in latentllm_attention).
-       qk=split: each of W_q, W_k locally by activation-aware SVD (same module, same cache).
-  v/o  vo=separate (default, the paper's final choice, Remark 11): local activation-aware SVD of each;
-       vo=joint: the attention-agnostic joint V/O of App. G.0/G.1 (linalg/vo); vo=none keeps them dense.
-  mlp  (latentllm_mlp) mlp=local: local SVD of gate/up/down; mlp=joint_ud: SparseLLM-style alternating up/down
-       fit (§4.3, App. H; linalg/joint_ud). Exact for ReLU (OPT): the z', z updates are closed form. Gated MLPs
-       (SwiGLU, GeGLU): z', z and all refits are exact, the gate pre-activation takes safeguarded
-       Gauss-Newton steps (no closed form). Un-gated GELU and other activations are refused.
-Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the attention input (q/k/v), the o input, the MLP and
-down inputs (those that are compressed locally or ranked by spectrum); joint_ud holds a seeded reservoir
-sample of `ud_tokens` MLP-input tokens (default 4096) and fits on that sample only.
-Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block-identity
-junction (default), r(d_out + d_in) with dense factors. KV cache per token and layer: r_k + r_v values
-(cache=latent) instead of 2·n_kv·d_h; cache=dense stores rotated keys and values (dense-size cache, no
-per-step key decompression); cache=values stores rotated keys and value latents, n_kv·d_h + r_v (kv_ratio then
-cuts r_v only): the decode-speed-neutral choice with RoPE — see modules/latent.py for the cost of each.
-Ranks (`latentllm_ranks`): `ratio` = kept fraction of each layer's attention (and MLP, or `mlp_ratio`) weights;
-`total_ratio` = kept fraction of all model parameters, one fraction for every linear the step compresses
-(solved for the step's layers in `begin_step`, so a subset of layers is compressed harder); `ranks` =
-explicit ranks (refused, or capped with `cap_ranks`, where they would not save weights; no re-allocation).
-alloc=uniform is the paper's rule: every matrix keeps the fraction. alloc=spectrum (default) keeps each layer's
-group budget of the uniform rule but moves rank between the matrices greedily, by whitened spectrum energy lost
-per weight (each matrix's energy normalised to 1). alloc=global runs that greedy across layers too: each group's
-budget summed over the layers (so the kept fractions of attention and MLP hold model-wide, not per layer); it
-needs the spectra of every layer first (a dense pass; `summarize` computes them while each layer is in memory, so
-it runs with --offload and holds no Gram matrix per layer), then refits each layer on the compressed upstream.
-Measured against each other (BENCHMARKS.md, section LatentLLM): global does not beat the per-layer rule, so it is
-not the default.
-kv_ratio bounds r_k + r_v by a kept fraction of the dense
-KV cache, split between k and v by spectrum energy per cached value (q/o then share the rest of the budget).
-Deviations from the paper, and why:
-- alloc=spectrum by default: the uniform rule loses most of its perplexity in V, whose whitened spectrum is
-  nearly flat; the spectrum allocation keeps V near full rank at the same parameter count (BENCHMARKS.md,
-  section LatentLLM).
-- A matrix allocated its full rank (r = min(d_out, d_in); alloc=spectrum often keeps V there) is installed as
-  one dense nn.Linear holding B A: the same weight count as the block-identity factors, the same map, and no
-  second matmul or index gather at decode. With a dense v_proj the module caches full values for that layer.
-- RoPE models: decompress, then rotate (App. F.3) with RoPE-unaware HOSVD by default (rope_window=1);
-  rope_window=w > 1 uses the RoPE-aware slices Θ_δ, δ = 0..−(w−1). The per-head junction J_i (d_h² per
-  head) is not implemented: B_q, B_k stay dense (RoPE does not commute with a per-head junction anyway).
-- GQA: ranks are per matrix (r_k from the k_proj shape), not r_q = r_k: the paper's rule assumes MHA.
-  Joint QK refuses r_q or r_k below head_dim (the issue's rule), which rules out compressing MQA keys.
-- joint QK with a pre-conditioner other than rootcov (Table 1 ablation) runs the same HOSVD with P in place
-  of C^{1/2}; rootcov uses the bias-aware form (§3.7) when q and k have biases.
-- Table 1/2 (pre-conditioners; benchmarks/latentllm.py, results/latentllm-table.json): root-cov minimises each
-  matrix's activation loss (tested) but is not the best perplexity at mild compression; it is at strong
-  compression with the spectrum allocation, so rootcov stays the default. Joint V/O against local V/O: Remark 11
-  holds with the spectrum allocation (BENCHMARKS.md, section LatentLLM).
-- joint_ud keeps the iterate with the lowest output error on its calibration sample (ud_keep_best, default
-  true) instead of the last one: the alternating scheme does not guarantee improvement (App. H), and
-  this way it is never worse than local compression on that sample. Its work dtype is float32.
-- Statistics are collected sequentially (layer i sees compressed layers < i), one forward per layer with
-  the original layer i (SparseLLM's order); q/k/v/o/MLP of a layer share that pass.
+What is approximated, per layer, without training: q/k jointly (`qk=joint`, default: the pre-softmax logits of every
+head by shared latents A_q x, A_k x and per-head decompressions, Tucker/HOSVD of the whitened per-head bilinear
+forms, Alg. 1; this turns MHA/GQA into multi-head latent attention, `LatentAttention` with a latent key cache) or
+each alone (`qk=split`); v and o by local activation-aware SVD (`vo=separate`, the paper's final choice, Remark 11)
+or jointly (`vo=joint`, App. G); optionally the MLP (`mlp=local`, or `mlp=joint_ud`: SparseLLM-style alternating
+up/down fit, §4.3 and App. H).
+Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the inputs of the compressed linears, collected sequentially
+(layer i sees the compressed layers < i); joint_ud fits on a seeded reservoir sample of MLP-input tokens.
+Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block-identity junction
+(default), r(d_out + d_in) with dense factors. KV per token and layer: r_k + r_v (`cache=latent`) instead of
+2·n_kv·d_h; `cache=values` n_kv·d_h + r_v (rotated keys, value latents); `cache=dense` 2·n_kv·d_h.
+Ranks: `ratio` (kept fraction of each layer's attention weights), `total_ratio` (of all parameters), `kv_ratio`
+(of the dense KV cache) or explicit `ranks`; `alloc=spectrum` (default) moves rank between a layer's matrices by
+whitened spectrum energy, `alloc=uniform` is the paper's rule, `alloc=global` allocates across layers.
+Deviations from the paper: the spectrum allocation by default (the uniform rule loses most in V, whose whitened
+spectrum is flat); full-rank matrices installed dense; RoPE handled by decompress-then-rotate (App. F.3), no per-head
+junction; per-matrix ranks under GQA; joint_ud keeps its best iterate (App. H does not guarantee improvement).
+Where it lives: methods/latentllm.py (plan, convert), latentllm_attention.py, latentllm_ranks.py, latentllm_mlp.py;
+linalg/tucker.py, vo.py, joint_ud.py, lowrank.py; modules/latent.py. Every option and each deviation's reason:
+docs/methods/latentllm.md. Measured: BENCHMARKS.md, section LatentLLM.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """`lisa` and `ds`: cross-layer attention sharing (LISA, Mu et al., arXiv 2408.01890 v1; seed 002).
 
-Approximates: the pre-softmax scores A_n = Q_n K_n^T / sqrt(d) of a chosen layer n by those of layer n-1,
+What is approximated: the pre-softmax scores A_n = Q_n K_n^T / sqrt(d) of a chosen layer n by those of layer n-1,
 aligned over heads by a tiny FFN and corrected by low-rank Q/K of rank r per head:
 A_n ~ FFN([A_{n-1}; Q_LR K_LR^T / sqrt(r)]) (modules/shared.py). `ds` (direct sharing) uses A_{n-1} as is.
 Layer n keeps its own W_v and W_o; W_q and W_k are dropped (kept only with NF, `nf_min_len`).
-Statistics: none (conversion is data-free); the new weights are trained afterwards by distillation.
+Statistics: none (conversion is data-free); the new weights are trained afterwards by distillation
+(`train/distill.distill`, teacher = the model before the recipe's first step; run by api.compress through
+`Lisa.train_step` after the step, since convert runs per layer without gradients, token ids or a tokenizer).
 Cost per LISA layer (h heads, g KV heads, d head dim, D hidden, F aligner width, c = 2h fusion / h add):
   params  + D(h + g) r + c F + F + F h + h   − D(h + g) d (W_q, W_k removed unless NF)
   KV      K_LR g r + V g d elements/token instead of 2 g d (ds: V + a 1-byte position marker)
-  e.g. SmolLM2-135M (h 9, g 3, d 64, r 10, F 72): +71.1k, −442k params; K cache 64 -> 10 per head (6.4x).
-Training (the paper's distillation; when and how it runs is ours): a separate step after conversion,
-`train/distill.distill`,
-teacher = a frozen copy of the model before the recipe's first step (api.compress). It is not inside
-`convert` because convert runs per layer under torch.no_grad with neither token ids nor tokenizer, while
-distillation needs every LISA layer installed, labelled text and gradients. The `train` argument (a dict of
-DistillConfig fields) records the budget in the recipe; api.compress runs `Lisa.train_step(model, tokenizer,
-teacher)` after the step's conversion and records the training report in the step's plan ("training").
-
-Decisions where the paper is silent or ambiguous:
-- scores are shared before softmax, the mask is applied only right before softmax;
-- default r = round(d / 6.4) rounded up to even, aligner width 8h, no RoPE in the low-rank
-  branch (`rope_lr` flag), end-to-end gradient through chains;
-- init "ds": the untrained layer equals direct sharing exactly (identity aligner, silent A_delta);
-- layer presets: the paper's Table 4 lists for 32 layers; for other depths `select_layers`: never
-  the first max(2, ceil(0.1 L)) layers nor the last, at most 2 chained layers in the first 2/3 of the net;
-- NF (`nf_min_len`) decides per forward: a prefill of >= nf_min_len tokens into an empty cache.
+Decisions where the paper is silent: scores shared before softmax; r = round(d / 6.4) rounded up to even, aligner
+width 8h; an untrained layer equals direct sharing; layer presets for depths other than the paper's 32.
+Where it lives: methods/lisa.py; modules/shared.py; train/distill.py. The training design and every decision:
+docs/methods/lisa.md. Measured: BENCHMARKS.md, section "LISA: cross-layer attention sharing".
 """
 
 from __future__ import annotations

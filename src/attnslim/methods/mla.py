@@ -1,73 +1,25 @@
-"""`mla` and `transmla`: convert attention to multi-head latent attention with decoupled RoPE (`MLAAttention`).
+"""`mla` and `transmla`: attention as multi-head latent attention with decoupled RoPE (`MLAAttention`).
 
-Both cache, per token and layer, one latent c (rank r) and one rotary key (d_rope dims) shared by every head:
-r + d_rope values instead of 2·n_kv·d_h. Decode absorbs the key up-projection into the query and the value
-up-projection into the output (modules/mla.py). Per layer (linalg/mla_rope.py, linalg/mla.py):
-  1. a change of basis of each RoPE frequency across the KV heads; `rope_dims`/2 components stay true rotary
-     pairs (the model's own cos/sin, so scaled RoPE is exact), the rest lose their rotation and join the
-     non-rotary key space;
-  2. one rank-r factorisation [k_nope; v] ≈ B (A x).
-q_proj and o_proj's weight are kept; biases are carried exactly (linalg/mla.py says how).
-
-`mla` (ours) — what LatentLLM adds to that form:
-  rope_select=query (default): balanced truncation of each frequency's logit, K and the lifted query moment
-    diagonalised together; a dropped component's query is shrunk by the mean cosine of its phase over causal
-    distances < `rope_span` (its least-squares stand-in), and components are kept by the logit error dropping
-    them would leave; rope_select=pca is TransMLA's RoRoPE criterion (key energy).
-  rope_fold: FreqFold under either choice: `rope_fold` neighbouring frequencies share one change of basis, so a
-    rotary slot can hold the best direction of several frequencies (rotated at one of them: exact only where
-    they are equal); it caps rope_dims at one head's rotary dims. Default (null): fold 4 where the layer keeps
-    fewer rotary pairs than it has frequencies, none where every frequency has a slot (folding then only adds the
-    mismatch), with d_rope = E/6 (`folded_rope_dims`): measured against fold 1/2/8 and other d_rope in
-    BENCHMARKS.md, section MLA. rope_spread=true keeps at most one pair per
-    frequency without folding (the ablation that separates FreqFold's pooling from its spread over frequencies).
-  kv_weight=attention (default): [k_nope; v] fitted on the centred input covariance (LatentLLM's root-covariance
-    objective, LatentLLM's mean correction, Eq. 45; center=false: the uncentred moment, no mean correction) with
-    output-side weights: within the key block, errors weighted by what they do to each head's logits (query
-    second moments, shrinkage included, × that head's output spread), within the value block by W_o
-    (linalg/mla.attention_weight); the key block is then scaled to the values' weighted energy (TransMLA's
-    balance); kv_weight=rootcov: the same without the output side (each de-rotated key row weighted by its
-    query's squared shrinkage only; CARE's covariance-aware SVD);
-    kv_weight=svd: a plain truncated SVD of the weights (no statistics), the floor every fit must beat.
-    Measured against each other: BENCHMARKS.md, section MLA.
-  alloc=global: the step's latent budget (the uniform ranks' sum) spread over its layers by the normalised
-    weighted spectrum of each layer's [k_nope; v] (LatentLLM's global allocation; a dense statistics pass
-    first, each layer's spectrum computed by `summarize` while that layer is in memory, so it runs offloaded;
-    then a sequential refit); per-layer KV then differs, the step's total stays.
-  refit_o: after each layer's conversion (sequential: on the converted upstream layers' outputs), o_proj's weight
-    and bias are refitted by ridge least squares to the dense attention's output on the same calibration inputs,
-    the ridge (`damp`) pulling towards the original o_proj (methods/refit.py): the latent, the rotary split and the
-    softmax leave an output error that the last linear map partly cancels in closed form (layout deepseek: no
-    bias, the weight alone). It needs 24 calibration tokens per hidden dimension (fewer overfit: refused), more
-    than the rest of the fit. Off by default: it is for conversions without a heal (one-shot it gains at every
-    KV budget; at KV 0.5 it ended worse after recipes/mla.yaml's heal and after one of every parameter, at KV 0.25
-    mixed after a heal of every parameter; recipes/mla-oneshot.yaml uses it). Measured: BENCHMARKS.md, MLA (rows
-    mla-refit-*).
-  local_steps: then (sequential too) every parameter of the installed layer (q_proj, the query maps, the rotary
-    key, the latent factors, o_proj) trains for `local_steps` Adam steps, one calibration batch each, towards the
-    dense attention's output on the same inputs, at `local_lr` relative to each tensor's RMS; a held-out eighth of
-    the calibration batches picks the iterate kept (methods/local_fit.py). The closed-form fits above each serve
-    a proxy; this fits the parts jointly through the softmax. Off by default. Measured: BENCHMARKS.md, MLA (rows
-    with `local`).
-`transmla` — the baseline, reimplemented from the paper's description (arXiv 2502.07864; no code copied): RoRoPE
-  (PCA per frequency across KV heads, key energy), FreqFold (`freq_fold` neighbouring frequencies share one PCA;
-  the baseline's approximation) and BKV-PCA (PCA of the uncentred [α k_nope; v] outputs, α² = E‖v‖² / E‖k_nope‖²).
-  Deviation: α from second moments (streamed statistics), not from a mean of per-token norms.
-Statistics: Σxxᵀ, Σx, n at the attention input (q, k, v all read it); nothing else (methods/mla_stats.py).
-layout=deepseek (both methods): the form of a DeepSeek-V3 checkpoint, which `attnslim export --to deepseek-v3` writes
-  exactly (export/deepseek.py) and stock vLLM serves: at most one rotary pair per frequency (DeepSeek's rotary
-  key has one slot per frequency; rope_dims at most one head's rotary dims), no attention biases (layers with any
-  are refused), and the latent fitted on the uncentred input moment (the mean correction needs an o_proj bias).
+What is approximated: each layer's keys and values. Both methods cache, per token and layer, one latent c (rank r)
+and one rotary key (d_rope dims) shared by every head; decode absorbs the key up-projection into the query and the
+value up-projection into the output, so no cached key is decompressed. Per layer: a change of basis of each RoPE
+frequency across the KV heads (`rope_dims`/2 components stay true rotary pairs, the rest join the non-rotary keys;
+linalg/mla_rope.py), then one rank-r factorisation [k_nope; v] ≈ B (A x) (linalg/mla.py). q_proj and o_proj keep
+their weights; biases are carried exactly.
+`transmla`: the baseline, TransMLA (arXiv 2502.07864, RoRoPE + FreqFold + BKV-PCA), reimplemented from the paper.
+`mla` (ours) adds LatentLLM's objective (root covariance, mean correction, Eq. 45) with output-side weights
+(`kv_weight`), a logit-balanced choice of the rotary components (`rope_select=query`), FreqFold by default where
+rotary pairs are fewer than frequencies (`rope_fold`), `alloc=global` ranks, and the optional `refit_o` (methods/
+refit.py) and `local_steps` (methods/local_fit.py) for conversions without a heal.
+Statistics: Σxxᵀ, Σx, n at the attention input (methods/mla_stats.py).
 KV budget: `kv_ratio` (kept fraction of the dense cache, r = ⌊kv_ratio·2·n_kv·d_h⌋ − d_rope) or an explicit `rank`.
-Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r²
-(block-identity A); query maps h·d_h·(d_rope + D_n), D_n = n_kv·d_h − d_rope.
-Why a new method and not a `latentllm` option: the module, the cache and the budget are different (a KV budget,
-not a weight ratio; q and o are not factorised), and most latentllm options (qk, vo, alloc, cache) would not
-apply; this file reuses latentllm's linear algebra (InputStats, root-covariance square roots, the block-identity
-junction, the mean correction). QK-norm layers (Gemma-3): the key norm y = g ⊙ u / rms(u) is a positive scale
-per token and KV head on a linear key, so the split and the latent fit the linear part g ⊙ u (`fit_spec`) and
-MLAAttention caches each KV head's 1/rms(u), computed once per new token from the model's own W_k (n_kv values
-per token, taken from the latent's budget); exact at full rank. Results: BENCHMARKS.md, section MLA.
+Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r² (block-identity
+A); query maps h·d_h·(d_rope + D_n), D_n = n_kv·d_h − d_rope. KV per token: r + d_rope (+ n_kv key scales with
+QK-norm, taken from the latent's budget).
+`layout=deepseek`: the form `attnslim export --to deepseek-v3` writes exactly and stock vLLM serves.
+Where it lives: methods/mla.py (options, plan), mla_base.py (shared with transmla), mla_stats.py; linalg/mla.py,
+mla_rope.py; modules/mla.py (the module). Every option, deviation and reason: docs/methods/mla.md. Measured:
+BENCHMARKS.md, section "MLA: multi-head latent attention with decoupled RoPE beside TransMLA".
 """
 
 from __future__ import annotations

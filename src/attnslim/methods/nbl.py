@@ -1,48 +1,22 @@
 """`nbl`: Neural Block Linearization (Erdogan, Tonin, Cevher 2025, arXiv 2505.21077; seed 003).
 
-Approximates: the attention sub-block output Y of m chosen layers by one affine map Ŷ = W X + b, fitted in
+What is approximated: the attention sub-block output Y of m chosen layers, by one affine map Ŷ = W X + b fitted in
 closed form (LMMSE: W (C_XX + δI) = C_YX, b = E[Y] − W E[X]; linalg/cca.lmmse_map). The layer then computes
 h + W X + b: no Q/K/V, no softmax, no KV cache.
-Statistics per candidate layer, streamed in float64 (linalg/cca.JointStats): E[X], E[Y], C_XX, C_YX, C_YY of
-the fit pair (X, Y); the same of (h, Y) for the paper's CCA bound when X ≠ h; LLM-Drop's mean cos(h, h + Y).
+Statistics per candidate layer, streamed in float64 (linalg/cca.JointStats): E[X], E[Y], C_XX, C_YX, C_YY of the
+fit pair (X, Y); the same of (h, Y) for the paper's CCA bound when X ≠ h; LLM-Drop's mean cos(h, h + Y).
 Cost: a linearized layer holds d² + d parameters (instead of q/k/v/o) and 1 byte/token of cache (the position
-marker), so KV bytes/token fall by ≈ m/L; its decode work is one (d, d) matvec.
-
-Selection (`criterion`, lower = linearize first):
-  cca         the paper's bound Σ_i (1 − ρ_i²), ρ = canonical correlations of (Y + h, h), X = h as in the paper
-  nmse        the in-sample fit error E‖Y − Ŷ‖² / tr(C_YY) that the bound bounds
-  resid       E‖Y − Ŷ‖² / E‖h + Y‖²: the fit error as a fraction of the residual stream it is added to
-  similarity  LLM-Drop's 1 − mean cos(h, h + Y) (which layers change the stream least)
-  probe       measured: the increase of the mean calibration NLL (first `probe_windows` calibration windows)
-              when only this layer is linearized with its fitted map; one forward of those windows per
-              candidate (the statistics of every layer are collected first, as for the other criteria)
-  random      seeded;  highest: the highest cca bound;  given: every candidate layer (m not used)
-
-Deviations from the paper / reference implementation, and why:
-- default criterion `similarity`, not `cca`: on SmolLM2 the bound ranks layers by how well the residual h
-  predicts Y + h, which is dominated by the scale of h, not by whether Y is linear; it is also scale-free per
-  canonical direction, so 500+ low-variance directions outweigh the few that carry Y's energy. It picks
-  layer 0 and the last layers, where linearization hurts most.
-- measured on SmolLM2-135M (benchmarks/nbl.py, small run, wiki/ptb/c4 ppl ×dense at m = 6): similarity
-  1.06/1.32/1.21, resid 1.08/1.76/1.29, probe 1.06/1.51/1.24, cca (the paper) 1.59/1.84/1.74; at m = 12
-  similarity 1.22/1.88/1.76, resid 1.23/2.15/1.70, probe 1.65/3.45/1.85 (single-layer costs do not add up).
-  `resid` (the fit error relative to the stream) ranks single layers well but picks the last six layers in
-  a row, where errors compound. The ridge does not matter at 32 calibration windows (nbl.py --groups ridge:
-  1e-4 and 1e-2 give the default 1e-6's perplexity; BENCHMARKS.md, section NBL). Exploratory
-  runs not kept in benchmarks/ (so quoted without numbers): weighting the fit by 1/‖h + Y‖² (the `resid`
-  objective) did not change perplexity measurably, and a greedy measured selection on 2x256 probe tokens
-  overfit the probe.
-  More calibration windows help the d x d maps (results/nbl-calib.json), so recipes/nbl.yaml uses 256.
-- architectures with a norm on the attention output (Gemma-3's post_attention_layernorm): the fit target stays
-  the attention output (the replacement sits before that norm), but `similarity` and `resid` score what the
-  stream receives, norm(Y), with the norm's per-token gain ‖norm(y)‖/‖y‖ on the fit error (its per-channel
-  weights are averaged out). Scoring raw Y made every Gemma-3 layer look alike (1 − cos ≈ 1e-6).
-- default input "normed" (X = norm(h), the attention's own input) instead of the raw residual h: a linear map
-  of h cannot represent the norm's per-token 1/rms(h), which dominates the error; input="residual" is the
-  reference's choice (the pre-attention norm is then replaced by an identity).
-- stable solve with a relative ridge, never an explicit inverse (the reference uses inv(C_XX)).
-- `sequential=True` refits each chosen layer on the already-linearized upstream model (selection still uses
-  the dense statistics); the paper fits all layers one-shot from the dense model.
+marker), so KV bytes/token fall by about m/L; its decode work is one (d, d) matvec.
+Selection (`criterion`, lower = linearize first): `cca` (the paper's bound Σ(1 − ρ²)), `nmse`, `resid` (fit error
+relative to the stream), `similarity` (LLM-Drop's cosine; the default), `probe` (measured calibration-NLL increase
+of each layer alone), `random`, `highest`, `given`.
+Deviations from the paper and the reference implementation: `similarity` instead of `cca` by default (the bound is
+dominated by the scale of h, not by whether Y is linear, and picks the layers where linearization hurts most);
+input `normed` (the attention's own input: a map of raw h cannot represent the norm's 1/rms(h)); a relative ridge
+instead of an explicit inverse; on models with a norm on the attention output, scores of what the stream receives;
+`sequential=True` refits on the linearized upstream (the paper fits one-shot).
+Where it lives: methods/nbl.py; linalg/cca.py; modules/linearized.py. Every criterion and each deviation's reason:
+docs/methods/nbl.md. Measured: BENCHMARKS.md, section "NBL: linearized attention layers".
 """
 
 from __future__ import annotations
@@ -98,7 +72,7 @@ class RelativeMoments:
     With xa = [x, 1]: s_xx = Σ ω xa xaᵀ (d+1, d+1), s_yx = Σ ω y xaᵀ (d, d+1), s_yy = Σ ω ‖y‖², n tokens.
     The next norm divides each token by its own rms, so what a linearization changes downstream is the
     per-token relative error — a ratio of means would be dominated by the few attention-sink tokens whose
-    residual norm is 100× the median (SmolLM2, layers 12+).
+    residual norm is a large multiple of the median (SmolLM2's deeper layers).
     """
 
     s_xx: torch.Tensor

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnslim import _compat
+from attnslim import host
 from attnslim.errors import AttnslimError
 
 KERNELS = ("torch", "onednn")
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     """F.linear(x, weight, bias) (x (..., d_in), weight (d_out, d_in)) on `kernel` where it applies (see the module
     docstring), else on F.linear."""
     if kernel == "onednn" and _applies(x, weight, bias):
-        return _compat.onednn_linear(x, weight, bias)
+        return host.onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -59,7 +59,7 @@ def set_cpu_linear(model: nn.Module, kernel: str) -> int:
     if kernel not in KERNELS:
         raise AttnslimError(f"cpu linear kernel {kernel!r} is unknown; valid: {', '.join(KERNELS)}")
     if kernel == "onednn":
-        if not _compat.onednn_linear_available():
+        if not host.onednn_linear_available():
             raise AttnslimError("cpu linear kernel 'onednn': this torch build has no oneDNN linear op "
                                 "(torch.ops.mkldnn._linear_pointwise); use 'torch'")
         devices = {p.device.type for p in model.parameters()}

@@ -260,8 +260,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
     key_scale (b, n, kv): keys multiplied by it (a key norm's 1/rms, modules/mla.py); decode scales the logits
     instead, with no scaled copy of the keys.
     Few queries (decode) go through `grouped_attention`: SDPA copies grouped KV heads and, when the value
-    width differs from the query width (absorbed latents), falls back to a kernel ~10x slower on the CPU
-    (benchmarks/kernels.py)."""
+    width differs from the query width (absorbed latents), falls back to a much slower kernel on the CPU
+    (timed by benchmarks/kernels.py, results/kernels.txt)."""
     t, kv = q.shape[2], k.shape[2]
     if t <= FEW_QUERIES:
         if keep is None and t > 1:  # causal over the last t of kv positions

@@ -7,31 +7,21 @@
     logit_i = scaling · (N_q,i q_i · k_n + RoPE(R_q,i q_i) · k_r)     q_nope = N_q (h, D_n, d_h), q_rope = R_q
     y = o_proj(concat_i softmax(logit_i) v_g(i))
 
-QK-norm (Gemma-3: k = g ⊙ u / rms(u) per KV head, before RoPE): the factors above describe the linear keys g ⊙ u
-(methods/mla_base.fit_spec), and each new token's s_j = 1/rms(u_j) per KV head j is computed once, from the
-model's own pre-norm key u = W_k x (`key_norm`, the original k_proj), and cached: logit_i = s_j(i) · (as above).
-The scale is the model's whatever the rank (not rebuilt from the latent: Gemma-3's gains have zeros, so g ⊙ u
-cannot give back u); it costs n_kv values per token and W_k's weights, which the fused decode's one input GEMM
-includes.
-The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing (b, 1, t, 0) in the
-value slot: r + d_rope (+ n_kv) values per token and layer. In a dynamic cache (generate()'s default) the layer
-becomes a `_compat.ReservedRowsLayer`, which appends in place instead of copying the whole cache at every step.
+QK-norm (k = g ⊙ u / rms(u) per KV head): the factors describe g ⊙ u, and s_j = 1/rms(u_j) of the model's own
+u = W_k x (`key_norm`) is cached per KV head: logit_i = s_j(i) · (as above); docs/methods/mla.md says why.
+The cache holds [c, k_r (, s)] (b, 1, t, r + d_rope (+ n_kv)) in the key slot and nothing in the value slot; in
+a dynamic cache the layer becomes a `_compat.ReservedRowsLayer`, which appends in place (no copy per step).
 Two paths give the same output (tested):
   absorb     (decode, ≤ FEW_QUERIES new tokens): q̃_i = B_kᵀ N_q,i q_i (r,) scores the cached latents directly,
              the attention-weighted latent goes through B_v per head after the softmax: cached latents are
              never decompressed. MACs per new token and head: (r + d_rope) T for scores, r T for values,
-             d_h (r + d_rope) + r d_h for the absorbed projections. The core (scores, softmax, weighted rows)
-             runs as `grouped_attention`, two skinny GEMMs over the whole cache, or, on the CPU with two or
-             more threads and caches long enough (`split_attention.split_count`: shorter where MKL runs generic
-             code), as `linalg.split_attention`: one piece of the cache per thread through torch's fused flash
-             kernel, merged by log-sum-exps. Same values; `decode_kernel` picks
-             (BENCHMARKS "MLA: decode core kernels" and "MLA: whole-model decode with the split ...").
+             d_h (r + d_rope) + r d_h for the absorbed projections. Fused weights, the core's kernel and the
+             straight step of a sequence under way: the decode engine, modules/mla_decode.py.
   decompress (prefill): every cached token's key per query head [M_iᵀ c; k_r] with M_i = B_kᵀ N_q,i, and its
              value B_v c, then attention at width d_h + d_rope per head (N_q,i q_i · B_k c = q_i · M_iᵀ c).
 B_kᵀ N_q,i is a product of two parameters; outside autograd it is computed once per parameter version.
-RoPE tables come from the model's rotary module (scaled RoPE stays exact), gathered at the kept frequencies
-`rope_freq`, at absolute cache positions: keys are rotated once when cached, so sliding-window caches (which
-keep only the last window) and left padding (every position of a row shifts alike) need nothing more.
+RoPE tables come from the model's rotary module (scaled RoPE stays exact) at the kept frequencies `rope_freq` and
+absolute cache positions: keys are rotated once when cached, so sliding windows and left padding need nothing more.
 """
 
 from __future__ import annotations
@@ -46,32 +36,21 @@ from attnslim import _compat
 from attnslim._compat import AttentionCall
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
-from attnslim.linalg.attention import grouped_attention, repeat_kv
+from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads, merge_heads
 from attnslim.modules.base import ReplacementAttention
-from attnslim.modules.cpu_linear import linear
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
 from attnslim.modules.lowrank import LowRankLinear
-from attnslim.modules.mla_fused import (
-    FusedDecode,
-    RotaryParts,
-    fuse_decode_weights,
-    fused_weight_count,
-    rotate_in_place,
-    source_key,
-)
+from attnslim.modules.mla_decode import DECODE_KERNELS, MLADecode
 from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
-# the absorbed core for few queries: "auto" splits the cache where `split_attention.split_count` advises,
-# "split" always (at least two pieces: tests), "grouped" never (benchmarks compare the two). QK-norm layers decode
-# on `grouped_attention` with the cached key scales multiplying the logits, whatever the kernel says
-DECODE_KERNELS = ("auto", "split", "grouped")
+__all__ = ["DECODE_KERNELS", "PATHS", "MLAAttention"]
 
 
 @register_module
-class MLAAttention(ReplacementAttention):
+class MLAAttention(MLADecode, ReplacementAttention):
     rope_freq: torch.Tensor | None  # (d_rope/2,) long: model frequency index of each rotary pair
     linear_kernel = "torch"  # or "onednn" for the fused decode projection: modules/cpu_linear.set_cpu_linear
 
@@ -108,10 +87,9 @@ class MLAAttention(ReplacementAttention):
         # "auto": decode steps of a sequence under way take `_decode_step`, other calls with few queries absorb,
         # many decompress; or "absorb" / "decompress" (the general path) for every call (tests, benchmarks)
         self.path = "auto"
-        self.decode_kernel = "auto"  # see DECODE_KERNELS
+        self._init_decode()  # decode_kernel and the fused weights (modules/mla_decode.py)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rope) cos and sin
-        self._absorbed: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._fused: tuple[tuple[tuple[int, int], ...], FusedDecode] | None = None
+        self._absorbed = None
 
     @property
     def key_scales(self) -> int:
@@ -196,30 +174,6 @@ class MLAAttention(ReplacementAttention):
                 out = self._decompress(q, q_r, store, keep)
         return self.o_proj(merge_heads(out))  # o_proj of (b, t, h·d_h)
 
-    def _decode_step(self, x: torch.Tensor, cache: Any) -> torch.Tensor | None:
-        """x (b, 1, d), one new token of a sequence under way -> the layer's output (b, 1, d), on the fused weights
-        with nothing but the absorbed path's operators; None where this step is not the plain case (a cache layer
-        that is not appending in place, autograd, a key norm, a softcap or a sliding window): `attend`'s general
-        path then runs, with the same values (tested). At a small model's decode the Python around each operator
-        counts: the general path's checks and wrappers cost SmolLM2 a few % of its decode speed at 512 tokens
-        (BENCHMARKS "What one decode step dispatches" and "MLA: decode against dense at 512 tokens ...")."""
-        if self._fused is None or self.path != "auto" or self.key_norm is not None or self.softcap is not None \
-                or self.sliding_window is not None:  # a window over a cache that keeps every row needs a mask
-            return None
-        layer = _compat.filled_reserved_layer(cache, self.layer_idx)
-        if layer is None or torch.is_grad_enabled():
-            return None
-        fused = self._fused[1]
-        new, q_cat = self._decode_inputs(x, fused, _compat.cache_seq_length(cache, self.layer_idx))
-        store = layer.update(new, new[..., :0])[0]  # (b, 1, T, r + d_rope)
-        b, r, n_kv = x.shape[0], self.rank, self.n_kv_heads
-        if (splits := self._splits(q_cat, store.shape[-2])) > 1:
-            lat = split_attention.split_attention(q_cat, store, None, 1.0, splits)[..., :r]  # (b, h, 1, r)
-        else:
-            lat = grouped_attention(q_cat, store, store[..., :r], None, 1.0)  # `scaling` is in the fused maps
-        out = lat.reshape(b, n_kv, self.n_heads // n_kv, r) @ fused.value_t  # (b, n_kv, g, d_h)
-        return self.o_proj(out.view(b, 1, self.n_heads * self.head_dim))
-
     def _new_rows(self, x: torch.Tensor, past: int) -> torch.Tensor:
         """x (b, t, d) -> the cache rows of new tokens (b, 1, t, r + d_rope + key_scales): [c, RoPE(k_r)], and with
         QK-norm each KV head's 1/rms of its pre-norm key u = W_k x."""
@@ -272,89 +226,6 @@ class MLAAttention(ReplacementAttention):
         lat = lat.reshape(b, n_kv, h // n_kv * t, r)  # rows (i, s): query head j·g + i uses KV head j
         return (lat @ b_v_t).view(b, h, t, self.head_dim)  # no copy of B_v per group
 
-    def _splits(self, q: torch.Tensor, rows: int) -> int:
-        """Pieces of the cache for `split_attention` (1: `grouped_attention`), as `decode_kernel` says."""
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise AttnslimError(f"layer {self.layer_idx}: MLAAttention decode_kernel = {self.decode_kernel!r}; "
-                                f"valid: {DECODE_KERNELS}")
-        if self.decode_kernel == "grouped":
-            return 1
-        advised = split_attention.split_count(q, rows)
-        if self.decode_kernel == "auto":
-            return advised
-        if not split_attention.runs_on(q):
-            raise AttnslimError(f"layer {self.layer_idx}: MLAAttention decode_kernel = 'split' needs torch's CPU "
-                                f"flash kernel, which cannot run on {q.device.type} {q.dtype}; use 'auto'")
-        return max(2, advised)
-
-    # --- inference decode: the same algebra with fewer, larger operations ----------------------------------
-    def fused(self) -> FusedDecode | None:
-        """Derived weights for decode outside autograd (modules/mla_fused.py), or None where q_proj is not a plain
-        Linear (e.g. factorised by another step; `_fusable`): the unfused path then runs, with the same values.
-        Built on first use and checked against the parameters when a sequence starts (`attend` at an empty cache,
-        or without one: `_forget_stale`), not at every decode step: reading every
-        source tensor's version and address in every layer showed in profiles of a small model's decode step. So
-        parameters changed in the middle of a cached sequence are seen from the next sequence on; the sequence's
-        cached rows were computed with the old weights anyway."""
-        if not self._fusable():
-            return None
-        assert isinstance(self.q_proj, nn.Linear)
-        if self._fused is not None:
-            return self._fused[1]
-        rotary = None
-        if self.k_rope is not None and self.q_rope is not None:
-            rotary = RotaryParts(self.k_rope.weight, self.k_rope.bias, self.q_rope)
-        with torch.no_grad():
-            value = fuse_decode_weights(self.q_proj, self.kv.dense_latent(), self.absorbed_query(),
-                                        self._value_map(), self.scaling, rotary,
-                                        None if self.key_norm is None else self.key_norm.weight)
-        assert value.maps.shape[-1] == self.rank + 2 * self.rope_dims
-        self._fused = (self._source_key(), value)
-        return value
-
-    def _fusable(self) -> bool:
-        """Whether decode runs on `fused` weights: where q_proj is a plain Linear (a key norm's W_k joins the
-        fused input rows)."""
-        return isinstance(self.q_proj, nn.Linear)
-
-    def _source_key(self) -> tuple[tuple[int, int], ...]:
-        """The state of every tensor `fused` derives from (mla_fused.source_key)."""
-        return source_key((self.q_proj, self.kv, self.k_rope, self.key_norm, self))
-
-    def _forget_stale(self) -> None:
-        """Drop the derived decode weights if a tensor they derive from changed since they were built."""
-        if self._fused is not None and self._fused[0] != self._source_key():
-            self._fused = None
-
-    def release_derived(self) -> None:
-        """Forget the weights derived from the parameters (offloaded runs take the parameters away after each
-        forward: keeping their derivatives would hold every layer's copy in memory)."""
-        self._fused = self._absorbed = None
-
-    def _decode_inputs(self, x: torch.Tensor, fused: FusedDecode, past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (b, t, d) -> new cache rows [c, RoPE(k_r) (, key scales)] (b, 1, t, r + d_rope (+ n_kv)) and
-        q_cat (b, h, t, r + d_rope) = [absorbed query; RoPE(rotary query)], views of fresh GEMM outputs (the rows
-        of a QK-norm layer are one small concatenation: its scales are not linear in x)."""
-        t = x.shape[1]
-        r, d_r, hd = self.rank, self.rope_dims, self.n_heads * self.head_dim
-        e = r + d_r
-        y = linear(x, fused.w_in, fused.b_in, self.linear_kernel)  # (b, t, hd + r + 2·d_rope (+ n_kv·d_h))
-        # views, one operator: q (hd), c (r), k_r, P k_r (d_rope each), the pre-norm key u (n_kv·d_h, or none)
-        q_rows, _, k_r, p_k_r, u = y.split_with_sizes([hd, r, d_r, d_r, y.shape[-1] - hd - e - d_r], dim=-1)
-        q = heads(q_rows, self.head_dim)  # (b, h, t, d_h)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q_cat = q @ fused.maps  # (b, h, t, r + 2·d_rope): [absorbed query, q_r, P q_r]
-        if d_r:
-            cos, sin = self._cos_sin(past, past + t, x)  # (1, t, d_rope): broadcasts over batch and heads
-            _, q_r, p_q_r = q_cat.split_with_sizes([r, d_r, d_r], dim=-1)
-            rotate_in_place(q_r, p_q_r, cos, sin)
-            rotate_in_place(k_r, p_k_r, cos, sin)
-        new = y[:, None, :, hd : hd + e]
-        if self.key_norm is not None:
-            new = torch.cat([new, self._key_scales(u[:, None])], dim=-1)
-        return new, q_cat[..., :e]
-
     def _decompress(self, q: torch.Tensor, q_r: torch.Tensor, store: torch.Tensor, keep: torch.Tensor | None
                     ) -> torch.Tensor:
         """Keys and values rebuilt for every cached token; (b, h, t, d_h). Query head i's non-rotary logit is
@@ -395,26 +266,6 @@ class MLAAttention(ReplacementAttention):
         if self.key_norm is not None:
             flops += float(h * context)
         return flops
-
-    def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (bench.flops.decode_bytes_per_token), counted from the shapes:
-        where decode is fused (`_fusable`), the tensors `fused` derives (input rows [W_q; A written out; W_kr;
-        P W_kr (; the key norm's W_k)], the query maps [B_kᵀ N_q,i; R_q,i; P R_q,i] per head, B_vᵀ per KV head),
-        else the unfused path's (q_proj, A, W_kr, B_kᵀ N_q,i and R_q,i per head, B_vᵀ per KV head, W_k); o_proj
-        and the q-norm either way.
-        Not the parameter count: decode never reads B, and reads the absorbed products instead."""
-        h, d_h, r, e, n_kv = self.n_heads, self.head_dim, self.rank, self.rope_dims, self.n_kv_heads
-        if self._fusable():
-            has_bias = self.q_proj.bias is not None or (self.k_rope is not None and self.k_rope.bias is not None)
-            count = fused_weight_count(h, d_h, r, e, self.kv.in_features, n_kv, has_bias, self.key_norm is not None)
-        else:
-            k_rope = 0 if self.k_rope is None else sum(p.numel() for p in self.k_rope.parameters())
-            key_norm = 0 if self.key_norm is None else self.key_norm.weight.numel()
-            count = sum(p.numel() for p in self.q_proj.parameters()) + self.kv.a.numel() + k_rope + key_norm \
-                + h * d_h * (r + e) + n_kv * r * d_h
-        rest = [m for m in (self.o_proj, self.q_norm) if m is not None]
-        count += sum(p.numel() for m in rest for p in m.parameters())
-        return count * self.kv.b.element_size()
 
     def ranks(self) -> dict[str, int]:
         return {"kv": self.rank, "rope": self.rope_dims, "nope": self.nope_dims}

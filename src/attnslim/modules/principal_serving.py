@@ -5,48 +5,21 @@ post-RoPE keys/values of this layer are split into a compressible prefix [0, n),
 recent window [n, P). The prefix is replaced by at most r entries (r = ⌈f·P⌉ or a fixed int; nothing is
 compressed when r ≥ n), and every later token attends to [r compressed entries ; exact window ; tokens
 generated so far] with one softmax. The cache holds r + window + generated entries instead of P + generated.
-
-How the prefix is compressed (`compress`); all but "recent" first keep the first `sinks` real tokens exactly
-(attention sinks: principal directions of X miss them because the normed input of the first token
-is unremarkable, while its key is not):
-  "principal"     ATP's top-r principal subspace of the prefix's layer input X (n, d) — the same
-                  uncentred SVD as the paper's layer (exact or Alg. 1, linalg/pca) — written in its
-                  *interpolative* basis: X ≈ C·X[S] with S the tokens chosen by pivoted QR on Uᵀ (QDEIM), so
-                  the "principal keys/values" are the exact post-RoPE keys/values of the tokens S that span
-                  the principal subspace. Why not the paper's orthonormal coordinates UᵀK: softmax is not
-                  invariant to a change of basis, so UᵀK, UᵀV are σ-scaled mixtures the pretrained model never
-                  saw (continuation perplexity explodes, see BENCHMARKS), and even r = n would differ from full
-                  attention. When r exceeds the numerical rank of X the remaining slots go to the most recent
-                  prefix tokens. With `mass` (default) each dropped token's softmax mass is credited to the kept
-                  token whose key is most similar (cosine, per KV head) as a log-count logit bias, so the
-                  compressed prompt keeps its share of the softmax denominator (token-merging style).
-  "hybrid"        (default) half of the budget after the sinks to the most recent prefix tokens (exact), the other half
-                  to "principal" picks among the older tokens: recency carries the local context a continuation
-                  leans on (the sink + recent baseline is hard to beat on C4), the pivots the rest of the
-                  prompt's principal subspace; dropped tokens' mass is merged as for "principal". It is the
-                  default because it beats "principal" alone on both sets and sink + recent on wiki
-                  (benchmarks/atp.py; BENCHMARKS.md, section ATP).
-  "principal-mix" the paper's literal principal keys K′ = Uᵀ·RoPE(K), V′ = UᵀV (orthonormal basis; keys
-                  rotated at their own positions before projection, the "full" key path); an ablation.
-  "recent"        baseline at equal KV budget: the last r prefix tokens (cache = the most recent r + window).
-  "sink"          baseline: the first `sinks` real tokens + the last r − sinks prefix tokens (StreamingLLM).
-When r ≥ n nothing is compressed (every compressor keeps the prompt exactly), so r = P equals full attention.
-
-Keys are compressed after RoPE, so the stored entries carry their absolute positions and new queries use
-ordinary RoPE at their true position; the cache reports the true number of tokens seen, so HF derives
-positions and masks as for a dense cache.
-
-Cache mechanism: after the prefill forward the layer's entry in the HF `DynamicCache` (`cache.layers[i]`) is
-replaced by a `PrincipalCacheLayer` (_compat's `DynamicLayer` subclass) that holds keys/values (b, n_kv, r + tail, hd)
-in the usual tensors, the compressed entries' logit bias (b, n_kv, r) float32 (0 / masked / merged log-mass),
-and the true token count. `cache.update` keeps working (appends to the exact tail), so generate(), beam
-reordering and batch selection work unchanged; crop() (assisted decoding) is refused. Cache bytes count the
-keys/values only; the bias adds 4 bytes per compressed entry and KV head (1/32 of a float32 K+V entry at hd 64).
-
-Uncached reference: `with compression_point(model, P): model(ids)` runs the whole sequence in one pass with
-the same compression at P (queries < P exact causal, queries ≥ P over the compressed prefix + exact causal
-tail). It equals prefill-then-decode with a cache and is how continuation perplexity is measured.
-Without a compression point and without a cache the layer is plain causal attention (= the dense model).
+How the prefix is compressed (`compress`): "principal" (ATP's top-r principal subspace of the prefix's input,
+written in its interpolative basis: the exact keys/values of the tokens that span it, `pivot_tokens`), "hybrid"
+(the default: half of the budget to the most recent prefix tokens, half to principal picks among the older ones),
+"principal-mix" (the paper's literal Uᵀ·RoPE(K), UᵀV; an ablation), and the equal-budget baselines "recent" and
+"sink"; all but "recent" keep the first `sinks` tokens exactly, and with `mass` each dropped token's softmax mass
+is credited to its most similar kept key as a logit bias.
+Keys are compressed after RoPE, so stored entries keep their absolute positions and the cache reports the true
+token count: HF derives positions and masks as for a dense cache. Cache mechanism: after prefill the layer's
+`DynamicCache` entry becomes a `PrincipalCacheLayer` (_compat) holding keys/values (b, n_kv, r + tail, hd), the
+compressed entries' logit bias (b, n_kv, r) and the token count; `cache.update` appends to the exact tail, so
+generate(), beam reordering and batch selection work unchanged; crop() is refused.
+Uncached reference: `with compression_point(model, P): model(ids)` runs the whole sequence in one pass with the
+same compression at P; it equals prefill-then-decode with a cache and is how continuation perplexity is measured.
+The reasons behind each choice (why interpolative, why sinks, why hybrid is the default): docs/methods/atp.md,
+"The serving form's compressed cache". Measured: BENCHMARKS.md, section "ATP: attention on principal keys".
 """
 
 from __future__ import annotations
@@ -80,8 +53,8 @@ def pivot_tokens(u: torch.Tensor, avail: torch.Tensor, r: int) -> tuple[torch.Te
     selectable token was left (fewer real tokens than r).
     Each step keeps the picked directions Q (orthonormalised twice, CGS2) instead of rewriting every row's
     residual: a new direction q ⊥ Q gives residual·q = u·q, so the squared residual norms are downdated by
-    (u q)² — one (n, m) matvec per pick, no (n, m) residual rewritten (0.57 s at n = 1024, r = 508, batch 2:
-    benchmarks/kernels.py).
+    (u q)² — one (n, m) matvec per pick, no (n, m) residual rewritten (timed by benchmarks/kernels.py,
+    results/kernels.txt).
     """
     b, n, m = u.shape
     u64 = u.to(torch.float64)

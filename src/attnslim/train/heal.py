@@ -38,9 +38,9 @@ A heal that diverges is an error, never a saved model (`check_converged`): it st
 is not finite, and at the end it refuses a heal whose mean loss over its last k steps (k = steps/5, 1..10, as in
 the report's kl_last) exceeds DIVERGED_FACTOR × the mean over its first k (kl_first) + DIVERGED_MARGIN nats. A
 heal is meant to lower its loss, and averaging k steps at each end keeps one hard batch from deciding; the
-margin keeps a heal that starts near zero loss from being refused for batch-to-batch noise. heal.lr=1000 on
-SmolLM2 went KL 0.10 -> 6.9 and saved a model whose perplexity was the vocabulary size (reliability round 3, h07);
-the settings themselves (settings.HealConfig) must now be finite, with lr <= 1.
+margin keeps a heal that starts near zero loss from being refused for batch-to-batch noise. A heal at lr 1000 once
+saved a model whose perplexity was the vocabulary size (reliability probe case h07,
+tests/test_reliability_inputs.py); the settings themselves (settings.HealConfig) must now be finite, with lr <= 1.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ Every position of every layer is a target (b·t·d numbers per layer per batch),
 per sequence for the last-position loss. The targets are causal attention outputs, so a non-causal student
 (ATP's paper layer) gains nothing from future tokens by matching them. Layers train independently (teacher
 inputs, not the student's own), as in layer-wise compression methods, so errors that compound through the
-converted layers are not trained against: on SmolLM2 (benchmarks/atp.py, ATP at 1/2 keys with V′/√L on all 30
-layers, acc 0.53 before) 40 steps give 0.59 but 200 steps 0.46, while with only the last 3-7 layers converted
-40 steps recover to within 2 points of dense.
+converted layers are not trained against: measured with ATP's paper layer on every layer, longer layer-match
+training ends lower than shorter, while with only a few layers converted it recovers most of the accuracy
+(benchmarks/atp.py; the archived section "ATP: recovery of the paper's layer on all 30 layers ...", rows
+"layer-match").
 """
 
 from __future__ import annotations

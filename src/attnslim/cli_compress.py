@@ -1,0 +1,145 @@
+"""`attnslim` commands that make a compressed model: recipes, compress, plan (and compress --kv), demo."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from attnslim.cli_commands import command, emit_json
+from attnslim.errors import AttnslimError
+
+
+@command("recipes")
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from attnslim.recipe_catalog import catalog, default_results_dir, format_catalog
+
+    results = default_results_dir() if args.results is None else args.results.expanduser()
+    if args.results is not None and not results.is_dir():
+        raise AttnslimError(f"--results {args.results}: not a directory; give the folder of the benchmark results "
+                            "(a source checkout's benchmarks/results)")
+    entries = catalog(results)
+    print(format_catalog(entries, results))
+    if args.json:
+        emit_json({"results": str(results), "recipes": [asdict(e) for e in entries]})
+    return 0
+
+
+@command("compress")
+def cmd_compress(args: argparse.Namespace) -> int:
+
+    from attnslim.api import check_recipe, compress_to
+    from attnslim.models import refuse_compressed_input
+    from attnslim.outdir import check_output
+    from attnslim.recipe import apply_overrides, load_recipe
+
+    if args.kv is not None:
+        return _compress_planned(args)
+    recipe = apply_overrides(load_recipe(args.recipe or "default"), args.set)
+    check_recipe(recipe)  # refuse before spending seconds loading and minutes compressing
+    refuse_compressed_input(args.model)
+    check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
+    report = compress_to(args.model, recipe, Path(args.out), args.overwrite, args.offload, args.device, args.dtype)
+    _print_compressed(report, args)
+    return 0
+
+
+def _print_compressed(report: Any, args: argparse.Namespace) -> None:
+    from attnslim.bench.kv import no_decode_note
+
+    summary = report.summary()
+    for group, ratio in summary["kept_ratio"].items():
+        print(f"{group:>9}: {report.params_before[group]:>12,} -> {report.params_after[group]:>12,}  ({ratio:.3f})")
+    kv = summary["kv_bytes_per_token"]
+    print(f"KV cache: {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token"
+          f"{no_decode_note(summary['no_decode_layers'])}; {summary['seconds']} s; "
+          f"peak RSS {summary['peak_rss_mb']} MB; saved to {args.out}")
+    if args.json:
+        emit_json({"out": args.out, **summary})
+
+
+def plan_config(args: argparse.Namespace) -> Any:
+    """The planner's settings from `plan`/`compress --kv` arguments, checked before any model is loaded."""
+    from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, candidate_set
+    from attnslim.planner.run import PlanConfig
+    from attnslim.planner.solve import Budget
+    from attnslim.recipe import Calibration
+
+    for flag, value in (("--kv", args.kv), ("--params", args.params), ("--decode-bytes", args.decode_bytes)):
+        if value is not None:
+            Budget({"--kv": "kv", "--params": "params", "--decode-bytes": "decode"}[flag], value, 1.0)
+    for flag, value, low in (("--decode-at", args.decode_at, 1), ("--calib-windows", args.calib_windows, 1),
+                             ("--score-windows", args.score_windows, 1), ("--rounds", args.rounds, 0)):
+        if value < low:
+            raise AttnslimError(f"{flag} {value}: give an integer >= {low}")
+    kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
+    ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
+    candidate_set(kinds, ladder, args.engine)  # unknown kinds or ladder values are refused here
+    return PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
+                      engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
+                      refine_windows=args.score_windows, rounds=args.rounds,
+                      calibration=Calibration(source=args.calib_source, windows=args.calib_windows, seq_len=512))
+
+
+def parse_floats(flag: str, text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise AttnslimError(f"{flag} {text!r}: give comma-separated numbers, e.g. 0.25,0.5,0.75") from None
+
+
+@command("plan")
+def cmd_plan(args: argparse.Namespace) -> int:
+
+    from attnslim.models import refuse_compressed_input
+    from attnslim.models.load import load_model
+    from attnslim.planner.output import check_plan_out, plan_table, write_plan
+    from attnslim.planner.run import plan_model
+
+    cfg = plan_config(args)
+    out = Path(args.out)
+    check_plan_out(out)
+    refuse_compressed_input(args.model)
+    model, tokenizer = load_model(args.model)
+    result = plan_model(model, tokenizer, cfg)
+    report_path = write_plan(result, out)
+    print("\n".join(plan_table(result.report)))
+    print(f"plan written to {out} (report: {report_path}); {result.report['seconds']['total']:.0f} s")
+    if args.json:
+        emit_json({"out": str(out), "report": str(report_path), "used": result.report["used"],
+                   "estimate": result.report["estimate"], "seconds": result.report["seconds"]})
+    return 0
+
+
+def _compress_planned(args: argparse.Namespace) -> int:
+    """`compress --kv F`: plan, then compress the same model with the plan (planner/output.py)."""
+
+    from attnslim.models import refuse_compressed_input
+    from attnslim.outdir import check_output
+    from attnslim.planner.output import plan_and_compress, plan_table
+
+    if args.recipe is not None or args.set:
+        raise AttnslimError("--kv plans the recipe itself; drop --recipe/--set, or write the plan with `attnslim plan "
+                            "... --out plan.yaml`, edit it, and compress with --recipe plan.yaml")
+    if args.offload or args.device != "cpu":
+        raise AttnslimError("--kv plans and compresses in memory on the CPU; for --offload or --device, write the "
+                            "plan with `attnslim plan` and compress with --recipe plan.yaml")
+    cfg = plan_config(args)
+    refuse_compressed_input(args.model)
+    check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
+    result, report = plan_and_compress(args.model, cfg, Path(args.out), args.overwrite, args.dtype)
+    print("\n".join(plan_table(result.report)))
+    _print_compressed(report, args)
+    return 0
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from attnslim.demo import TASK_LIMIT, run_demo
+
+    limit = TASK_LIMIT if args.task_limit is None else args.task_limit
+    if limit < 0:
+        raise AttnslimError(f"--task-limit {limit}: use 0 (every item) or a positive number of items")
+    return run_demo(args.model, args.recipe, args.out, args.tokens, limit or None, overwrite=args.overwrite)
