@@ -188,3 +188,23 @@ def test_vllm_engine_offers_only_its_mla_widths_and_kv_free_layers() -> None:
     assert [[c.label for c, _ in row] for row in rows] == [["keep", "mla@256+64", "nbl", "drop"]] * 4
     assert [r.kv_bytes for c, r in rows[0] if c.kind == "mla"] == [320 * 4]  # kv_lora_rank 256 + rope 64, float32
     assert "exceeds" in refused["0"]["mla@512+64"]  # 512 latent dims > this layer's 2·n_kv·d_h − d_rope
+
+
+def test_plan_heal_flag_ends_the_recipe_with_the_default_heal_on_self_text_when_calibrated_on_it(
+        tmp_path: Path) -> None:
+    from attnslim.recipe import load_recipe
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    default = load_recipe("default").heal
+    assert default is not None
+    options = ["--kv", "0.6", "--candidates", "keep,mla", "--ladder", "0.5", "--calib-windows", "4",
+               "--score-windows", "1", "--rounds", "0", "--heal"]
+    assert cli_main(["plan", str(ckpt), *options, "--calib-source", "tiny", "--out", str(tmp_path / "a.yaml")]) == 0
+    assert load_recipe(tmp_path / "a.yaml").heal == default
+    from attnslim.planner.run import standard_heal
+
+    assert standard_heal("self+tiny") == {**default, "source": "self+tiny"} and standard_heal("wiki") == default

@@ -63,7 +63,7 @@ def _print_compressed(report: Any, args: argparse.Namespace) -> None:
 def plan_config(args: argparse.Namespace) -> Any:
     """The planner's settings from `plan`/`compress --kv` arguments, checked before any model is loaded."""
     from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, candidate_set
-    from attnslim.planner.run import PlanConfig
+    from attnslim.planner.run import PlanConfig, standard_heal
     from attnslim.planner.solve import Budget
     from attnslim.recipe import Calibration
 
@@ -77,10 +77,11 @@ def plan_config(args: argparse.Namespace) -> Any:
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
     ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
     candidate_set(kinds, ladder, args.engine)  # unknown kinds or ladder values are refused here
+    calibration = Calibration(source=args.calib_source, windows=args.calib_windows, seq_len=512)
     return PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
                       engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
-                      refine_windows=args.score_windows, rounds=args.rounds,
-                      calibration=Calibration(source=args.calib_source, windows=args.calib_windows, seq_len=512))
+                      refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration,
+                      heal=standard_heal(calibration.source) if args.heal else None)
 
 
 def parse_floats(flag: str, text: str) -> list[float]:

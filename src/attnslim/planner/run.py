@@ -26,6 +26,8 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.data import calib_windows
+from attnslim.data.generated import SELF
+from attnslim.data.sources import mixture
 from attnslim.errors import AttnslimError
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
@@ -35,7 +37,7 @@ from attnslim.planner.refine import refine
 from attnslim.planner.score import ScoreSet, kl, score_set
 from attnslim.planner.solve import Budget, Option, solve
 from attnslim.planner.starts import start_plans
-from attnslim.recipe import Calibration, Recipe
+from attnslim.recipe import Calibration, Recipe, load_recipe
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class PlanConfig:
     tries: int = 6  # changes measured per round
     mla_args: dict[str, Any] | None = None
     nbl_args: dict[str, Any] | None = None
+    heal: dict[str, Any] | None = None  # the plan's heal (recipe `heal:` block); None: one-shot
 
     def budgets_text(self) -> str:
         parts = [f"kv {self.kv:g}"]
@@ -177,7 +180,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
     recipe = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
-                         "measured KL under the budgets", cfg.calibration)
+                         "measured KL under the budgets", cfg.calibration, cfg.heal)
     table = {i: {c.label: {"kv_bytes": r.kv_bytes, "params": r.params, "decode_bytes": r.decode_bytes,
                            "kl": measured.quality.get((i, c.label), 0.0)} for c, r in row}
              for i, row in enumerate(rows)}
@@ -200,6 +203,15 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                     "total": prepared.seconds + time.time() - start},
     }
     return PlanResult(recipe, report)
+
+
+def standard_heal(calibration_source: str) -> dict[str, Any]:
+    """The default recipe's heal, on the calibration source when that samples the model itself (a model
+    calibrated on its own text should not be healed towards another domain's)."""
+    heal = dict(load_recipe("default").heal or {})
+    if SELF in mixture(calibration_source):
+        heal["source"] = calibration_source
+    return heal
 
 
 def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
