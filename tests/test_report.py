@@ -211,3 +211,14 @@ def test_recipe_text_cannot_inject_markup(llama, tmp_path):
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert "<script>" not in md and "**bold**" not in md and "[link](" not in md
     assert "&lt;script&gt;" in md and r"\*\*bold\*\*" in md and r"\| cell" in md
+
+
+def test_kv_layer_chart_labels_a_planned_model_with_each_layers_choice() -> None:
+    from attnslim.report.charts import kv_layer_chart
+
+    info = {"kv_bytes_per_layer_after": [384.0, 0.0, 192.0], "kv_bytes_per_layer_dense": [768.0] * 3}
+    plain = kv_layer_chart(info)[0]
+    planned = kv_layer_chart({**info, "planner": {"layers": [{"choice": "mla@0.5"}, {"choice": "nbl"},
+                                                             {"choice": "mla@0.25"}]}})[0]
+    assert "mla@0.25" in planned and "nbl" in planned and "the planner" in planned
+    assert "mla@" not in plain and "planner" not in plain

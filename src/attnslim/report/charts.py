@@ -55,13 +55,19 @@ def metric_charts(info: dict[str, Any]) -> list[str]:
 
 
 def kv_layer_chart(info: dict[str, Any]) -> list[str]:
-    """KV-cache bytes per token of each layer after compression, the dense layer's as a dashed line."""
+    """KV-cache bytes per token of each layer after compression, the dense layer's as a dashed line; a planned
+    model's bars are labelled with what the planner chose for each layer (`compress --kv`: the plan's picture)."""
     per_layer = info.get("kv_bytes_per_layer_after")
     if not per_layer:
         return []
     dense = max(info.get("kv_bytes_per_layer_dense") or [0.0]) or None
-    return [bar_chart("KV-cache bytes per token, per layer", [str(i) for i in range(len(per_layer))],
-                      [float(v) for v in per_layer], "bytes/token", reference=dense,
+    labels = [str(i) for i in range(len(per_layer))]
+    title = "KV-cache bytes per token, per layer"
+    chosen = [row.get("choice") for row in (info.get("planner") or {}).get("layers", [])]
+    if len(chosen) == len(per_layer) and all(isinstance(c, str) for c in chosen):
+        labels = [f"{i} {c}" for i, c in enumerate(chosen)]
+        title += ", with the planner's choice for each layer"
+    return [bar_chart(title, labels, [float(v) for v in per_layer], "bytes/token", reference=dense,
                       reference_label="dense" if dense else "")]
 
 
