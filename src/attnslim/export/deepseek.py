@@ -210,10 +210,13 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
             if isinstance(bias, torch.Tensor) and bool(bias.detach().abs().max() > 0):
                 found.append(f"layer {i} {name}")
     if found and not drop:
-        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which DeepSeek-V3 (and vLLM) "
-                            "cannot load. Compress with `layout: deepseek` (no bias: the latent is fitted without the "
-                            "mean correction; recipes/mla-deepseek.yaml), or pass --drop-biases to drop them and "
-                            "read the cost in attnslim-export.json")
+        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which the DeepSeek-V3 model vLLM "
+                            "serves cannot hold: vLLM 0.32 builds q_proj, kv_a_proj_with_mqa (the rotary key) and "
+                            "o_proj without biases, and DeepSeek-V3 has no q_proj bias at all. Compress with `layout: "
+                            "deepseek` (no bias: the latent is fitted without the mean correction; recipes/"
+                            "mla-deepseek.yaml) where the model has no q/k/v biases; a Qwen-family model is served by "
+                            "transformers (attnslim.load). --drop-biases drops them and writes the cost to "
+                            "attnslim-export.json")
     return found
 
 

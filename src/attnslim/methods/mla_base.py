@@ -99,8 +99,12 @@ class MLABase(Method[MLAEntry, MLAStats]):
         if self.layout == "deepseek":
             biased = [name for name in ("q", "k", "v", "o") if spec.bias(name) is not None]
             if biased:
-                raise AttnslimError(f"{where} has {'/'.join(biased)} biases; layout: deepseek writes DeepSeek-V3's "
-                                    "form, which has no attention biases (vLLM loads none); use layout: free")
+                projections = ", ".join(f"{n}_proj" for n in biased)
+                raise AttnslimError(f"{where} has {'/'.join(biased)} biases ({projections}); layout: deepseek writes "
+                                    "the DeepSeek-V3 form vLLM serves, whose attention has no biases (vLLM 0.32 builds "
+                                    "q_proj, kv_a_proj_with_mqa and o_proj without them), and dropping them is no "
+                                    "rounding (docs/serving.md, 'Biased models'). Use layout: free, served by "
+                                    "transformers through attnslim.load")
         dense = 2 * spec.n_kv_heads * spec.head_dim
         rope = self.rope_dims if self.rope_dims is not None else self._default_rope(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
