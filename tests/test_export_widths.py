@@ -106,7 +106,8 @@ def test_cli_auto_exports_320_and_refuses_bad_ranks_and_rotary_widths_before_loa
     out = tmp_path / "ds"
     assert main(["export", str(tmp_path / "src"), "--to", "deepseek-v3", "--out", str(out), "--kv-lora-rank",
                  "auto"]) == 0
-    assert "kv_lora_rank 256 + qk_rope_head_dim 64" in capsys.readouterr().out
+    assert "kv_lora_rank 256 + qk_rope_head_dim 64: KV 320 values per token and layer, 2.500x the dense 128" \
+        in capsys.readouterr().out
     with pytest.raises(SystemExit):  # argparse: neither auto nor a number
         main(["export", str(tmp_path / "src"), "--to", "deepseek-v3", "--out", str(tmp_path / "x"),
               "--kv-lora-rank", "big"])
