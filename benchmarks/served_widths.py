@@ -4,8 +4,8 @@ read through attnslim's adapters, with the widths from attnslim/mla_widths.py.
 
 Per layer and token, the dense cache holds 2 · kv_heads · head_dim values; a DeepSeek-V3 export holds
 kv_lora_rank + qk_rope_head_dim, where the export's rotary key is the model's own rotary width (export/deepseek.py),
-so a served width (kv_lora_rank 256 or 512 + 64) needs a 64-dim rotary key. `served_by_export_today` says whether
-`attnslim export --kv-lora-rank auto` reaches the width for that model.
+or 64 when mla kept pairs only at every (rotary / 64)-th frequency (`rope_stride`); `served_by_export` says
+whether and how `attnslim export --kv-lora-rank auto` reaches a served width (kv_lora_rank 256 or 512 + 64).
 
     .venv/bin/python benchmarks/served_widths.py
 writes benchmarks/results/served-widths.json and prints the Markdown table of docs/serving.md ("Served widths").
@@ -46,6 +46,16 @@ def meta_model(model_type: str, fields: dict[str, Any]) -> Any:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
 
 
+def _reach(rope: int, model_type: str) -> str:
+    """How `attnslim export --kv-lora-rank auto` reaches a served width for this model, or why it does not."""
+    why = [f"{model_type} is not exported"] if model_type not in FAMILIES else []
+    if rope % VLLM_ROPE or rope < VLLM_ROPE:
+        why.append(f"rotary key {rope} is no multiple of {VLLM_ROPE}")
+    if why:
+        return "no: " + ", ".join(why)
+    return "yes" if rope == VLLM_ROPE else f"with mla `rope_stride: {rope // VLLM_ROPE}`"
+
+
 def row(name: str, model: Any) -> dict[str, Any]:
     adapter = get_adapter(model)
     heads = adapter.attention_heads(0)
@@ -59,22 +69,19 @@ def row(name: str, model: Any) -> dict[str, Any]:
             "head_dim": heads.head_dim, "dense_kv_per_token_and_layer": dense, "export_rotary_dims": rope,
             "widths": {str(r + VLLM_ROPE): {"kv_lora_rank": r, "kv_fraction": (r + VLLM_ROPE) / dense,
                                             "vllm_cpu": r == VLLM_CPU_LORA_RANK} for r in VLLM_LORA_RANKS},
-            "served_by_export_today": rope == VLLM_ROPE and model_type in FAMILIES}
+            "served_by_export": _reach(rope, model_type)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     widths = [str(r + VLLM_ROPE) for r in VLLM_LORA_RANKS]
     head = ("| model | KV heads × head_dim | dense KV / token / layer | "
             + " | ".join(f"width {w} (rank {int(w) - VLLM_ROPE})" for w in widths)
-            + " | export's rotary key | `--kv-lora-rank auto` today |")
+            + " | model's rotary key | `export --kv-lora-rank auto` |")
     lines = [head, "|" + "---|" * (5 + len(widths))]
     for r in rows:
         cells = " | ".join(f"{r['widths'][w]['kv_fraction']:.3f}×" for w in widths)
-        why = ([f"{r['model_type']} is not exported"] if r["model_type"] not in FAMILIES else []) + (
-            [f"rotary key {r['export_rotary_dims']} ≠ {VLLM_ROPE}"] if r["export_rotary_dims"] != VLLM_ROPE else [])
-        today = "no: " + ", ".join(why) if why else "yes"
         lines.append(f"| {r['model']} | {r['kv_heads']} × {r['head_dim']} | {r['dense_kv_per_token_and_layer']} | "
-                     f"{cells} | {r['export_rotary_dims']} | {today} |")
+                     f"{cells} | {r['export_rotary_dims']} | {r['served_by_export']} |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compressed(head_dim: int = 64, rope_dims: int = 32, report: list | None = None):
+def _compressed(head_dim: int = 64, rope_dims: int = 32, report: list | None = None, **args):
     """Tiny Llama whose rotary key is head_dim dims, mla in DeepSeek's layout: a latent of rank 64 (head_dim 64:
     1 KV head, dense KV 128 per layer, kv_ratio 0.75 keeps 96 = 32 rotary + 64 latent)."""
     model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
@@ -33,7 +33,7 @@ def _compressed(head_dim: int = 64, rope_dims: int = 32, report: list | None = N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
         done = compress(model, SavingTokenizer(), one_step("mla", {"kv_ratio": 0.75, "rope_dims": rope_dims,
-                                                                   "layout": "deepseek"}), progress=False)
+                                                                   "layout": "deepseek", **args}), progress=False)
     if report is not None:
         report.append(done.to_json())
     return model
@@ -53,7 +53,8 @@ def test_served_rank_is_the_smallest_served_width_that_holds_the_latent():
     with pytest.raises(AttnslimError, match=r"latent rank 513 is wider than 512, the widest .* \(width 576\); "
                                             r"compress with a latent of at most 512"):
         served_rank(513, 64)
-    with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head .*no served width fits"):
+    with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head .*no served width fits.*"
+                                            r"Compress with mla `rope_stride: 2`"):
         served_rank(128, 128)  # Llama-3 / Qwen2.5 heads: the export's rotary key is the model's 128 dims
     layers = [SimpleNamespace(rank=100), SimpleNamespace(rank=300)]
     with pytest.raises(AttnslimError, match=r"256 is below the latent rank of layers 1 \(largest 300\); give 512"):
@@ -113,12 +114,12 @@ def test_cli_auto_exports_320_and_refuses_bad_ranks_and_rotary_widths_before_loa
               "--kv-lora-rank", "big"])
     assert "neither `auto` nor a whole number" in capsys.readouterr().err
     config = json.loads((tmp_path / "src" / "config.json").read_text())
-    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "head_dim": 128}))  # a 128-dim rotary key
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "head_dim": 96}))  # a 96-dim rotary key
     import attnslim.io
 
     monkeypatch.setattr(attnslim.io, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     for rank, match in (("300", "--kv-lora-rank 300 is not a rank vLLM's MLA kernels serve"),
-                        ("auto", "rotary key is 128 dims per head")):
+                        ("auto", "rotary key is 96 dims per head")):
         rc = main(["export", str(tmp_path / "src"), "--to", "deepseek-v3", "--out", str(tmp_path / "x"),
                    "--kv-lora-rank", rank])
         assert rc != 0 and match in capsys.readouterr().err and not (tmp_path / "x").exists()
@@ -126,9 +127,30 @@ def test_cli_auto_exports_320_and_refuses_bad_ranks_and_rotary_widths_before_loa
 
 def test_a_rotary_key_other_than_64_dims_has_no_served_width(tmp_path):
     model = _compressed(head_dim=32, rope_dims=16)
-    with pytest.raises(AttnslimError, match=r"rotary key is 32 dims per head"):
+    with pytest.raises(AttnslimError, match=r"rotary key is 32 dims per head.*Leave --kv-lora-rank out"):
         export_deepseek(model, SavingTokenizer(), tmp_path / "o", ExportOptions(kv_lora_rank="auto"))
     assert not list(tmp_path.iterdir())
+
+
+def test_128_dim_heads_serve_at_320_when_mla_keeps_even_frequencies(tmp_path):
+    """A 128-dim head (Llama-3, Qwen2.5) has 64 frequencies; DeepSeek's 64-dim key at the same rope_theta has the
+    even ones. mla with rope_stride 2 keeps pairs only there, and the export then writes qk_rope_head_dim 64 (pair
+    f at slot f/2) with the source's logits; without the stride, `auto` is refused and names it."""
+    plain = _compressed(head_dim=128, rope_dims=32, kv_ratio=0.5)  # dense KV 256 per layer: 32 rotary + rank 96
+    with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head.*`rope_stride: 2`"):
+        export_deepseek(plain, SavingTokenizer(), tmp_path / "o", ExportOptions(kv_lora_rank="auto"))
+    model = _compressed(head_dim=128, rope_dims=32, kv_ratio=0.5, rope_stride=2)
+    freqs = [layer.self_attn.rope_freq for layer in model.model.layers]
+    assert all(f.numel() == 16 and bool((f % 2 == 0).all()) for f in freqs)
+    report = export_deepseek(model, SavingTokenizer(), tmp_path / "ds", ExportOptions(kv_lora_rank="auto"))
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (256, 64, 128)
+    exported, _ = load_model(str(tmp_path / "ds"))
+    with torch.no_grad():
+        ref, got = model(IDS).logits, exported(IDS).logits
+    assert float((ref - got).abs().max() / ref.abs().max()) < 1e-5 and report["top1_agreement"] == 1.0
+    default = export_deepseek(model, SavingTokenizer(), tmp_path / "own", ExportOptions())  # no flag: as before
+    assert default["qk_rope_head_dim"] == 128
 
 
 def test_serve_refuses_a_deepseek_checkpoint_with_attention_biases(tmp_path):
@@ -160,3 +182,24 @@ def test_real_smollm2_auto_export_is_320_wide_and_equals_the_source(tmp_path):
     assert report["dense_kv_elements_per_token_and_layer"] == 384
     assert report["relative_logit_error"] < 1e-4 and report["top1_agreement"] == 1.0, report
     assert abs(report["nll_export"] - report["nll_source"]) < 1e-5, report
+
+
+def test_split_rotary_with_a_stride_keeps_only_those_frequencies_and_refuses_what_it_cannot():
+    from attnslim.linalg.mla_rope import split_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * 16, 24, generator=gen, dtype=torch.float64)  # 2 KV heads x head_dim 16 (8 frequencies)
+    moment = w @ w.T
+    kw = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "rotary_dims": 16, "select": "pca"}
+    split = split_rotary(moment, None, pairs=4, one_per_freq=True, freq_stride=2, **kw)
+    assert sorted(split.freq.tolist()) == [0, 2, 4, 6]
+    free = split_rotary(moment, None, pairs=4, one_per_freq=True, **kw)
+    assert any(f % 2 for f in free.freq.tolist())  # the stride changed the choice (these keys favour odd ones too)
+    with pytest.raises(AttnslimError, match=r"rope_stride 2 leaves 4 rotary pairs; 5 requested"):
+        split_rotary(moment, None, pairs=5, one_per_freq=True, freq_stride=2, **kw)
+    with pytest.raises(AttnslimError, match=r"cannot be combined with FreqFold \(fold 4\): set rope_fold: 1"):
+        split_rotary(moment, None, pairs=2, fold=4, freq_stride=2, **kw)
+    from attnslim.methods.mla import MLA
+
+    with pytest.raises(AttnslimError, match=r"rope_stride"):
+        MLA(rope_stride=0)

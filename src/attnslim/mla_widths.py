@@ -39,12 +39,16 @@ def check_served_rank(rank: object) -> int:
 
 
 def check_served_rope(rope: int) -> None:
-    """Refuse a rotary key width other than VLLM_ROPE for a served export."""
+    """Refuse a rotary key width other than VLLM_ROPE for a served export, saying what would reach it."""
     if rope != VLLM_ROPE:
+        fix = (f"Compress with mla `rope_stride: {rope // VLLM_ROPE}` (rotary pairs only at every "
+               f"{rope // VLLM_ROPE}th frequency, which a {VLLM_ROPE}-dim key at the model's rope_theta holds), or "
+               if rope > VLLM_ROPE and rope % VLLM_ROPE == 0 else "")
         raise AttnslimError(f"the model's rotary key is {rope} dims per head (DeepSeek-V3's qk_rope_head_dim is the "
                             f"model's rotary width), but vLLM's MLA kernels serve kv_lora_rank + {VLLM_ROPE} rotary "
-                            f"dims ({_accepted()}); no served width fits this model. Leave --kv-lora-rank out to "
-                            "export at the latent's own rank (transformers loads it; vLLM does not)")
+                            f"dims ({_accepted()}); no served width fits this model as compressed. {fix}"
+                            f"{'l' if fix else 'L'}eave --kv-lora-rank out to export at the latent's own rank "
+                            "(transformers loads it; vLLM does not)")
 
 
 def served_rank(latent_rank: int, rope: int) -> int:

@@ -6,7 +6,9 @@ Exact by construction, up to float rounding:
 - the rotary key: DeepSeek's qk_rope_head_dim is the model's rotary width, so DeepSeek's frequency f is the
   model's frequency f (its rope_parameters are copied: scaled RoPE stays the model's own); each kept pair goes to
   its frequency's slot, permuted into DeepSeek's interleaved layout. Two kept pairs at one frequency cannot
-  share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency).
+  share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency). For a served width
+  on 128-dim heads, pairs kept at even frequencies only (mla `rope_stride: 2`) go to a 64-dim key at the same
+  rope_theta (`deepseek_rotary`).
 - the softmax scale: DeepSeek's (d_qn + D)^-½ is folded into q_proj.
 - ranks: every layer's latent is zero-padded to one kv_lora_rank: the largest layer rank by default, or with
   --kv-lora-rank a width vLLM serves (`auto`: the smallest that holds the latent; attnslim/mla_widths.py lists them).
@@ -50,7 +52,7 @@ from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
 from attnslim.errors import AttnslimError
 from attnslim.export.deepseek_layer import attention_tensors, latent_scale
-from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, check_served_rank, check_served_rope, served_rank
+from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, VLLM_ROPE, check_served_rank, check_served_rope, served_rank
 from attnslim.modules.mla import MLAAttention
 from attnslim.offload import check_free_disk
 from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
@@ -89,10 +91,11 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
     check_free_disk(out, sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size())
     adapter = get_adapter(model)
     layers = mla_layers(adapter)
-    rank = _kv_lora_rank(layers, options.kv_lora_rank, _rotary_dims(layers[0]))
+    rope, stride = deepseek_rotary(layers, served=options.kv_lora_rank is not None)
+    rank = _kv_lora_rank(layers, options.kv_lora_rank, rope)
     dropped = _check_biases(layers, options.drop_biases)
-    config = deepseek_config(adapter, layers, rank, options.dtype)
-    state = deepseek_state(adapter, layers, rank)
+    config = deepseek_config(adapter, layers, rank, options.dtype, rope)
+    state = deepseek_state(adapter, layers, rank, rope, stride)
     with staged_output(out, overwrite) as tmp:
         _compat.config_from_dict("deepseek_v3", config).save_pretrained(tmp)
         _write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
@@ -175,7 +178,7 @@ def check_kv_lora_rank_in(directory: Path, wanted: int | str | None) -> None:
     if not isinstance(heads, int) or heads < 1:
         return
     width = head_dim if isinstance(head_dim, int) else hidden // heads if isinstance(hidden, int) else 0
-    if width > 0:
+    if width > 0 and (width < VLLM_ROPE or width % VLLM_ROPE):  # 128: mla rope_stride 2 serves it (checked later)
         check_served_rope(width)
 
 
@@ -220,7 +223,8 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
     return found
 
 
-def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str) -> dict[str, Any]:
+def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str,
+                    rotary: int) -> dict[str, Any]:
     """config.json values of the DeepSeek-V3 model (dense MLP in every layer, q_lora_rank null)."""
     cfg = adapter.config
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -230,7 +234,6 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
                             f"{', '.join(ROPE_TYPES)} as one of DeepSeek's YaRN variants, so the export would not be "
                             "the model's own rotation there; supported: " + ", ".join(ROPE_TYPES))
     first = layers[0]
-    rotary = _rotary_dims(first)
     n = adapter.num_layers()
     return {
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
@@ -246,6 +249,21 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
     }
 
 
+def deepseek_rotary(layers: list[MLAAttention], served: bool) -> tuple[int, int]:
+    """(DeepSeek's qk_rope_head_dim D', stride s): the model's rotary width D with s = 1, or, for an export at a
+    width vLLM serves, VLLM_ROPE with s = D / VLLM_ROPE where every kept pair sits at a frequency index divisible
+    by s (mla `rope_stride`). Exact: DeepSeek's key of D' dims at the model's rope_theta rotates at frequency
+    θ^(-2j/D') = θ^(-2js/D), the model's frequency js, so pair f goes to DeepSeek's slot f / s."""
+    rotary = _rotary_dims(layers[0])
+    if not served or rotary <= VLLM_ROPE or rotary % VLLM_ROPE:
+        return rotary, 1
+    stride = rotary // VLLM_ROPE
+    kept = [m.rope_freq for m in layers if m.rope_freq is not None]
+    if all(bool((f % stride == 0).all()) for f in kept):
+        return VLLM_ROPE, stride
+    return rotary, 1
+
+
 def _rotary_dims(module: MLAAttention) -> int:
     """The model's rotary width (DeepSeek's qk_rope_head_dim): 2 × the rotary module's frequencies."""
     if not module._rotary:
@@ -256,9 +274,10 @@ def _rotary_dims(module: MLAAttention) -> int:
     return 2 * inv_freq.numel()
 
 
-def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> dict[str, torch.Tensor]:
+def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int, rotary: int,
+                   stride: int = 1) -> dict[str, torch.Tensor]:
     """The DeepSeek-V3 state dict (float64 attention tensors, the rest as stored), tensors independent of the
-    source's (no shared storage: lm_head is written out)."""
+    source's (no shared storage: lm_head is written out). rotary, stride: `deepseek_rotary`."""
     model = adapter.model
     state: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": _weight(adapter.embed_tokens()),
@@ -276,10 +295,10 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> d
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
         tensors = attention_tensors(
             _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
-            m.rope_freq if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
+            m.rope_freq // stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
             m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
             None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj),
-            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=_rotary_dims(m),
+            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=rotary,
             kv_lora_rank=rank, alpha=alpha, eps=EPS)
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * scale
         state.update({p + "self_attn." + k: v for k, v in tensors.items()})

@@ -47,6 +47,9 @@ class MLABase(Method[MLAEntry, MLAStats]):
     rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
     damp: float = 1e-2
     layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
+    # keep rotary pairs only at every rope_stride-th frequency: 2 on 128-dim heads gives the 64-dim DeepSeek-V3
+    # rotary key vLLM serves (export --kv-lora-rank auto; linalg/mla_rope.py); needs rope_fold 1 (the default then)
+    rope_stride: int = 1
     entry_type = MLAEntry
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class MLABase(Method[MLAEntry, MLAStats]):
                 "an integer >= 1 (the latent rank; or leave rank out and give kv_ratio)")
         require(self.rope_dims is None or (self.rope_dims >= 0 and self.rope_dims % 2 == 0), n, "rope_dims",
                 self.rope_dims, "an even number >= 0 (rotary dims come in frequency pairs)")
+        require(isinstance(self.rope_stride, int) and not isinstance(self.rope_stride, bool) and self.rope_stride >= 1,
+                n, "rope_stride", self.rope_stride, "an integer >= 1 (2: the even frequencies only)")
         require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
 
@@ -140,7 +145,8 @@ class MLABase(Method[MLAEntry, MLAStats]):
         """The most rotary dims one layer can keep: every rotary component of every KV head, or one rotary
         head's worth when every frequency has one slot (FreqFold, one pair per frequency, layout deepseek)."""
         _, _, fold, one_per_freq = self._rotary_choice(rope, rotary_dims)
-        return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
+        cap = rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
+        return 2 * -(-cap // (2 * self.rope_stride))  # pairs at every rope_stride-th frequency
 
     # --- conversion ---------------------------------------------------------------------------------------
     def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: MLAStats) -> Fit:
@@ -159,7 +165,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
-        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where)
+        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where, self.rope_stride)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
@@ -282,7 +288,7 @@ def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[tor
 
 
 def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
-                  fold: int, one_per_freq: bool, where: str) -> RotarySplit:
+                  fold: int, one_per_freq: bool, where: str, stride: int = 1) -> RotarySplit:
     d_rot, angles, scale = 0, None, 1.0
     if spec.rope is not None:
         d_rot = spec.rope.rotary_dims
@@ -293,7 +299,7 @@ def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: i
         second_moment(spec.k, spec.k_bias, st), q_mom,
         n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
         pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, one_per_freq=one_per_freq,
-        label=where)
+        label=where, freq_stride=stride)
 
 
 def stacked_kv(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:
