@@ -4,8 +4,8 @@ read through attnslim's adapters, with the widths from attnslim/mla_widths.py.
 
 Per layer and token, the dense cache holds 2 · kv_heads · head_dim values; a DeepSeek-V3 export holds
 kv_lora_rank + qk_rope_head_dim, where the export's rotary key is the model's own rotary width (export/deepseek.py),
-or 64 when mla kept pairs only at every (rotary / 64)-th frequency (`rope_stride`); `served_by_export` says
-whether and how `attnslim export --kv-lora-rank auto` reaches a served width (kv_lora_rank 256 or 512 + 64).
+or 64 when mla kept pairs only at frequencies a 64-dim key has (`rope_stride`, `rope_fastest`); `served_by_export`
+says whether and how `attnslim export --kv-lora-rank auto` reaches a served width (kv_lora_rank 256 or 512 + 64).
 
     .venv/bin/python benchmarks/served_widths.py
 writes benchmarks/results/served-widths.json and prints the Markdown table of docs/serving.md ("Served widths").
@@ -53,7 +53,9 @@ def _reach(rope: int, model_type: str) -> str:
         why.append(f"rotary key {rope} is no multiple of {VLLM_ROPE}")
     if why:
         return "no: " + ", ".join(why)
-    return "yes" if rope == VLLM_ROPE else f"with mla `rope_stride: {rope // VLLM_ROPE}`"
+    if rope == VLLM_ROPE:
+        return "yes"
+    return f"with mla `rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}`"
 
 
 def row(name: str, model: Any) -> dict[str, Any]:

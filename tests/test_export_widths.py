@@ -54,7 +54,7 @@ def test_served_rank_is_the_smallest_served_width_that_holds_the_latent():
                                             r"compress with a latent of at most 512"):
         served_rank(513, 64)
     with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head .*no served width fits.*"
-                                            r"Compress with mla `rope_stride: 2`"):
+                                            r"Compress with mla `rope_fastest: 32` or `rope_stride: 2`"):
         served_rank(128, 128)  # Llama-3 / Qwen2.5 heads: the export's rotary key is the model's 128 dims
     layers = [SimpleNamespace(rank=100), SimpleNamespace(rank=300)]
     with pytest.raises(AttnslimError, match=r"256 is below the latent rank of layers 1 \(largest 300\); give 512"):
@@ -132,19 +132,23 @@ def test_a_rotary_key_other_than_64_dims_has_no_served_width(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_128_dim_heads_serve_at_320_when_mla_keeps_even_frequencies(tmp_path):
-    """A 128-dim head (Llama-3, Qwen2.5) has 64 frequencies; DeepSeek's 64-dim key at the same rope_theta has the
-    even ones. mla with rope_stride 2 keeps pairs only there, and the export then writes qk_rope_head_dim 64 (pair
-    f at slot f/2) with the source's logits; without the stride, `auto` is refused and names it."""
+@pytest.mark.parametrize("args,kept,theta", [({"rope_stride": 2}, lambda f: f % 2 == 0, 10000.0),
+                                              ({"rope_fastest": 32}, lambda f: f < 32, 100.0)])
+def test_128_dim_heads_serve_at_320_when_mla_keeps_frequencies_a_64_dim_key_has(tmp_path, args, kept, theta):
+    """A 128-dim head (Llama-3, Qwen2.5) has 64 frequencies θ^(-f/64); DeepSeek's 64-dim key has 32, θ'^(-j/32):
+    the even ones at θ' = θ, or the 32 fastest at θ' = √θ. mla keeps pairs only there with rope_stride 2 or
+    rope_fastest 32, and the export then writes qk_rope_head_dim 64 with the source's logits; without either,
+    `auto` is refused and names them."""
     plain = _compressed(head_dim=128, rope_dims=32, kv_ratio=0.5)  # dense KV 256 per layer: 32 rotary + rank 96
-    with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head.*`rope_stride: 2`"):
+    with pytest.raises(AttnslimError, match=r"rotary key is 128 dims per head.*`rope_fastest: 32` or `rope_stride"):
         export_deepseek(plain, SavingTokenizer(), tmp_path / "o", ExportOptions(kv_lora_rank="auto"))
-    model = _compressed(head_dim=128, rope_dims=32, kv_ratio=0.5, rope_stride=2)
+    model = _compressed(head_dim=128, rope_dims=32, kv_ratio=0.5, **args)
     freqs = [layer.self_attn.rope_freq for layer in model.model.layers]
-    assert all(f.numel() == 16 and bool((f % 2 == 0).all()) for f in freqs)
+    assert all(f.numel() == 16 and bool(kept(f).all()) for f in freqs)
     report = export_deepseek(model, SavingTokenizer(), tmp_path / "ds", ExportOptions(kv_lora_rank="auto"))
     config = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (256, 64, 128)
+    assert config["rope_parameters"]["rope_theta"] == pytest.approx(theta)
     exported, _ = load_model(str(tmp_path / "ds"))
     with torch.no_grad():
         ref, got = model(IDS).logits, exported(IDS).logits
@@ -184,22 +188,24 @@ def test_real_smollm2_auto_export_is_320_wide_and_equals_the_source(tmp_path):
     assert abs(report["nll_export"] - report["nll_source"]) < 1e-5, report
 
 
-def test_split_rotary_with_a_stride_keeps_only_those_frequencies_and_refuses_what_it_cannot():
+def test_split_rotary_keeps_only_the_allowed_frequencies_and_refuses_what_it_cannot():
     from attnslim.linalg.mla_rope import split_rotary
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2 * 16, 24, generator=gen, dtype=torch.float64)  # 2 KV heads x head_dim 16 (8 frequencies)
     moment = w @ w.T
     kw = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "rotary_dims": 16, "select": "pca"}
-    split = split_rotary(moment, None, pairs=4, one_per_freq=True, freq_stride=2, **kw)
+    split = split_rotary(moment, None, pairs=4, one_per_freq=True, allowed_freqs=[0, 2, 4, 6], **kw)
     assert sorted(split.freq.tolist()) == [0, 2, 4, 6]
     free = split_rotary(moment, None, pairs=4, one_per_freq=True, **kw)
     assert any(f % 2 for f in free.freq.tolist())  # the stride changed the choice (these keys favour odd ones too)
-    with pytest.raises(AttnslimError, match=r"rope_stride 2 leaves 4 rotary pairs; 5 requested"):
-        split_rotary(moment, None, pairs=5, one_per_freq=True, freq_stride=2, **kw)
+    with pytest.raises(AttnslimError, match=r"rope_fastest leave 4 rotary pairs; 5 requested"):
+        split_rotary(moment, None, pairs=5, one_per_freq=True, allowed_freqs=[0, 2, 4, 6], **kw)
     with pytest.raises(AttnslimError, match=r"cannot be combined with FreqFold \(fold 4\): set rope_fold: 1"):
-        split_rotary(moment, None, pairs=2, fold=4, freq_stride=2, **kw)
+        split_rotary(moment, None, pairs=2, fold=4, allowed_freqs=[0, 2, 4, 6], **kw)
     from attnslim.methods.mla import MLA
 
-    with pytest.raises(AttnslimError, match=r"rope_stride"):
-        MLA(rope_stride=0)
+    assert MLA(rope_stride=2, rope_fastest=4).allowed_freqs(16) == [0, 2] and MLA().allowed_freqs(16) is None
+    for bad in ({"rope_stride": 0}, {"rope_fastest": 0}):
+        with pytest.raises(AttnslimError, match=next(iter(bad))):
+            MLA(**bad)

@@ -41,8 +41,8 @@ def check_served_rank(rank: object) -> int:
 def check_served_rope(rope: int) -> None:
     """Refuse a rotary key width other than VLLM_ROPE for a served export, saying what would reach it."""
     if rope != VLLM_ROPE:
-        fix = (f"Compress with mla `rope_stride: {rope // VLLM_ROPE}` (rotary pairs only at every "
-               f"{rope // VLLM_ROPE}th frequency, which a {VLLM_ROPE}-dim key at the model's rope_theta holds), or "
+        fix = (f"Compress with mla `rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}` (rotary "
+               f"pairs only at frequencies a {VLLM_ROPE}-dim key can rotate at), or "
                if rope > VLLM_ROPE and rope % VLLM_ROPE == 0 else "")
         raise AttnslimError(f"the model's rotary key is {rope} dims per head (DeepSeek-V3's qk_rope_head_dim is the "
                             f"model's rotary width), but vLLM's MLA kernels serve kv_lora_rank + {VLLM_ROPE} rotary "

@@ -7,8 +7,8 @@ Exact by construction, up to float rounding:
   model's frequency f (its rope_parameters are copied: scaled RoPE stays the model's own); each kept pair goes to
   its frequency's slot, permuted into DeepSeek's interleaved layout. Two kept pairs at one frequency cannot
   share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency). For a served width
-  on 128-dim heads, pairs kept at even frequencies only (mla `rope_stride: 2`) go to a 64-dim key at the same
-  rope_theta (`deepseek_rotary`).
+  on 128-dim heads, pairs kept only at even frequencies (mla `rope_stride: 2`) or the 32 fastest (`rope_fastest:
+  32`) go to a 64-dim key, at the same rope_theta or at its square root (`deepseek_rotary`).
 - the softmax scale: DeepSeek's (d_qn + D)^-½ is folded into q_proj.
 - ranks: every layer's latent is zero-padded to one kv_lora_rank: the largest layer rank by default, or with
   --kv-lora-rank a width vLLM serves (`auto`: the smallest that holds the latent; attnslim/mla_widths.py lists them).
@@ -91,11 +91,11 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
     check_free_disk(out, sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size())
     adapter = get_adapter(model)
     layers = mla_layers(adapter)
-    rope, stride = deepseek_rotary(layers, served=options.kv_lora_rank is not None)
-    rank = _kv_lora_rank(layers, options.kv_lora_rank, rope)
+    rotary = deepseek_rotary(layers, served=options.kv_lora_rank is not None)
+    rank = _kv_lora_rank(layers, options.kv_lora_rank, rotary.dims)
     dropped = _check_biases(layers, options.drop_biases)
-    config = deepseek_config(adapter, layers, rank, options.dtype, rope)
-    state = deepseek_state(adapter, layers, rank, rope, stride)
+    config = deepseek_config(adapter, layers, rank, options.dtype, rotary)
+    state = deepseek_state(adapter, layers, rank, rotary)
     with staged_output(out, overwrite) as tmp:
         _compat.config_from_dict("deepseek_v3", config).save_pretrained(tmp)
         _write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
@@ -224,7 +224,7 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
 
 
 def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str,
-                    rotary: int) -> dict[str, Any]:
+                    rotary: RotaryMap) -> dict[str, Any]:
     """config.json values of the DeepSeek-V3 model (dense MLP in every layer, q_lora_rank null)."""
     cfg = adapter.config
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -233,6 +233,8 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
         raise AttnslimError(f"RoPE type {rope_type!r}: vLLM's DeepSeek model reads every RoPE type but "
                             f"{', '.join(ROPE_TYPES)} as one of DeepSeek's YaRN variants, so the export would not be "
                             "the model's own rotation there; supported: " + ", ".join(ROPE_TYPES))
+    if rotary.theta_power != 1.0:
+        rope["rope_theta"] = float(rope["rope_theta"]) ** rotary.theta_power
     first = layers[0]
     n = adapter.num_layers()
     return {
@@ -241,7 +243,8 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
         "num_hidden_layers": n, "num_attention_heads": first.n_heads, "num_key_value_heads": first.n_heads,
         "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": EPS, "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
-        "kv_lora_rank": rank, "q_lora_rank": None, "qk_rope_head_dim": rotary, "qk_nope_head_dim": first.head_dim,
+        "kv_lora_rank": rank, "q_lora_rank": None, "qk_rope_head_dim": rotary.dims,
+        "qk_nope_head_dim": first.head_dim,
         "v_head_dim": first.head_dim, "first_k_dense_replace": n,
         "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
@@ -249,19 +252,31 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
     }
 
 
-def deepseek_rotary(layers: list[MLAAttention], served: bool) -> tuple[int, int]:
-    """(DeepSeek's qk_rope_head_dim D', stride s): the model's rotary width D with s = 1, or, for an export at a
-    width vLLM serves, VLLM_ROPE with s = D / VLLM_ROPE where every kept pair sits at a frequency index divisible
-    by s (mla `rope_stride`). Exact: DeepSeek's key of D' dims at the model's rope_theta rotates at frequency
-    θ^(-2j/D') = θ^(-2js/D), the model's frequency js, so pair f goes to DeepSeek's slot f / s."""
+@dataclass(frozen=True)
+class RotaryMap:
+    """DeepSeek's rotary key for the model's kept pairs: `dims` = qk_rope_head_dim D', pair f at slot f // stride,
+    rope_theta raised to `theta_power`. DeepSeek's frequency j is θ'^(-2j/D'); the model's f is θ^(-2f/D)."""
+
+    dims: int
+    stride: int = 1
+    theta_power: float = 1.0
+
+
+def deepseek_rotary(layers: list[MLAAttention], served: bool) -> RotaryMap:
+    """The model's own rotary width D, or, for an export at a width vLLM serves, VLLM_ROPE where the kept pairs
+    allow it exactly: all at frequencies divisible by s = D / VLLM_ROPE (mla `rope_stride`; slot f / s at the same
+    θ: θ^(-2(f/s)/D') = θ^(-2f/D)), or all below VLLM_ROPE / 2 (mla `rope_fastest`; slot f at θ' = θ^(D'/D):
+    θ'^(-2f/D') = θ^(-2f/D))."""
     rotary = _rotary_dims(layers[0])
     if not served or rotary <= VLLM_ROPE or rotary % VLLM_ROPE:
-        return rotary, 1
+        return RotaryMap(rotary)
     stride = rotary // VLLM_ROPE
-    kept = [m.rope_freq for m in layers if m.rope_freq is not None]
-    if all(bool((f % stride == 0).all()) for f in kept):
-        return VLLM_ROPE, stride
-    return rotary, 1
+    kept = torch.cat([m.rope_freq for m in layers if m.rope_freq is not None] or [torch.zeros(0, dtype=torch.long)])
+    if bool((kept % stride == 0).all()):
+        return RotaryMap(VLLM_ROPE, stride=stride)
+    if bool((kept < VLLM_ROPE // 2).all()):
+        return RotaryMap(VLLM_ROPE, theta_power=VLLM_ROPE / rotary)
+    return RotaryMap(rotary)
 
 
 def _rotary_dims(module: MLAAttention) -> int:
@@ -274,10 +289,10 @@ def _rotary_dims(module: MLAAttention) -> int:
     return 2 * inv_freq.numel()
 
 
-def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int, rotary: int,
-                   stride: int = 1) -> dict[str, torch.Tensor]:
+def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int,
+                   rotary: RotaryMap) -> dict[str, torch.Tensor]:
     """The DeepSeek-V3 state dict (float64 attention tensors, the rest as stored), tensors independent of the
-    source's (no shared storage: lm_head is written out). rotary, stride: `deepseek_rotary`."""
+    source's (no shared storage: lm_head is written out). rotary: `deepseek_rotary`."""
     model = adapter.model
     state: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": _weight(adapter.embed_tokens()),
@@ -295,10 +310,10 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int, rota
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
         tensors = attention_tensors(
             _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
-            m.rope_freq // stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
+            m.rope_freq // rotary.stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
             m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
             None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj),
-            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=rotary,
+            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=rotary.dims,
             kv_lora_rank=rank, alpha=alpha, eps=EPS)
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * scale
         state.update({p + "self_attn." + k: v for k, v in tensors.items()})

@@ -152,7 +152,7 @@ class MLA(MLABase):
         return folded_rope_dims(rotary_dims, elements)
 
     def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
-        auto = AUTO_FOLD if rope < rotary_dims and self.rope_stride == 1 else 1  # a stride keeps single frequencies
+        auto = AUTO_FOLD if rope < rotary_dims and not self.restricts_freqs() else 1  # those keep single frequencies
         fold = self.rope_fold if self.rope_fold is not None else auto
         return self.rope_select, self.rope_span, fold, self.layout == "deepseek" or self.rope_spread
 
