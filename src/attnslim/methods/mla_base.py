@@ -49,7 +49,8 @@ class MLABase(Method[MLAEntry, MLAStats]):
     layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
     # keep rotary pairs only at every rope_stride-th frequency, or only at the rope_fastest fastest (indices below
     # it): on 128-dim heads, 2 or 32 give the 64-dim DeepSeek-V3 rotary key vLLM serves (export --kv-lora-rank
-    # auto; linalg/mla_rope.py); either needs rope_fold 1 (the default then)
+    # auto; linalg/mla_rope.py); either needs rope_fold 1 (the default then). rope_fastest 32 costs nothing
+    # measurable where rope_stride 2 is ruinous (docs/serving.md, "Served widths")
     rope_stride: int = 1
     rope_fastest: int | None = None
     entry_type = MLAEntry
