@@ -28,7 +28,7 @@ IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 PACKAGED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 # refused on Qwen2.5, before any work, with the reason: atp-paper lists SmolLM2's layers (30 of them; re-run its
 # layer analysis for another model), mla-deepseek writes DeepSeek-V3's layout, which has no attention biases
-REFUSED = {"atp-paper": "out of range", "mla-deepseek": "q/k/v biases; layout: deepseek"}
+REFUSED = {"atp-paper": "out of range", "mla-deepseek": r"q/k/v biases \(q_proj, k_proj, v_proj\); layout: deepseek"}
 EXACT_PREFILL = {"atp"}  # ATP's serving form: exact causal prefill, compresses the cache only for decode
 SHORT = {"steps": 2, "batch_size": 2, "seq_len": 32}  # a training budget's size keys, shrunk
 

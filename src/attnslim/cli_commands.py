@@ -71,8 +71,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_kv_lora_rank_in(source, args.kv_lora_rank)  # before loading too
     model, tokenizer = load(source)
     report = export_deepseek(model, tokenizer, out, options, args.overwrite, source)
+    kv, dense = report["kv_elements_per_token_and_layer"], report["dense_kv_elements_per_token_and_layer"]
     print(f"wrote {out} (DeepseekV3ForCausalLM, kv_lora_rank {report['kv_lora_rank']} + qk_rope_head_dim "
-          f"{report['qk_rope_head_dim']}, {args.dtype}); verified by transformers on {report['verified_on']}: "
+          f"{report['qk_rope_head_dim']}: KV {kv} values per token and layer, {kv / dense:.3f}x the dense {dense}; "
+          f"{args.dtype}); verified by transformers on {report['verified_on']}: "
           f"relative logit error {report['relative_logit_error']:.1e}, top-1 agreement "
           f"{report['top1_agreement']:.3f}, NLL {report['nll_source']:.4f} -> {report['nll_export']:.4f}")
     if args.json:

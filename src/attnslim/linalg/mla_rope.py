@@ -27,6 +27,8 @@ its top components take the group's frequency slots in order, which is exact onl
 frequencies are equal: an approximation that buys more key energy per rotary slot.
 one_per_freq keeps at most one component per frequency (a frequency's best), so every kept pair has its own
 frequency: the layout of DeepSeek-V3's rotary key, one slot per frequency (export/deepseek.py).
+allowed_freqs keeps pairs only at those frequency indices (fold 1): a DeepSeek-V3 key narrower than the model's
+rotary width rotates at a subset of its frequencies (mla `rope_stride`, `rope_fastest`; export/deepseek.py).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def split_rotary(
     key_moment: torch.Tensor, query_moment: torch.Tensor | None, *, n_heads: int, n_kv_heads: int, head_dim: int,
     rotary_dims: int, pairs: int, select: str, angles: torch.Tensor | None = None, span: int = 512,
     scale: float = 1.0, fold: int = 1, damp: float = 1e-6, one_per_freq: bool = False, label: str = "layer",
+    allowed_freqs: list[int] | None = None,
 ) -> RotarySplit:
     """Choose `pairs` rotary components to keep (see the module docstring).
 
@@ -102,10 +105,18 @@ def split_rotary(
     if one_per_freq and pairs > half:
         raise AttnslimError(f"{label}: one rotary pair per frequency allows at most {half} pairs ({rotary_dims} "
                             f"rotary dims); {pairs} requested")
+    if allowed_freqs is not None and fold > 1:
+        raise AttnslimError(f"{label}: rope_stride / rope_fastest keep single frequencies; they cannot be combined "
+                            f"with FreqFold (fold {fold}): set rope_fold: 1")
+    allowed = len(allowed_freqs or []) * (1 if one_per_freq else n_kv_heads)
+    if allowed_freqs is not None and pairs > allowed:
+        raise AttnslimError(f"{label}: rope_stride / rope_fastest leave {allowed} rotary pairs; {pairs} requested "
+                            f"(rope_dims at most {2 * allowed})")
     groups = [list(range(s, min(s + fold, half))) for s in range(0, half, fold)]
     built = [_group(key_moment, query_moment, f, n_heads, n_kv_heads, head_dim, half, select, angles, span, damp)
              for f in groups]
-    kept = _choose(built, pairs, fold, 1 if one_per_freq else None, by_rank=select == "pca")
+    kept = _choose(built, pairs, fold, 1 if one_per_freq else None, by_rank=select == "pca",
+                   allowed=None if allowed_freqs is None else set(allowed_freqs))
     return _assemble(built, kept, n_heads, n_kv_heads, head_dim, rotary_dims, scale)
 
 
@@ -155,14 +166,16 @@ def phase_mean(angle: float, span: int) -> float:
     return float((weight * torch.cos(angle * delta)).sum() / weight.sum())
 
 
-def _choose(groups: list[_Group], pairs: int, fold: int, per_freq: int | None, by_rank: bool
-            ) -> list[tuple[int, int]]:
+def _choose(groups: list[_Group], pairs: int, fold: int, per_freq: int | None, by_rank: bool,
+            allowed: set[int] | None = None) -> list[tuple[int, int]]:
     """The `pairs` (group, component) with the largest scores. A group's components come sorted by score; with
     fold > 1 only its first M (one per frequency slot) are candidates, with per_freq only its first per_freq.
     by_rank (RoRoPE): every group's first component before any second one, so the kept pairs cover every
-    frequency before doubling any."""
+    frequency before doubling any. allowed: only groups at these frequencies are candidates."""
     cands = []
     for gi, grp in enumerate(groups):
+        if allowed is not None and grp.freqs[0] not in allowed:
+            continue
         limit = len(grp.freqs) if fold > 1 else min(grp.score.numel(), per_freq or grp.score.numel())
         cands += [(c // len(grp.freqs) if by_rank else 0, -float(grp.score[c]), gi, c) for c in range(limit)]
     cands.sort()

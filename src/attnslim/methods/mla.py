@@ -104,7 +104,8 @@ class MLA(MLABase):
         return folded_rope_dims(rotary_dims, elements)
 
     def _rotary_choice(self, rope: int, rotary_dims: int) -> tuple[str, int, int, bool]:
-        fold = self.rope_fold if self.rope_fold is not None else (AUTO_FOLD if rope < rotary_dims else 1)
+        auto = AUTO_FOLD if rope < rotary_dims and not self.restricts_freqs() else 1  # those keep single frequencies
+        fold = self.rope_fold if self.rope_fold is not None else auto
         return self.rope_select, self.rope_span, fold, self.layout == "deepseek" or self.rope_spread
 
     @property

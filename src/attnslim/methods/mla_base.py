@@ -47,6 +47,12 @@ class MLABase(Method[MLAEntry, MLAStats]):
     rope_dims: int | None = None  # d_rope, even; default: `default_rope_dims`
     damp: float = 1e-2
     layout: str = "free"  # "deepseek": the form `attnslim export --to deepseek-v3` writes exactly (see below)
+    # keep rotary pairs only at every rope_stride-th frequency, or only at the rope_fastest fastest (indices below
+    # it): on 128-dim heads, 2 or 32 give the 64-dim DeepSeek-V3 rotary key vLLM serves (export --kv-lora-rank
+    # auto; linalg/mla_rope.py); either needs rope_fold 1 (the default then). rope_fastest 32 costs nothing
+    # measurable where rope_stride 2 is ruinous (docs/serving.md, "Served widths")
+    rope_stride: int = 1
+    rope_fastest: int | None = None
     entry_type = MLAEntry
 
     def __post_init__(self) -> None:
@@ -65,6 +71,11 @@ class MLABase(Method[MLAEntry, MLAStats]):
                 "an integer >= 1 (the latent rank; or leave rank out and give kv_ratio)")
         require(self.rope_dims is None or (self.rope_dims >= 0 and self.rope_dims % 2 == 0), n, "rope_dims",
                 self.rope_dims, "an even number >= 0 (rotary dims come in frequency pairs)")
+        require(isinstance(self.rope_stride, int) and not isinstance(self.rope_stride, bool) and self.rope_stride >= 1,
+                n, "rope_stride", self.rope_stride, "an integer >= 1 (2: the even frequencies only)")
+        require(self.rope_fastest is None or (isinstance(self.rope_fastest, int) and not isinstance(
+            self.rope_fastest, bool) and self.rope_fastest >= 1), n, "rope_fastest", self.rope_fastest,
+            "null or an integer >= 1 (frequencies kept rotary: the fastest this many)")
         require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
 
@@ -99,8 +110,12 @@ class MLABase(Method[MLAEntry, MLAStats]):
         if self.layout == "deepseek":
             biased = [name for name in ("q", "k", "v", "o") if spec.bias(name) is not None]
             if biased:
-                raise AttnslimError(f"{where} has {'/'.join(biased)} biases; layout: deepseek writes DeepSeek-V3's "
-                                    "form, which has no attention biases (vLLM loads none); use layout: free")
+                projections = ", ".join(f"{n}_proj" for n in biased)
+                raise AttnslimError(f"{where} has {'/'.join(biased)} biases ({projections}); layout: deepseek writes "
+                                    "the DeepSeek-V3 form vLLM serves, whose attention has no biases (vLLM 0.32 builds "
+                                    "q_proj, kv_a_proj_with_mqa and o_proj without them), and dropping them is no "
+                                    "rounding (docs/serving.md, 'Biased models'). Use layout: free, served by "
+                                    "transformers through attnslim.load")
         dense = 2 * spec.n_kv_heads * spec.head_dim
         rope = self.rope_dims if self.rope_dims is not None else self._default_rope(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
@@ -136,7 +151,20 @@ class MLABase(Method[MLAEntry, MLAStats]):
         """The most rotary dims one layer can keep: every rotary component of every KV head, or one rotary
         head's worth when every frequency has one slot (FreqFold, one pair per frequency, layout deepseek)."""
         _, _, fold, one_per_freq = self._rotary_choice(rope, rotary_dims)
+        allowed = self.allowed_freqs(rotary_dims)
+        if allowed is not None:
+            return 2 * len(allowed) * (1 if one_per_freq else n_kv_heads)
         return rotary_dims if fold > 1 or one_per_freq else n_kv_heads * rotary_dims
+
+    def restricts_freqs(self) -> bool:
+        return self.rope_stride > 1 or self.rope_fastest is not None
+
+    def allowed_freqs(self, rotary_dims: int) -> list[int] | None:
+        """The frequency indices a rotary pair may keep (rope_stride, rope_fastest), or None: any."""
+        if not self.restricts_freqs():
+            return None
+        top = rotary_dims // 2 if self.rope_fastest is None else min(self.rope_fastest, rotary_dims // 2)
+        return list(range(0, top, self.rope_stride))
 
     # --- conversion ---------------------------------------------------------------------------------------
     def convert(self, adapter: Adapter, layer: int, entry: MLAEntry, stats: MLAStats) -> Fit:
@@ -155,7 +183,8 @@ class MLABase(Method[MLAEntry, MLAStats]):
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
-        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where)
+        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where,
+                             self.allowed_freqs(d_rot))
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
@@ -278,7 +307,7 @@ def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[tor
 
 
 def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
-                  fold: int, one_per_freq: bool, where: str) -> RotarySplit:
+                  fold: int, one_per_freq: bool, where: str, allowed: list[int] | None = None) -> RotarySplit:
     d_rot, angles, scale = 0, None, 1.0
     if spec.rope is not None:
         d_rot = spec.rope.rotary_dims
@@ -289,7 +318,7 @@ def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: i
         second_moment(spec.k, spec.k_bias, st), q_mom,
         n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
         pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, one_per_freq=one_per_freq,
-        label=where)
+        label=where, allowed_freqs=allowed)
 
 
 def stacked_kv(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:

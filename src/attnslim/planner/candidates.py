@@ -9,7 +9,7 @@ rank + rope dims itself (methods/mla_base.py), so a layer's width is exactly wha
 
 Engines (`--engine`): `hf` serves every candidate. `vllm` serves what stock vLLM's MLA kernels and attnslim's vLLM
 plugin serve: MLA only in DeepSeek-V3's layout (layout: deepseek) with kv_lora_rank + qk_rope_head_dim of 320 or
-576 at a 64-dim rotary key (the widths vLLM's MLA backends accept: kv_lora_rank 256 or 512), nbl and drop (the
+576 at a 64-dim rotary key (attnslim.mla_widths: kv_lora_rank 256 or 512), nbl and drop (the
 plugin's layers without KV), and keep; sharing is not served there.
 """
 
@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnslim.errors import AttnslimError
+from attnslim.mla_widths import VLLM_LORA_RANKS, VLLM_ROPE
 
 KINDS = ("keep", "mla", "nbl", "drop", "ds")
 DEFAULT_KINDS = ("keep", "mla", "nbl", "drop", "ds")
 DEFAULT_LADDER = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # mla's kv_ratio per width (kept fraction per layer)
 ENGINES = ("hf", "vllm")
 SHARING = ("ds",)  # kinds that read layer i-1's scores: layer i-1 must be kept or share too
-VLLM_ROPE = 64  # DeepSeek-V3's qk_rope_head_dim, the only rotary width vLLM's MLA backends take
-VLLM_LORA_RANKS = (256, 512)  # kv_lora_rank: widths 320 and 576 with the 64-dim rotary key
 DEFAULT_MLA_ARGS: dict[str, Any] = {"refit_o": True}  # one-shot: o_proj refitted (recipes/mla-oneshot.yaml)
 DEFAULT_NBL_ARGS: dict[str, Any] = {"sequential": True}  # fitted on the upstream layers as converted
 

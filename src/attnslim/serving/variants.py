@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.errors import AttnslimError
+from attnslim.mla_widths import VLLM_CPU_LORA_RANK
 
 MODEL = "smollm2-135m"
 WINDOWS, SEQ_LEN = 16, 256
@@ -24,7 +25,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "drop-6": ("drop", {"count": 6, "select": "similarity"}),
     "mla-deepseek": ("mla", {"kv_ratio": 0.5, "rope_dims": 64, "layout": "deepseek"}),
 }
-EXPORTED = {"mla-deepseek": 512}  # variant -> kv_lora_rank of its DeepSeek-V3 export
+EXPORTED = {"mla-deepseek": VLLM_CPU_LORA_RANK}  # variant -> kv_lora_rank of its DeepSeek-V3 export
 
 
 def build(name: str, out: Path) -> Path:

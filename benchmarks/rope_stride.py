@@ -1,0 +1,85 @@
+"""What mla's `rope_stride: 2` and `rope_fastest: 32` cost: on 128-dim heads they keep rotary pairs only at the
+frequencies a 64-dim DeepSeek-V3 key can rotate at (the even ones at rope_theta, the 32 fastest at its square
+root), so the export reaches a width vLLM serves (docs/serving.md, "Served widths"). Every variant keeps one pair
+per frequency (rope_spread, as layout deepseek does) without FreqFold, so the allowed frequencies are the only
+difference; each is compressed from a fresh copy of the model and scored against the dense one on the
+same wiki windows (perplexity, top-1 agreement with the dense logits).
+
+    .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.25
+writes benchmarks/results/rope-stride-MODEL.json (qwen2.5-1.5b: about 10 minutes, 9 GB of memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bias_drop import nll  # noqa: E402
+from common import RESULTS, environment  # noqa: E402
+
+from attnslim.api import compress  # noqa: E402
+from attnslim.data import eval_windows  # noqa: E402
+from attnslim.models import load_model  # noqa: E402
+from attnslim.recipe import recipe_from_dict  # noqa: E402
+
+# any frequency (what the export cannot serve on 128-dim heads), the even ones (a 64-dim key at θ), the 32 fastest
+# (a 64-dim key at √θ)
+VARIANTS: dict[str, dict[str, Any]] = {"free": {}, "rope_stride=2": {"rope_stride": 2},
+                                       "rope_fastest=32": {"rope_fastest": 32}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--kv-ratio", type=float, default=0.25)
+    ap.add_argument("--rope-dims", type=int, default=64)
+    ap.add_argument("--calib-windows", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=512)
+    a = ap.parse_args()
+    model, tokenizer = load_model(a.model)
+    ids = eval_windows("wiki", tokenizer, tokens=a.tokens, seq_len=256).ids
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+    del model
+    base = nll(ref, ids)
+    out: dict[str, Any] = {"environment": environment(), "model": a.model, "dtype": "float32",
+                           "evaluated_on": f"{ids.numel()} tokens of wiki (evaluation split), windows of 256",
+                           "calibration": f"{a.calib_windows} wiki windows of 256", "dense": {"ppl": math.exp(base)},
+                           "variants": {}}
+    for label, extra in VARIANTS.items():
+        args = {"kv_ratio": a.kv_ratio, "rope_dims": a.rope_dims, "rope_spread": True, "rope_fold": 1, **extra}
+        recipe = recipe_from_dict({
+            "name": label, "calibration": {"source": "wiki", "windows": a.calib_windows, "seq_len": 256,
+                                                       "seed": 0},
+            "steps": [{"method": "mla", "layers": "all", "args": args}]})
+        model, _ = load_model(a.model)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compress(model, tokenizer, recipe, progress=False)
+        seconds = time.perf_counter() - start
+        with torch.no_grad():
+            got = model(ids).logits.double()
+        del model
+        loss = nll(got, ids)
+        row = {"args": args, "ppl": math.exp(loss), "ppl_ratio_to_dense": math.exp(loss - base),
+               "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).double().mean()),
+               "compress_seconds": round(seconds, 1)}
+        out["variants"][label] = row
+        print(label, json.dumps(row), flush=True)
+    path = RESULTS / f"rope-stride-{Path(a.model).name}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
