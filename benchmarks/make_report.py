@@ -19,10 +19,11 @@ from report_reliability import reliability_section, write_summary  # noqa: E402
 from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
 from report_serve import SERVE_SPECIAL  # noqa: E402
 from report_standard import standard_section  # noqa: E402
+from report_widths import WIDTH_SPECIAL  # noqa: E402
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
-SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL}
+SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL, **WIDTH_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
@@ -134,6 +135,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
          "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100",
+         "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")

@@ -52,8 +52,10 @@ def serve_section(data: dict[str, Any]) -> list[str]:
                 "(recipes/mla-deepseek.yaml's step), served by vLLM's own DeepseekV3 model and MLA kernels. Its "
                 "latent rank is 128 + 64 rotary dims, but vLLM's CPU MLA kernels take only 512 + 64, so the padded "
                 f"cache holds 576 values per token and layer against dense SmolLM2's 384: {mla['kv_vs_dense']:.3f}× "
-                "the dense tokens here. The saving is real where the kernel takes the latent's own width (GPU MLA "
-                "kernels), or on models whose dense cache is wider than 576 (Llama-3-8B: 2048 per layer)."]
+                "the dense tokens here. Every vLLM MLA backend checks the width against 320, 512 or 576 "
+                "(docs/serving.md): `export --kv-lora-rank auto` pads SmolLM2's latent to 320 (0.833× dense) for "
+                "the GPU backends, and the saving is large on models whose dense cache is wider (Llama-3-8B "
+                "shapes: 320 is 0.156× dense, with mla `rope_fastest: 32`)."]
     return out + [""]
 
 

@@ -1,0 +1,43 @@
+"""BENCHMARKS.md sections for the served-width studies on the 1.5B model: what dropping Qwen's attention biases
+costs (benchmarks/bias_drop.py) and which rotary frequencies a 64-dim DeepSeek key can keep
+(benchmarks/rope_stride.py); used by make_report.py. The width table itself is in docs/serving.md
+(benchmarks/served_widths.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _head(title: str, data: dict[str, Any]) -> list[str]:
+    env = data["environment"]
+    return [f"## {title}", "",
+            f"Command: `OMP_NUM_THREADS={env['threads']} .venv/bin/python {env['command']}`.  ",
+            f"Model `{data['model']}` ({data['dtype']}), evaluated on {data['evaluated_on']}; device {env['device']} "
+            f"({env.get('cpu', '')}), torch {env['torch']}, transformers {env['transformers']}.", ""]
+
+
+def bias_drop_section(data: dict[str, Any]) -> list[str]:
+    out = _head("Qwen2.5's attention biases: what dropping them costs (why no Qwen model serves as stock "
+                "DeepSeek-V3 in vLLM, which loads no attention bias)", data)
+    out += ["| biases zeroed | perplexity | ×dense | top-1 agreement with dense |", "|---|---|---|---|",
+            f"| none (dense) | {data['dense']['ppl']:.2f} | 1.00 | 1.000 |"]
+    out += [f"| {name} | {r['ppl']:,.0f} | {r['ppl_ratio']:,.0f} | {r['top1_agreement']:.3f} |"
+            for name, r in data["dropped"].items()]
+    return out + [""]
+
+
+def rope_stride_section(data: dict[str, Any]) -> list[str]:
+    out = _head("MLA on 128-dim heads at a served width: which rotary frequencies a 64-dim DeepSeek key keeps", data)
+    out += [f"`mla` at KV 0.25 one-shot, calibration {data['calibration']}; dense perplexity "
+            f"{data['dense']['ppl']:.2f}. `free` keeps 32 rotary pairs wherever the fit chooses (not servable: "
+            "DeepSeek's key rotates at fixed frequencies); `rope_fastest=32` the 32 fastest (exported with "
+            "rope_theta √θ), `rope_stride=2` every other frequency.", "",
+            "| rotary frequencies | perplexity | ×dense | top-1 agreement | compress s |", "|---|---|---|---|---|"]
+    out += [f"| {name} | {r['ppl']:.1f} | {r['ppl_ratio_to_dense']:.2f} | {r['top1_agreement']:.3f} | "
+            f"{r['compress_seconds']:.0f} |" for name, r in data["variants"].items()]
+    return out + [""]
+
+
+WIDTH_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "bias-drop-qwen2.5-1.5b": bias_drop_section, "rope-stride-qwen2.5-1.5b": rope_stride_section}
