@@ -122,3 +122,13 @@ def test_refinement_starts_add_penalised_and_uniform_plans_without_duplicates() 
     starts = start_plans(options, kinds, budgets, first)
     assert starts == {"additive": [2, 2, 0], "no-KV x2": [2, 0, 1], "uniform mla@0.5": [1, 1, 1]}
     assert uniform_plan(options, [Budget("kv", 0.1, 6.0)]) == ("nbl", [2, 2, 2])  # the only uniform plan that fits
+
+
+def test_vllm_mla_candidates_keep_the_fastest_frequencies_on_heads_wider_than_deepseeks_rotary_key() -> None:
+    from attnslim.planner.candidates import candidate_set
+
+    wide = [c for c in candidate_set(("mla",), engine="vllm", rotary_dims=128)]
+    narrow = [c for c in candidate_set(("mla",), engine="vllm", rotary_dims=64)]
+    assert [c.args.get("rope_fastest") for c in wide] == [32, 32]
+    assert all("rope_fastest" not in c.args for c in narrow)
+    assert all("rope_fastest" not in c.args for c in candidate_set(("mla",), engine="hf", rotary_dims=128))

@@ -64,10 +64,13 @@ def _check_ladder(ladder: Sequence[float]) -> tuple[float, ...]:
 
 def candidate_set(kinds: Sequence[str] = DEFAULT_KINDS, ladder: Sequence[float] = DEFAULT_LADDER,
                   engine: str = "hf", mla_args: dict[str, Any] | None = None,
-                  nbl_args: dict[str, Any] | None = None) -> list[Candidate]:
+                  nbl_args: dict[str, Any] | None = None, rotary_dims: int | None = None) -> list[Candidate]:
     """The candidates offered to every layer (a layer that cannot take one drops it: `layer_candidates`).
 
-    `mla_args`/`nbl_args` are added to each mla/nbl step (default: refit_o for mla, sequential fits for nbl)."""
+    `mla_args`/`nbl_args` are added to each mla/nbl step (default: refit_o for mla, sequential fits for nbl).
+    `rotary_dims`: one head's rotary dims; under `--engine vllm` a head rotating more than DeepSeek's 64-dim key
+    (Llama-3, Qwen2.5: 128) keeps its rotary pairs at the 32 fastest frequencies (`rope_fastest`), the only form
+    whose export has a served width (docs/serving.md)."""
     if engine not in ENGINES:
         raise AttnslimError(f"engine {engine!r} is unknown; valid: {', '.join(ENGINES)}")
     unknown = [k for k in kinds if k not in KINDS]
@@ -86,7 +89,8 @@ def candidate_set(kinds: Sequence[str] = DEFAULT_KINDS, ladder: Sequence[float] 
         elif kind == "mla" and engine == "hf":
             out += [Candidate("mla", {"kv_ratio": f, **mla}, f"mla@{f:g}") for f in _check_ladder(ladder)]
         elif kind == "mla":
-            out += [Candidate("mla", {"rank": r, "rope_dims": VLLM_ROPE, "layout": "deepseek", **mla},
+            fastest = {"rope_fastest": VLLM_ROPE // 2} if rotary_dims is not None and rotary_dims > VLLM_ROPE else {}
+            out += [Candidate("mla", {"rank": r, "rope_dims": VLLM_ROPE, "layout": "deepseek", **fastest, **mla},
                               f"mla@{r}+{VLLM_ROPE}") for r in VLLM_LORA_RANKS]
         elif kind == "nbl":
             out.append(Candidate("nbl", {"criterion": "given", **nbl}, "nbl"))

@@ -135,7 +135,9 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
     """Candidates and exact costs per layer, `cfg`'s budgets checked against them, then every candidate measured."""
     start = time.time()
     adapter = get_adapter(model)
-    cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args)
+    rope = adapter.attention_spec(0).rope
+    cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args,
+                          None if rope is None else rope.rotary_dims)
     rows, refused = layer_options(adapter, cands, cfg.decode_at, cfg.engine)
     keep = Candidate("keep", {}, "keep")
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
