@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report_accuracy import (  # noqa: E402
+    SUMMARY_MODEL,
+    accuracy_cell,
+    accuracy_section,
+    dense_header,
+    missing_rows,
+    summary_entry,
+)
 from report_accuracy import TITLE as ACCURACY_TITLE  # noqa: E402
-from report_accuracy import accuracy_cell, accuracy_section, dense_header, missing_rows, summary_entry  # noqa: E402
 from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
 from report_reliability import reliability_section, write_summary  # noqa: E402
@@ -174,7 +181,7 @@ def summary(results: dict[str, dict[str, Any]], accuracy: dict[str, dict[str, An
     """One row per method's headline result beside its baseline of the same run (wiki ppl ratios to dense), with
     the average accuracy of both on the standard suite where summary_accuracy.py scored them (one run, the one
     with the most items per task; the dense reference in the column's header)."""
-    entry = summary_entry(accuracy or {}, "smollm2-135m")
+    entry = summary_entry(accuracy or {}, SUMMARY_MODEL)
     lines = ["## Summary", "",
              "One row per method: its headline variant and the baseline it improves on, measured in the same run; "
              "ratios to the dense model. The section named in the last column has the exact command and setup "
