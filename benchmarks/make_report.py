@@ -16,6 +16,7 @@ from report_accuracy import (  # noqa: E402
     SUMMARY_MODEL,
     accuracy_cell,
     accuracy_section,
+    chance_average,
     dense_header,
     missing_rows,
     summary_entry,
@@ -203,9 +204,11 @@ def summary(results: dict[str, dict[str, Any]], accuracy: dict[str, dict[str, An
         lines.append(f"| {method} | {key} | {cells} | {kv:.2f} | {v['kept']['total']:.3f} | {base_cell} | "
                      f"{accuracy_cell(entry, key, base)} | `attnslim compress {recipe}` | {title} |")
     missing = missing_rows(entry, HEADLINES)
+    chance = chance_average(entry["tasks"]) if entry else None
     lines += ["", "avg acc: mean accuracy (percent ± standard error) over lm-eval's 8 standard zero-shot tasks on "
               "the same first n items of each, variant (baseline), each compressed with its row's recorded recipe: "
               f"BENCHMARKS \"{ACCURACY_TITLE}\"."
+              + (f" Random choice averages {chance:.1f}." if chance is not None else "")
               + (f" –: {missing}." if missing else "")]
     return lines + [""]
 

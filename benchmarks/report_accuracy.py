@@ -9,10 +9,20 @@ from typing import Any
 SCRIPT = "benchmarks/summary_accuracy.py"
 SUMMARY_MODEL = "smollm2-135m"  # the model of the Summary's rows (make_report.HEADLINES)
 TITLE = "Standard zero-shot suite on the Summary's headline rows"
+# accuracy of a uniform random choice among each task's answers (LAMBADA: one exact word from the vocabulary)
+CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "piqa": 0.5, "hellaswag": 0.25, "winogrande": 0.5, "boolq": 0.5,
+          "lambada_openai": 0.0, "openbookqa": 0.25}
 # why a run scored fewer items than the script's default (100 per task)
 RUN_NOTES = {"smollm2-135m@limit50": "50 items per task, not the script's default 100: on the shared 2-core machine "
              "(one thread) one model's scoring took about 5 minutes and the two healed rows about 15 and 8 minutes "
              "of compression, and all ten models had to fit one session. `--limit 100` halves the variance."}
+
+
+def chance_average(tasks: list[str]) -> float | None:
+    """Percent a uniform random choice averages over `tasks`; None if one of them has no entry in CHANCE."""
+    if not tasks or not all(t in CHANCE for t in tasks):
+        return None
+    return 100 * sum(CHANCE[t] for t in tasks) / len(tasks)
 
 
 def summary_entry(data: dict[str, dict[str, Any]], model: str) -> dict[str, Any] | None:
@@ -98,7 +108,11 @@ def accuracy_section(data: dict[str, dict[str, Any]], rows: tuple[Row, ...]) -> 
         if "dense" not in models:
             continue
         command = next(iter(models.values()))["command"]
-        out += [f"Model `{entry['model']}`, first {entry['limit']} items per task. Command: "
+        chance = chance_average(tasks)
+        scale = (f"For scale: random choice averages {chance:.1f} on these tasks (ARC's few 3- and 5-choice items "
+                 "aside), so a model's distance from chance, not only from dense, says how much a small model's "
+                 "average can fall. " if chance is not None else "")
+        out += [f"Model `{entry['model']}`, first {entry['limit']} items per task. {scale}Command: "
                 f"`OMP_NUM_THREADS={models['dense']['threads']} .venv/bin/python {command}` → "
                 "`benchmarks/results/summary_accuracy.json` (each model's own command is in the JSON). "
                 + RUN_NOTES.get(f"{entry['model']}@limit{entry['limit']}", ""), "",
