@@ -67,7 +67,7 @@ def paired_difference(a: dict[str, list[int]], b: dict[str, list[int]]) -> tuple
 
 def _delta(models: dict[str, Any], key: str, ref: str) -> str:
     diff, se = paired_difference(models[key]["items"], models[ref]["items"])
-    return f"{100 * diff:+.1f} ± {100 * se:.1f}"
+    return f"{round(100 * diff, 1) + 0.0:+.1f} ± {100 * se:.1f}"  # + 0.0: no "-0.0" for a rounding-size difference
 
 
 Row = tuple[str, str, str, str, str]  # make_report.HEADLINES: method, result file, variant, baseline, recipe
