@@ -12,6 +12,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report_accuracy import (  # noqa: E402
+    SUMMARY_MODEL,
+    accuracy_cell,
+    accuracy_section,
+    chance_average,
+    dense_header,
+    missing_rows,
+    summary_entry,
+)
+from report_accuracy import TITLE as ACCURACY_TITLE  # noqa: E402
 from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
@@ -23,9 +33,12 @@ from report_widths import WIDTH_SPECIAL  # noqa: E402
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
+ACCURACY = RESULTS / "summary_accuracy.json"  # benchmarks/summary_accuracy.py
 SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL, **WIDTH_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
+    "plan-smollm2-135m-h100": ("Planning under a budget: the planner against uniform MLA and TransMLA at the same KV "
+                               "cache", "benchmarks/plan.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
     "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
@@ -166,15 +179,23 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
-def summary(results: dict[str, dict[str, Any]]) -> list[str]:
-    """One row per method's headline result beside its baseline of the same run (wiki ppl ratios to dense)."""
+def load_accuracy() -> dict[str, dict[str, Any]]:
+    """benchmarks/summary_accuracy.py's runs (one per model and item limit), {} before the first."""
+    return json.loads(ACCURACY.read_text()) if ACCURACY.is_file() else {}
+
+
+def summary(results: dict[str, dict[str, Any]], accuracy: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """One row per method's headline result beside its baseline of the same run (wiki ppl ratios to dense), with
+    the average accuracy of both on the standard suite where summary_accuracy.py scored them (one run, the one
+    with the most items per task; the dense reference in the column's header)."""
+    entry = summary_entry(accuracy or {}, SUMMARY_MODEL)
     lines = ["## Summary", "",
              "One row per method: its headline variant and the baseline it improves on, measured in the same run; "
              "ratios to the dense model. The section named in the last column has the exact command and setup "
              "(a packaged recipe may differ in budget or calibration).", "",
              "| method | variant | wiki | ptb | c4 | KV ×dense | kept total | baseline: wiki "
-             "| packaged recipe of this kind | section |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| {dense_header(entry)} | packaged recipe of this kind | section |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, name, key, base, recipe in HEADLINES:
         data = results.get(name, {})
         v, b = data.get("variants", {}).get(key), data.get("variants", {}).get(base)
@@ -187,7 +208,14 @@ def summary(results: dict[str, dict[str, Any]]) -> list[str]:
         base_cell = f"{base}: {base_wiki:.3f}" if base_wiki is not None else base
         title = SECTIONS.get(name, (name, ""))[0]
         lines.append(f"| {method} | {key} | {cells} | {kv:.2f} | {v['kept']['total']:.3f} | {base_cell} | "
-                     f"`attnslim compress {recipe}` | {title} |")
+                     f"{accuracy_cell(entry, key, base)} | `attnslim compress {recipe}` | {title} |")
+    missing = missing_rows(entry, HEADLINES)
+    chance = chance_average(entry["tasks"]) if entry else None
+    lines += ["", "avg acc: mean accuracy (percent ± standard error) over lm-eval's 8 standard zero-shot tasks on "
+              "the same first n items of each, variant (baseline), each compressed with its row's recorded recipe: "
+              f"BENCHMARKS \"{ACCURACY_TITLE}\"."
+              + (f" Random choice averages {chance:.1f}." if chance is not None else "")
+              + (f" –: {missing}." if missing else "")]
     return lines + [""]
 
 
@@ -268,20 +296,23 @@ def main() -> None:
     probes = sorted(RESULTS.glob("reliability*.json"))
     standard = RESULTS / "standard_tasks.json"  # one entry per model and item limit (benchmarks/standard_tasks.py)
     heal_memory = RESULTS / "heal-memory.json"
-    for path in sorted(set(RESULTS.glob("*.json")) - set(probes) - {standard, heal_memory}):
+    for path in sorted(set(RESULTS.glob("*.json")) - set(probes) - {standard, heal_memory, ACCURACY}):
         data = json.loads(path.read_text())
         if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
             print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
             continue
         results[path.stem] = data
-    lines += summary(results)
+    accuracy = load_accuracy()
+    lines += summary(results, accuracy)
     if standard.is_file():
         lines += standard_section(json.loads(standard.read_text()))
+    if accuracy:
+        lines += accuracy_section(accuracy, HEADLINES)
     if (RESULTS / "qwen15" / "compress.time").is_file():
         lines += qwen15_section(RESULTS / "qwen15")
     if heal_memory.is_file():
         lines += heal_memory_section(json.loads(heal_memory.read_text()))
-    write_summary(ROOT.parent / "README.md", summary(results))
+    write_summary(ROOT.parent / "README.md", summary(results, accuracy))
     archive = ["# Benchmarks archive", "",
                "Superseded and exploratory runs, generated by `benchmarks/make_report.py` from `benchmarks/results/` "
                "like BENCHMARKS.md (whose current sections supersede these). Each section keeps its command.", ""]

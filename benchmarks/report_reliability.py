@@ -35,11 +35,13 @@ def reliability_section(paths: list[Path]) -> list[str]:
 
 
 def write_summary(readme: Path, summary: list[str]) -> None:
-    """Put the Summary table (its rows from the table header on) between README's markers."""
+    """Put the Summary table (its rows from the table header on, and the notes under it) between README's
+    markers."""
     text = readme.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{readme} has no summary markers ({START} ... {END}); put them back where the table goes")
     table = summary[next(i for i, line in enumerate(summary) if line.startswith("|")):]
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
-    readme.write_text(head + START + "\n" + "\n".join(line for line in table if line) + "\n" + END + tail)
+    body = "\n".join(table).strip("\n")  # blank lines inside kept: a note after the table is its own paragraph
+    readme.write_text(head + START + "\n" + body + "\n" + END + tail)

@@ -42,7 +42,7 @@ def test_readme_summary_is_the_generated_table(tmp_path: Path) -> None:
     readme = REPORT.parents[1] / "README.md"
     copy = tmp_path / "README.md"
     copy.write_text(readme.read_text())
-    report.write_summary(copy, report.summary(results))
+    report.write_summary(copy, report.summary(results, report.load_accuracy()))
     assert copy.read_text() == readme.read_text(), "README's summary is stale: run benchmarks/make_report.py"
     rows = [line for line in copy.read_text().splitlines() if line.startswith("| mla (+ 40-step heal) |")]
     assert len(rows) == 1
@@ -53,3 +53,55 @@ def test_write_summary_needs_its_markers(tmp_path: Path) -> None:
     readme.write_text("# no markers here\n")
     with pytest.raises(SystemExit, match="no summary markers"):
         _report().write_summary(readme, ["| a |", "|---|", "| 1 |"])
+
+
+def _run(limit: int, scored: dict[str, tuple[float, list[int]]]) -> dict[str, object]:
+    """A summary_accuracy.json entry: one task, each model's per-item correctness."""
+    models = {key: {"average": {"acc": acc, "acc_stderr": 0.05, "tasks": 1}, "items": {"piqa": items},
+                    "tasks": {"piqa": {"acc": acc, "acc_stderr": 0.05}}, "threads": 1,
+                    "command": "benchmarks/summary_accuracy.py"} for key, (acc, items) in scored.items()}
+    return {"model": "smollm2-135m", "limit": limit, "tasks": ["piqa"], "models": models,
+            "skipped": {"atp": "a cache policy"}}
+
+
+def test_summary_accuracy_column_reads_one_run_and_says_why_a_row_has_none() -> None:
+    report = _report()
+    method, name, key, base, _ = report.HEADLINES[2]  # the default recipe's row
+    results = {p.stem: json.loads(p.read_text()) for p in (report.RESULTS / f"{name}.json",)}
+    small = _run(4, {"dense": (0.5, [1, 0, 1, 0]), key: (0.25, [1, 0, 0, 0]), base: (0.0, [0, 0, 0, 0])})
+    big = _run(8, {"dense": (0.625, [1, 1, 1, 0, 1, 0, 1, 0]), key: (0.5, [1, 1, 0, 0, 1, 0, 1, 0])})
+    lines = report.summary(results, {"a@4": small, "b@8": big})
+    header = next(line for line in lines if line.startswith("| method |"))
+    assert "dense 62.5 ± 5.0, n=8/task" in header  # the run with most items, not a mix of runs
+    row = next(line for line in lines if line.startswith(f"| {method} |"))
+    assert "| – |" in row  # its baseline is not in the 8-item run: no cell mixes runs
+    note = lines[-2]
+    assert method in note.split("not scored yet")[0].rsplit(";", 1)[-1] and "--limit 8" in note
+    lines = report.summary(results, {"a@4": small})
+    row = next(line for line in lines if line.startswith(f"| {method} |"))
+    assert "| 25.0 ± 5.0 (base 0.0 ± 5.0) |" in row
+    assert "dense 50.0 ± 5.0, n=4/task" in next(line for line in lines if line.startswith("| method |"))
+
+
+def test_paired_difference_is_on_the_same_items() -> None:
+    from report_accuracy import paired_difference
+
+    a, b = {"t": [1, 1, 0, 1]}, {"t": [1, 0, 0, 1]}
+    diff, se = paired_difference(a, b)
+    assert diff == pytest.approx(0.25)
+    assert se == pytest.approx((0.25 * 0.75 * 4 / 3 / 4) ** 0.5)  # sample variance of (0, 1, 0, 0) over n
+    assert paired_difference(a, a) == (0.0, 0.0)
+    with pytest.raises(ValueError):  # items of another subset cannot be paired
+        paired_difference(a, {"t": [1, 0, 0]})
+
+
+def test_accuracy_section_lists_every_scored_model_and_the_rows_left() -> None:
+    report = _report()
+    _, _, key, base, _ = report.HEADLINES[2]
+    run = _run(4, {"dense": (0.5, [1, 0, 1, 0]), key: (0.75, [1, 1, 1, 0]), base: (0.25, [1, 0, 0, 0])})
+    text = "\n".join(report.accuracy_section({"r": run}, report.HEADLINES))
+    row = f"| {key} | {report.HEADLINES[2][0]} variant | 75 ± 5 | **75.0 ± 5.0** | +25.0 ± 25.0 | +50.0 ± 28.9 |"
+    assert row in text
+    assert "atp (serving cache): not scored, a cache policy" in text
+    # rows whose models the run lacks, named together
+    assert "nbl, lisa, planner (mla, nbl, drop, keep per layer): not scored yet" in text
