@@ -175,7 +175,9 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
            "lisa-mix", "atp-recovery", "offload_time", "precond_once",
            # measured once to settle a default or a target, superseded as headline evidence by the sections kept
            "latentllm-table", "mla-kv25-ablations", "decode-ops-smollm2-135m", "mla-speed-512", "lmeval_serve",
-           "nbl-gemma3-bos")
+           "nbl-gemma3-bos", "latentllm-whole", "mla-gemma3-speed",
+           # one-off studies whose conclusions live in docs/serving.md; a probe re-run (the GPU fixes hold)
+           "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "gpu-probe-h100")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

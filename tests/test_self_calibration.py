@@ -8,7 +8,7 @@ import torch
 from attnslim.api import compress
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
-from attnslim.recipe import recipe_from_dict
+from attnslim.recipe import recipe_from_dict, recipe_to_dict
 from conftest import tiny_llama
 from helpers import BosTokenizer, ByteTokenizer, one_step
 
@@ -53,7 +53,8 @@ def test_a_mixture_alternates_sampled_and_text_windows() -> None:
 def test_compress_calibrates_on_sampled_text_and_records_it() -> None:
     model, tok = tiny_llama(vocab_size=256), BosTokenizer()
     recipe = one_step("mla", {"kv_ratio": 0.5})
-    recipe = recipe_from_dict({**_as_dict(recipe), "calibration": {"source": "self", "windows": 4, "seq_len": 32}})
+    recipe = recipe_from_dict({**recipe_to_dict(recipe), "calibration": {"source": "self", "windows": 4,
+                                                                          "seq_len": 32}})
     report = compress(model, tok, recipe, progress=False)
     assert "sampled from the dense model" in str(report.to_json()["calibration"])
 
@@ -69,9 +70,3 @@ def test_refusals_name_the_fix() -> None:
         from attnslim.data.sources import check_source
 
         check_source("--data", "self")
-
-
-def _as_dict(recipe):  # type: ignore[no-untyped-def]
-    from attnslim.recipe import recipe_to_dict
-
-    return recipe_to_dict(recipe)
