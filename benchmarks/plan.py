@@ -1,52 +1,80 @@
-"""The planner against single-method recipes at the same KV budget, one-shot (issue 45).
+"""The planner against single-method recipes at the same KV budget, one-shot and healed (issue 45).
 
-For each budget: `attnslim plan`'s recipe (planned on calibration text, timed), uniform `mla` with refit_o (the
-best one-shot single method, recipes/mla-oneshot.yaml at that kv_ratio) and `transmla`, each compressed from the
-same model and scored on the same evaluation windows by the benchmark harness (benchmarks/common.py). The
-candidates are measured once for all budgets (plan seconds: that measurement plus the budget's solve and
-refinement). Rows go to
-benchmarks/results/plan-MODEL.json; each planned row carries its plan report (choices, additive estimate against
-the measured whole-plan KL, plan seconds).
+For each budget: `attnslim plan`'s recipe (planned on calibration text, timed) beside single-method rows at the
+same KV, each compressed from the same model and scored on the same evaluation windows by the benchmark harness
+(benchmarks/common.py):
+- `mla` with refit_o (recipes/mla-oneshot.yaml's conversion at that kv_ratio), `transmla`;
+- `nbl` and `drop` of the fewest layers that bring the KV under the budget, selected by the packaged recipes'
+  criterion (recipes/nbl.yaml, recipes/drop.yaml: similarity);
+- sharing (`ds`/`lisa`) has no row: a receiver keeps its own V, so sharing saves at most half of a layer's cache,
+  and with its protected leading layers (methods/lisa.py: protected_layers) it cannot reach KV 0.5 or below.
+The candidates are measured once for all budgets (plan seconds: that measurement plus the budget's solve and
+refinement). Rows go to benchmarks/results/plan-MODEL.json; each planned row carries its plan report (choices,
+additive estimate against the measured whole-plan KL, plan seconds).
 
     python benchmarks/plan.py --budgets 0.5,0.25 --sources wiki
     ATTNSLIM_BENCH_DEVICE=cuda python benchmarks/plan.py ...     # on a GPU (benchmarks/common.py)
 
 `--heal 0.25`: at those budgets the plan and uniform `mla` also get the standard heal (recipes/default.yaml's:
 40 steps of logit distillation on wiki + c4 + TinyStories), rows `plan-kvF-heal40` and `mla-kvF-heal40`.
+`--local 0.25`: at those budgets, the strongest single-method MLA recipe (recipes/mla-kv25.yaml: global ranks,
+o_proj refit, 96 local-fit steps per layer, then a 40-step heal of every parameter at lr 3e-4) at that kv_ratio
+beside the plan given the same local fit on its mla layers and the same heal: rows `mla-kvF-local`,
+`plan-kvF-local` and their `-heal40-all` rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 from common import Harness, calibration, load_on_device
 
+from attnslim.adapters import get_adapter
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER
 from attnslim.planner.run import PlanConfig, choose, prepare
 from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
 
 STANDARD_HEAL = load_recipe("default").heal  # the demo recipe's heal
+LOCAL = load_recipe("mla-kv25")  # the strongest single-method MLA recipe: its conversion args and its heal
+LOCAL_ARGS = {k: v for k, v in LOCAL.steps[0].args.items() if k != "kv_ratio"}  # alloc, refit_o, local_steps
 
 
-def baseline(method: str, kv: float) -> dict[str, Any]:
-    """A single-method row at `kv`: mla with refit_o (recipes/mla-oneshot.yaml's one-shot fit), others as they are."""
-    args = {"kv_ratio": kv, **({"refit_o": True} if method == "mla" else {})}
-    return {"name": f"{method}-kv{kv:g}", "calibration": calibration(),
-            "steps": [{"method": method, "layers": "all", "args": args}]}
+def baseline(method: str, kv: float, layers: int) -> dict[str, Any]:
+    """A single-method row at `kv` for a model of `layers` layers.
+    mla: with refit_o (recipes/mla-oneshot.yaml's one-shot fit); nbl/drop: the fewest layers whose removed KV
+    brings the cache to at most `kv` (similarity-selected, as the packaged recipes)."""
+    removed = math.ceil((1.0 - kv) * layers - 1e-9)
+    args: dict[str, Any] = {
+        "mla": {"kv_ratio": kv, "refit_o": True}, "transmla": {"kv_ratio": kv},
+        "mla-local": {"kv_ratio": kv, **LOCAL_ARGS},
+        "nbl": {"m": removed, "criterion": "similarity"}, "drop": {"count": removed, "select": "similarity"},
+    }[method]
+    base, _, suffix = method.partition("-")
+    return {"name": f"{base}-kv{kv:g}{'-' + suffix if suffix else ''}", "calibration": calibration(),
+            "steps": [{"method": base, "layers": "all", "args": args}]}
+
+
+def with_local(recipe: dict[str, Any]) -> dict[str, Any]:
+    """`recipe` with mla-kv25's local fit (refit_o and local_steps) on every mla step (per-layer widths kept)."""
+    extra = {k: v for k, v in LOCAL_ARGS.items() if k != "alloc"}  # alloc spreads one ratio: the plan set widths
+    steps = [{**s, "args": {**s["args"], **extra}} if s["method"] == "mla" else s for s in recipe["steps"]]
+    return {**recipe, "name": f"{recipe['name']}-local", "steps": steps}
 
 
 def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
-           ) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
-    """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary)."""
+           ) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
+    """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary),
+    each yielded as soon as it is chosen (its rows run before the next budget is planned)."""
     model, tokenizer = load_on_device(model_name)
     cfg = PlanConfig(kv=min(budgets), kinds=tuple(args.candidates.split(",")),
                      ladder=tuple(float(f) for f in args.ladder.split(",")), score_windows=args.score_windows,
                      refine_windows=args.score_windows, rounds=args.rounds, calibration=Calibration(**calibration()))
     prepared = prepare(model, tokenizer, cfg)
-    out = []
     for kv in budgets:
         start = time.time()
         result = choose(model, prepared, replace(cfg, kv=kv))
@@ -57,8 +85,7 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
                    "plan_estimate": report["estimate"], "plan_refine": report["refine"],
                    "plan_starts": report["starts"], "plan_start": report["start"],
                    "plan_config": report["config"], "plan_windows": report["windows"]}
-        out.append((kv, recipe_to_dict(result.recipe), summary))
-    return out
+        yield kv, recipe_to_dict(result.recipe), summary
 
 
 def main() -> None:
@@ -71,19 +98,37 @@ def main() -> None:
     p.add_argument("--ladder", default=",".join(f"{f:g}" for f in DEFAULT_LADDER))
     p.add_argument("--score-windows", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--baselines", default="mla,transmla", help="single-method rows beside each plan")
+    p.add_argument("--baselines", default="mla,transmla,nbl,drop", help="single-method rows beside each plan")
     p.add_argument("--name", default=None, help="results file stem (default plan-MODEL)")
     p.add_argument("--heal", default="", help="budgets whose plan and uniform mla also get the standard heal")
+    p.add_argument("--baselines-only", action="store_true", help="no planning: only the single-method rows")
+    p.add_argument("--local", default="", help="budgets with the local-fit rows (recipes/mla-kv25.yaml's fit)")
     args = p.parse_args()
     harness = Harness(args.name or f"plan-{args.model}", args.model, tuple(args.sources.split(",")), args.tokens)
     healed = {float(b) for b in args.heal.split(",") if b}
-    for kv, recipe, summary in _plans(args.model, [float(b) for b in args.budgets.split(",")], args):
+    local = {float(b) for b in args.local.split(",") if b}
+    budgets = [float(b) for b in args.budgets.split(",")]
+    if args.baselines_only:
+        layers = get_adapter(load_on_device(args.model)[0]).num_layers()
+        for kv in budgets:
+            for method in filter(None, args.baselines.split(",")):
+                harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers))
+        return
+    layers = 0
+    for kv, recipe, summary in _plans(args.model, budgets, args):
+        layers = layers or len(summary["plan_layers"])
         harness.run(f"plan-kv{kv:g}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
-            harness.run(f"{method}-kv{kv:g}", baseline(method, kv))
+            harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers))
         if kv in healed:
             harness.run(f"plan-kv{kv:g}-heal40", {**recipe, "heal": STANDARD_HEAL}, summary)
-            harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv), "heal": STANDARD_HEAL})
+            harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv, layers), "heal": STANDARD_HEAL})
+        if kv in local:
+            for key, row in ((f"mla-kv{kv:g}-local", baseline("mla-local", kv, layers)),
+                             (f"plan-kv{kv:g}-local", with_local(recipe))):
+                harness.run(key, row, summary if key.startswith("plan") else None)
+                harness.run(f"{key}-heal40-all", {**row, "heal": LOCAL.heal},
+                            summary if key.startswith("plan") else None)
 
 
 if __name__ == "__main__":

@@ -208,3 +208,37 @@ def test_plan_heal_flag_ends_the_recipe_with_the_default_heal_on_self_text_when_
     from attnslim.planner.run import standard_heal
 
     assert standard_heal("self+tiny") == {**default, "source": "self+tiny"} and standard_heal("wiki") == default
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_dense_attention_runs_once_per_batch_for_all_refitted_candidates(family: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output refit of every mla candidate of a layer matches the same dense attention on the same batches:
+    measure computes it once per batch (measure._Remembered) and the measured costs are those of computing it
+    afresh for each candidate, bit for bit."""
+    from attnslim.planner import measure as measuring
+    from attnslim.planner.score import score_set
+    from conftest import TINY_BUILDERS
+
+    cal = Calibration(source="tiny", windows=56, seq_len=32, seed=0, batch_size=8)  # 24 tokens per dim
+    cands = candidate_set(("keep", "mla"), (0.5, 0.75), "hf", {"refit_o": True})
+
+    def run(remember: bool) -> tuple[dict[tuple[int, str], float], int]:
+        model = TINY_BUILDERS[family]()
+        adapter = get_adapter(model)
+        calls = [0]
+        adapter.attention(1).register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        if not remember:
+            monkeypatch.setattr(measuring, "_Remembered", lambda attention: attention)
+        from attnslim.data import calib_windows
+        fit = calib_windows("tiny", ByteTokenizer(), cal.windows, cal.seq_len, 0)
+        scores = score_set(model, ByteTokenizer(), "tiny", 2, 16, seed=1)
+        got = measuring.measure(model, adapter, {1: cands}, fit.ids, scores, cal.batch_size, progress=False)
+        return got.quality, calls[0]
+
+    remembered, once = run(True)
+    afresh, each = run(False)
+    batches = cal.windows // cal.batch_size
+    assert remembered == afresh and remembered[(1, "mla@0.5")] > 0
+    # the second mla candidate's refit ran the dense attention on every batch only when it was not remembered
+    assert each - once == batches

@@ -7,6 +7,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from attnslim.adapters.base import Adapter
@@ -75,11 +76,12 @@ def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry:
 
 
 def convert_and_fit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
-                   stats: Any) -> Fit:
+                   stats: Any, original: nn.Module | None = None) -> Fit:
     """Convert layer i, then refit what `method.output_refit` names and train what `method.local_fit` names, both
     on the runner's inputs of layer i (methods/refit.py, methods/local_fit.py); the fit's diagnostics gain theirs
-    under "output_refit" and "local_fit"."""
-    original = adapter.attention(i)
+    under "output_refit" and "local_fit". `original`: what the fits match, the installed attention by default (the
+    planner passes one that remembers its outputs across the candidates of a layer)."""
+    original = adapter.attention(i) if original is None else original
     fit = dict(method.convert(adapter, i, entry, stats) or {})
     if (refit := method.output_refit(adapter, i)) is not None:
         fit["output_refit"] = refit_output(runner, adapter, i, original, refit)
