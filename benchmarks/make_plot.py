@@ -1,9 +1,12 @@
-"""Regenerate docs/quality.svg (the README's picture) from benchmarks/results/*.json; never edit it by hand.
+"""Regenerate docs/quality.svg (the README's picture) and docs/plan.svg (BENCHMARKS' planner section) from
+benchmarks/results/*.json; never edit them by hand.
 
 Two scatter charts of SmolLM2-135M variants evaluated on 8192 tokens per set (the files in FILES): wiki
 perplexity against the KV cache kept, and against the parameters kept, both as ratios to the dense model of the
 same run; one colour per method (the recipe's steps joined with "+", "+ heal" when the recipe heals). Variants
 above MAX_RATIO are left out of the picture (the subtitle says how many); BENCHMARKS.md lists every one.
+docs/plan.svg: wiki perplexity against the KV cache kept for the planner and the single-method rows of
+benchmarks/plan.py (report_plan.plan_series), one line per method, above PLAN_MAX_RATIO left out.
 
     .venv/bin/python benchmarks/make_plot.py
 """
@@ -14,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from report_plan import CPU_FILE, plan_series
+
 from attnslim.report.svg import line_chart
 
 ROOT = Path(__file__).parent
@@ -23,6 +28,8 @@ OUT = ROOT.parent / "docs" / "quality.svg"
 FILES = ("baselines", "latentllm", "latentllm-attn50", "latentllm-whole", "nbl", "nbl-calib", "lisa",
          "lisa-250steps", "lisa-mix", "mla")
 MAX_RATIO = 2.0
+PLAN_FILES = ("plan-smollm2-135m-h100", CPU_FILE)
+PLAN_MAX_RATIO = 4.0
 
 
 def method_of(file: str, variant: dict[str, Any]) -> str:
@@ -69,6 +76,18 @@ def figure() -> str:
     return stack([kv, par])
 
 
+def plan_figure() -> str | None:
+    files = tuple(json.loads(p.read_text()) for f in PLAN_FILES if (p := RESULTS / f"{f}.json").is_file())
+    if not files:
+        return None
+    series = plan_series(files)
+    shown = {k: [(x, y) for x, y in v if y <= PLAN_MAX_RATIO] for k, v in series.items()}
+    left_out = sum(len(v) for v in series.values()) - sum(len(v) for v in shown.values())
+    return line_chart("Planned and single-method models: wiki perplexity against the KV cache kept",
+                      {k: v for k, v in shown.items() if v}, "KV cache kept (x dense)", "wiki ppl (x dense)",
+                      subtitle=f"SmolLM2-135M, 8192 tokens; {left_out} points above {PLAN_MAX_RATIO:g}x not shown")
+
+
 def stack(charts: list[str]) -> str:
     """One SVG holding the charts one below the other."""
     heights = [float(c.split('height="', 1)[1].split('"', 1)[0]) for c in charts]
@@ -85,6 +104,9 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(figure())
     print(f"wrote {OUT}")
+    if (plan := plan_figure()) is not None:
+        (OUT.parent / "plan.svg").write_text(plan)
+        print(f"wrote {OUT.parent / 'plan.svg'}")
 
 
 if __name__ == "__main__":

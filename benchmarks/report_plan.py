@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 SOURCES = ("wiki", "ptb", "c4")
+RESULTS = Path(__file__).parent / "results"
+CPU_FILE = "plan-smollm2-135m"  # benchmarks/plan.py's default results file (a CPU run)
+PLOT = "docs/plan.svg"  # benchmarks/make_plot.py
 
 
 def _budget(key: str) -> float:
@@ -44,6 +49,33 @@ def _rows(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _single(key: str) -> bool:
+    return not key.startswith("plan")
+
+
+def verdicts(data: dict[str, Any]) -> list[str]:
+    """Per budget, one-shot and healed: the plan beside the best single-method row of the same budget and heal on
+    each set (lowest ratio; every single-method row measures at or under the budget), and where the plan wins."""
+    variants = data["variants"]
+    out = ["| KV budget | heal | plan wiki / ptb / c4 | best single method per set | plan better on |",
+           "|---|---|---|---|---|"]
+    for key in sorted((k for k in variants if k.startswith("plan-kv") and "local" not in k),
+                      key=lambda k: (-_budget(k), "heal" in k)):
+        tail = key.removeprefix(f"plan-kv{_budget(key):g}")
+        rivals = {k: v for k, v in variants.items() if _single(k) and _budget(k) == _budget(key)
+                  and k.endswith(tail) and ("heal" in k) == ("heal" in key) and "local" not in k}
+        if not rivals:
+            continue
+        plan = variants[key]["ppl_ratio"]
+        best = {s: min(rivals, key=lambda k: rivals[k]["ppl_ratio"][s]) for s in SOURCES}
+        wins = [s for s in SOURCES if plan[s] < rivals[best[s]]["ppl_ratio"][s]]
+        ours = " / ".join(f"{plan[s]:.3f}" for s in SOURCES)
+        theirs = " / ".join(f"{rivals[best[s]]['ppl_ratio'][s]:.3f} ({best[s].split('-')[0]})" for s in SOURCES)
+        out.append(f"| {_budget(key):g} | {'standard' if tail else '–'} | {ours} | {theirs} | "
+                   f"{', '.join(wins) or 'none'} |")
+    return out
+
+
 def plan_section(data: dict[str, Any]) -> list[str]:
     env, ev = data["environment"], data["eval"]
     device = env.get("gpu", env.get("cpu", env["device"]))
@@ -56,11 +88,22 @@ def plan_section(data: dict[str, Any]) -> list[str]:
            "Ratios to the dense model of the same run. `plan-kvF` is `attnslim plan --kv F` (every candidate: keep, "
            "`mla` at per-layer KV 0.125–0.75 with refit_o, `nbl`, `drop`, `ds`; costs measured on calibration "
            "windows, never evaluation text) compressed by its recipe; `mla-kvF` is uniform `mla` with refit_o "
-           "(recipes/mla-oneshot.yaml at that budget), `transmla-kvF` the TransMLA baseline; `-heal40` adds the "
-           "default recipe's 40-step heal. Plan s: measuring every candidate of every layer once (shared by all "
+           "(recipes/mla-oneshot.yaml at that budget), `transmla-kvF` the TransMLA baseline, `nbl-kvF`/`drop-kvF` "
+           "the fewest layers linearised/dropped (similarity-selected, as recipes/nbl.yaml and drop.yaml) that bring "
+           "the KV under the budget; sharing (`ds`, `lisa`) has no row: a receiver keeps its V, so it cannot reach "
+           "KV 0.5. `-heal40` adds the default recipe's 40-step heal. "
+           "Plan s: measuring every candidate of every layer once (shared by all "
            "budgets) plus the budget's solve, starts and refinement. The last column: the start the refinement "
            "began from and its result, each start's whole-plan KL per token on held-out calibration windows "
-           "(planner/starts.py).", "", *_rows(data), ""]
+           "(planner/starts.py).", "", *_rows(data), "",
+           "The plan against the best single-method row of its budget (and heal), set by set:", "",
+           *verdicts(data), "", f"![wiki perplexity against the KV cache kept, per method]({PLOT})", ""]
+    cpu = RESULTS / f"{CPU_FILE}.json"
+    if cpu.is_file():
+        other = json.loads(cpu.read_text())
+        out += [f"The budgets the GPU run did not reach, on this project's 2-core CPU (`python "
+                f"{other['environment']['command']}` → `benchmarks/results/{CPU_FILE}.json`; plan s is the "
+                "planner's wall time there, the CPU target):", "", *_rows(other), "", *verdicts(other), ""]
     plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
     if plans:
         out += ["What each plan chose, per layer:", ""]
@@ -71,4 +114,19 @@ def plan_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
-PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-135m-h100": plan_section}
+def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float, float]]]:
+    """{method (+ heal): [(KV kept, wiki ratio)]} over the planner results, by budget (docs/plan.svg)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for data in files:
+        dense = data["dense"]["kv_bytes_per_token"]
+        for key, v in data["variants"].items():
+            if "local" in key:
+                continue
+            name = key.split("-")[0] + (" + heal" if "heal" in key else "")
+            out.setdefault(name, []).append((v["kv_bytes_per_token"] / dense, v["ppl_ratio"]["wiki"]))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+# the CPU run's rows are shown inside the GPU run's section (one section for the planner)
+PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-135m-h100": plan_section,
+                                                                   CPU_FILE: lambda data: []}

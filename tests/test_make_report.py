@@ -105,3 +105,19 @@ def test_accuracy_section_lists_every_scored_model_and_the_rows_left() -> None:
     assert "atp (serving cache): not scored, a cache policy" in text
     # rows whose models the run lacks, named together
     assert "nbl, lisa, planner (mla, nbl, drop, keep per layer): not scored yet" in text
+
+
+def test_plan_verdict_compares_with_the_best_single_method_of_the_same_budget_and_heal() -> None:
+    _report()  # puts benchmarks/ on the path
+    from report_plan import verdicts
+
+    def row(wiki: float, ptb: float, c4: float) -> dict[str, object]:
+        return {"ppl_ratio": {"wiki": wiki, "ptb": ptb, "c4": c4}}
+
+    data = {"variants": {"plan-kv0.5": row(1.1, 1.4, 1.3), "mla-kv0.5": row(1.2, 1.3, 1.5),
+                         "nbl-kv0.5": row(1.15, 2.0, 1.25), "plan-kv0.5-heal40": row(1.05, 1.2, 1.2),
+                         "mla-kv0.5-heal40": row(1.0, 1.3, 1.3), "mla-kv0.25": row(0.5, 0.5, 0.5)}}
+    lines = verdicts(data)
+    assert lines[2] == "| 0.5 | – | 1.100 / 1.400 / 1.300 | 1.150 (nbl) / 1.300 (mla) / 1.250 (nbl) | wiki |"
+    assert lines[3] == "| 0.5 | standard | 1.050 / 1.200 / 1.200 | 1.000 (mla) / 1.300 (mla) / 1.300 (mla) | ptb, c4 |"
+    assert len(lines) == 4  # another budget's rows are never the rival
