@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from attnslim.adapters import gemma3, llama, opt  # noqa: F401  (importing registers each adapter)
+from attnslim.adapters import gemma3, llama, opt, qwen3  # noqa: F401  (importing registers each adapter)
 from attnslim.adapters.base import Adapter, AttentionSpec, MLPSpec, RopeSpec
 from attnslim.errors import AttnslimError
 from attnslim.registry import ADAPTERS
