@@ -5,6 +5,7 @@ a rotation reads instead of rope_theta. The save/load/generate rows of each fami
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,26 @@ def test_latentllm_rope_aware_fit_uses_the_models_scaled_frequencies(monkeypatch
     for freqs in seen:
         assert freqs is not None
         torch.testing.assert_close(freqs, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_an_unsupported_fused_family_is_refused_with_the_supported_ones_and_the_checklist():
+    """Phi-3 fuses q/k/v (qkv_proj) and gate/up (gate_up_proj): compress refuses it before any calibration, naming
+    the fused linears, every registered family and where the add-a-family checklist is."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from attnslim.errors import AttnslimError
+    from attnslim.registry import ADAPTERS
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(AttnslimError, match=r"unsupported model_type 'phi3' \(Phi3ForCausalLM\)") as err:
+        _compress(model, "svd", {"ratio": 0.5})
+    message = str(err.value)
+    assert "(gate_up_proj, qkv_proj)" in message and "docs/DESIGN.md, 'Checklist: add a model family'" in message
+    assert all(model_type in message for model_type in ADAPTERS) and {"qwen3", "llama"} <= set(ADAPTERS)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the model is untouched
+    design = (Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()
+    assert "\n## Checklist: add a model family\n" in design  # the pointer leads somewhere
