@@ -111,6 +111,25 @@ def tiny_gemma3(**overrides):
     return _tiny(Gemma3TextConfig, Gemma3ForCausalLM, base, overrides)
 
 
+def tiny_qwen3(**overrides):
+    """Qwen3: Llama's layout with QK-norm (per-head RMS norms on q and k before RoPE, gain = weight, randomised
+    here), GQA, no biases, full attention in every layer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    base = dict(_COMMON, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, base, overrides)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def tiny_llama3(**overrides):
+    """Llama-3.x rope scaling (`rope_type: llama3`): with a 32-token original context and head_dim 16, six of the
+    eight frequencies are scaled down (by up to 8x), so a method that rebuilt RoPE from rope_theta would differ."""
+    return tiny_llama(**{"rope_parameters": LLAMA3_ROPE, **overrides})
+
+
 def tiny_opt(**overrides):
     """OPT: MHA with q/k/v/out biases, learned positions, ReLU fc1/fc2 MLP, pre-norm."""
     from transformers import OPTConfig, OPTForCausalLM
@@ -129,6 +148,8 @@ TINY_BUILDERS = {
     "mistral": tiny_mistral,
     "gemma3": tiny_gemma3,
     "opt": tiny_opt,
+    "qwen3": tiny_qwen3,
+    "llama3": tiny_llama3,
 }
 
 

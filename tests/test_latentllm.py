@@ -51,13 +51,15 @@ VARIANTS = {
 # (dense factors cannot reach full rank without growing: that is refused, see the bad-input tests)
 FULL_CASES = [("llama", v) for v in VARIANTS] + [("gemma3", "cache-values"), ("opt", "cache-values")] + [
     (f, v) for f in ("qwen2", "opt") for v in ("joint", "split", "vo-joint", "mlp-ud", "precond-l2", "precond-cov")] + [
-    ("mistral", "joint"), ("gemma3", "joint"), ("gemma3", "mlp-ud")]
+    ("mistral", "joint"), ("gemma3", "joint"), ("gemma3", "mlp-ud"), ("qwen3", "joint"), ("qwen3", "cache-values"),
+    ("llama3", "rope-window")]
 
 
 @pytest.mark.parametrize("family,variant", FULL_CASES)
 def test_full_rank_reproduces_dense_logits(family, variant):
     """ratio 1 = full rank for every linear (block identity: same parameter count) -> dense logits.
-    qwen2: GQA, q/k/v biases, sliding layers; opt: biases everywhere, no RoPE, ReLU; gemma3: MQA, QK-norm."""
+    qwen2: GQA, q/k/v biases, sliding layers; opt: biases everywhere, no RoPE, ReLU; gemma3: MQA, QK-norm;
+    qwen3: QK-norm with a plain gain; llama3: the RoPE-aware fit on llama3-scaled frequencies."""
     model = TINY_BUILDERS[family]()
     ref = model(input_ids=IDS).logits
     _compress(model, {"ratio": 1.0, **VARIANTS[variant]})

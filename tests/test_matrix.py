@@ -44,6 +44,14 @@ MATRIX = [  # (family, method, args)
     ("opt", "ds", {}),
     ("mistral", "lisa", {}),  # every layer slides: donor and receiver share the window
     ("mistral", "ds", {}),
+    ("qwen3", "mla", {"kv_ratio": 0.5}),  # QK-norm with a plain gain: key scales cached beside the latent
+    ("qwen3", "latentllm", {"ratio": 0.7}),
+    ("qwen3", "nbl", {"m": 1}),
+    ("qwen3", "lisa", {}),  # the donor's q/k (QK-normed) give the scores
+    ("qwen3", "ds", {}),
+    ("llama3", "mla", {"kv_ratio": 0.5}),  # the decoupled rotary key on the model's scaled frequencies
+    ("llama3", "latentllm", {"ratio": 0.7, "rope_window": 4}),  # the RoPE-aware fit on the scaled frequencies
+    ("llama3", "lisa", {}),
 ]
 ROWS = {(family, method) for family, method, _ in MATRIX}
 # every (family, method) pair without a row, with the reason; a new method or family fails
@@ -78,6 +86,10 @@ SKIPS: dict[tuple[str, str], str] = {
     ("gemma3", "ds"): _GEMMA_SHARING,
     ("qwen2", "lisa"): _QWEN_SHARING,
     ("qwen2", "ds"): _QWEN_SHARING + " (not ds: ds on Qwen2 is not covered)",
+    ("llama3", "nbl"): "NBL replaces the attention block by a linear map of its input: no RoPE reaches it, so rope "
+                       "scaling changes nothing; llama's rows cover its layout",
+    ("llama3", "ds"): "ds reuses the donor's attention scores, computed with the model's own (scaled) rotary "
+                      "module; llama3's lisa row runs the same sharing path and llama's ds row the layout",
 }
 
 

@@ -47,13 +47,14 @@ def _exact_args(family: str) -> dict:
     return {"kv_ratio": None, "rank": min(2 * full - rope, spec.hidden_size), "rope_dims": rope}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3"])
 @pytest.mark.parametrize("method,args", [("mla", {}), ("mla", {"rope_select": "pca"}),
                                          ("mla", {"kv_weight": "rootcov"}), ("mla", {"kv_weight": "svd"}),
                                          ("transmla", {"freq_fold": 1})])
 def test_full_rank_with_every_rotary_dim_reproduces_dense_logits(family, method, args):
     """qwen2: q/k/v biases and sliding layers; mistral: sliding window everywhere; opt: no RoPE (d_rope = 0),
-    biases everywhere; gemma3: QK-norm (the cached key scales rebuild the key norm exactly), MQA, sliding layers."""
+    biases everywhere; gemma3: QK-norm (the cached key scales rebuild the key norm exactly), MQA, sliding layers;
+    qwen3: QK-norm with a plain gain; llama3: llama3-scaled RoPE (the rotary key on the model's own tables)."""
     model = TINY_BUILDERS[family]()
     ref = model(input_ids=IDS).logits
     _compress(model, method, {**_exact_args(family), **args})
@@ -317,9 +318,10 @@ def test_split_decode_kernel_generates_what_the_grouped_one_does(family, monkeyp
         model.generate(IDS, max_new_tokens=2, do_sample=False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3"])
 def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
-    """gemma3: each row also holds the KV head's key scale (QK-norm), inside the same half of the dense cache."""
+    """gemma3 / qwen3: each row also holds each KV head's key scale (QK-norm), inside the same half of the dense
+    cache."""
     model = TINY_BUILDERS[family]()
     dense = kv_bytes_per_token(model)["per_layer"][0]
     sliding = get_adapter(model).attention_spec(0).sliding_window
@@ -330,7 +332,7 @@ def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
     model(input_ids=IDS[:1], past_key_values=cache, use_cache=True)
     layer = cache.layers[0]
     width = module.rank + module.rope_dims + module.key_scales
-    assert module.key_scales == (1 if family == "gemma3" else 0)
+    assert module.key_scales == {"gemma3": 1, "qwen3": 2}.get(family, 0)  # one per KV head under QK-norm
     assert tuple(layer.keys.shape[1::2]) == (1, width) and layer.values.shape[-1] == 0
     kv = kv_bytes_per_token(model)
     if sliding is None:

@@ -23,7 +23,8 @@ MLP_LINEARS = ("gate", "up", "down")
 class RopeSpec:
     """Rotary position embedding of one layer (None in the spec means learned/absolute positions)."""
 
-    theta: float
+    theta: float  # the config's base; a rotation is rebuilt from the model's own table (adapters/rotary.py), never
+    # from theta: scaled RoPE (llama3, yarn) changes the frequencies
     rotary_dims: int  # number of head dims rotated (== head_dim for full RoPE)
     layer_type: str = "full_attention"  # key into the model's per-layer-type rotary tables (Gemma3)
 
@@ -34,6 +35,24 @@ class RMSNormSpec:
 
     gain: torch.Tensor  # (head_dim,) the effective gain (Gemma3: 1 + weight)
     eps: float
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """How a family normalises each head's query and key: data, not code. The attention module holds two per-head
+    RMS norms (children `q`, `k`) computing y = (gain_offset + weight) ⊙ x / sqrt(mean(x²) + eps) over head_dim,
+    after the projections and before RoPE; `eps_attr` names the module attribute holding eps.
+    Gemma3: gain_offset 1 (a (1 + w) gain), eps_attr "eps"; Qwen3: gain_offset 0, eps_attr "variance_epsilon"."""
+
+    gain_offset: float
+    eps_attr: str
+    q: str = "q_norm"
+    k: str = "k_norm"
+
+    def rms(self, norm: nn.Module) -> RMSNormSpec:
+        """`norm` as a formula (gain in float32)."""
+        weight: Any = norm.weight
+        return RMSNormSpec(gain=self.gain_offset + weight.detach().float(), eps=float(getattr(norm, self.eps_attr)))
 
 
 @dataclass(frozen=True)
@@ -51,7 +70,7 @@ class AttentionSpec:
     """One attention sub-block in canonical form. Weights are `[out, in]` like `nn.Linear.weight`.
 
     Shapes: q (n_heads*head_dim, hidden), k/v (n_kv_heads*head_dim, hidden), o (hidden, n_heads*head_dim).
-    `q_norm`/`k_norm` (Gemma3 QK-norm) act per head on (..., head_dim) before RoPE.
+    `q_norm`/`k_norm` (QK-norm: Gemma3, Qwen3) act per head on (..., head_dim) before RoPE.
     """
 
     layer: int
@@ -121,6 +140,7 @@ class Adapter:
     """Base class; subclasses fill in the family-specific attribute paths."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    qk_norm: ClassVar[QKNorm | None] = None  # the family's QK-norm, put in every AttentionSpec; None: no QK-norm
 
     def __init__(self, model: nn.Module) -> None:
         self.model: Any = model  # an HF PreTrainedModel; its submodules are reached by attribute
@@ -293,11 +313,16 @@ class Adapter:
         return weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None
 
     def _attention_spec_from_linears(self, i: int, **fields: Any) -> AttentionSpec:
-        """AttentionSpec with q/k/v/o weights/biases from the canonical linears and head counts from
-        `attention_heads(i)`; `fields` gives the rest."""
+        """AttentionSpec with q/k/v/o weights/biases from the canonical linears, head counts from
+        `attention_heads(i)` and the family's `qk_norm`; `fields` gives the rest."""
         tensors: dict[str, Any] = {}
         for name in ATTENTION_LINEARS:
             tensors[name], tensors[f"{name}_bias"] = self._linear_weights(i, name)
+        if self.qk_norm is not None:
+            attn = self.attention(i)
+            q_norm, k_norm = attn.get_submodule(self.qk_norm.q), attn.get_submodule(self.qk_norm.k)
+            tensors.update(q_norm=q_norm, k_norm=k_norm, q_norm_rms=self.qk_norm.rms(q_norm),
+                           k_norm_rms=self.qk_norm.rms(k_norm))
         heads = self.attention_heads(i)
         return AttentionSpec(layer=i, hidden_size=self.config.hidden_size, n_heads=heads.n_heads,
                              n_kv_heads=heads.n_kv_heads, head_dim=heads.head_dim, **tensors, **fields)

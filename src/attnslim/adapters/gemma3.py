@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from attnslim.adapters.base import Adapter, AttentionHeads, AttentionSpec, MLPSpec, RMSNormSpec, RopeSpec
+from attnslim.adapters.base import Adapter, AttentionHeads, AttentionSpec, MLPSpec, QKNorm, RopeSpec
 from attnslim.errors import AttnslimError
 from attnslim.registry import register_adapter
 
@@ -44,6 +44,7 @@ _PATHS = {
 @register_adapter
 class Gemma3Adapter(Adapter):
     model_types = ("gemma3_text",)
+    qk_norm = QKNorm(gain_offset=1.0, eps_attr="eps")  # Gemma3RMSNorm: x / rms(x) · (1 + weight), in float32
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -98,16 +99,11 @@ class Gemma3Adapter(Adapter):
 
     def attention_spec(self, i: int) -> AttentionSpec:
         cfg = self.config
-        attn = self.attention(i)
         layer_type = self.layer_types()[i]
         return self._attention_spec_from_linears(
             i,
             scaling=float(cfg.query_pre_attn_scalar) ** -0.5,
             rope=self._rope(layer_type),
-            q_norm=attn.get_submodule("q_norm"),  # (b, h, t, hd) -> same, per head
-            k_norm=attn.get_submodule("k_norm"),
-            k_norm_rms=_rms_norm(attn.get_submodule("k_norm")),
-            q_norm_rms=_rms_norm(attn.get_submodule("q_norm")),
             sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else None,
             softcap=None,  # see module docstring: HF's Gemma3Attention does not apply it
         )
@@ -116,9 +112,3 @@ class Gemma3Adapter(Adapter):
         act_fn = self._layer(i).mlp.act_fn
         return self._mlp_spec_from_linears(i, str(self.config.hidden_activation), act_fn)
 
-
-def _rms_norm(norm: nn.Module) -> RMSNormSpec:
-    """Gemma3RMSNorm as a formula: x / sqrt(mean(x²) + eps) · (1 + weight), computed in float32."""
-    weight: Any = norm.weight
-    eps: Any = norm.eps
-    return RMSNormSpec(gain=1.0 + weight.detach().float(), eps=float(eps))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -22,7 +22,7 @@ _PATHS = {
 
 @register_adapter
 class LlamaAdapter(Adapter):
-    model_types = ("llama", "mistral", "qwen2")
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")  # Qwen3 subclasses it (adapters/qwen3.py)
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.model.layers

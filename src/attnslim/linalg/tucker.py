@@ -56,17 +56,22 @@ class JointQKFactors:
 
 
 def rope_rotations(
-    head_dim: int, offsets: Sequence[int], theta: float = 1e4, rotary_dim: int | None = None
+    head_dim: int, offsets: Sequence[int], theta: float = 1e4, rotary_dim: int | None = None,
+    freqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Θ_δ for each offset δ = n − m: (n_off, d_h, d_h), HF rotate_half layout (pairs k, k + rd/2).
 
-    Only the first `rotary_dim` dims rotate (partial RoPE); the rest is identity.
+    Only the first `rotary_dim` dims rotate (partial RoPE); the rest is identity. `freqs` (rd/2,) radians per
+    token replaces theta's θ^(-2j/rd) where the model's frequencies are scaled (llama3, yarn: read them from the
+    model's rotary module, `adapters.rotary.rotary_angles`).
     """
     rd = head_dim if rotary_dim is None else rotary_dim
     if rd % 2 or not 0 < rd <= head_dim:
         raise AttnslimError(f"rotary_dim = {rd} must be even and in 2..{head_dim}")
     half = rd // 2
-    freq = theta ** (-torch.arange(half, dtype=_F64) * 2.0 / rd)  # (half,)
+    if freqs is not None and freqs.shape != (half,):
+        raise AttnslimError(f"freqs has shape {tuple(freqs.shape)}; rotary_dim = {rd} needs ({half},)")
+    freq = theta ** (-torch.arange(half, dtype=_F64) * 2.0 / rd) if freqs is None else freqs.to(_F64)  # (half,)
     ang = torch.tensor(list(offsets), dtype=_F64)[:, None] * freq  # (n_off, half)
     cos, sin = ang.cos(), ang.sin()
     out = torch.eye(head_dim, dtype=_F64).repeat(len(offsets), 1, 1)  # (n_off, d_h, d_h)

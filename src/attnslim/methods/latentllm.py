@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
+from attnslim.adapters.rotary import rotary_angles
 from attnslim.calib.hooks import SITE_OF
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
@@ -256,7 +257,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
         spec = adapter.attention_spec(layer)
         ranks, fit = entry.ranks, {}
         st = stats.site("attn_in", layer)
-        fq, fk, fit["qk"] = self._qk(spec, st, ranks, layer)
+        fq, fk, fit["qk"] = self._qk(adapter, spec, st, ranks, layer)
         v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
         dtype, device = spec.q.dtype, spec.q.device
         q_mod, k_mod = compact_linear(fq, dtype), LowRankLinear.from_factors(fk, dtype)  # k: the key latent
@@ -265,13 +266,15 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
         return {k: val for k, val in fit.items() if val}
 
-    def _qk(self, spec: AttentionSpec, st: InputStats, ranks: dict[str, int], layer: int
+    def _qk(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, ranks: dict[str, int], layer: int
             ) -> tuple[LowRankFactors, LowRankFactors, dict[str, Any]]:
         if self.qk == "split":
             fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
             return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
+        angles = rotary_angles(adapter, spec.rope.layer_type) if spec.rope is not None else None
         return fit_joint_qk(spec, st, ranks, layer, precond=self.precond, damp=self.damp, alpha=self.alpha,
-                            rope_window=self.rope_window, n_iter=self.qk_iter, block_identity=self.block_identity)
+                            rope_window=self.rope_window, n_iter=self.qk_iter, block_identity=self.block_identity,
+                            rope_freqs=None if angles is None else angles[0])
 
     def _vo(self, adapter: Adapter, spec: AttentionSpec, stats: LayerStats, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from attnslim.adapters.base import AttentionSpec
 from attnslim.calib.stats import InputStats
+from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import Gauge, LowRankFactors
 from attnslim.linalg.precond import preconditioner
 from attnslim.linalg.tucker import causal_offsets, joint_qk, rope_rotations
@@ -21,12 +24,18 @@ from attnslim.linalg.vo import joint_vo
 
 
 def fit_joint_qk(spec: AttentionSpec, st: InputStats, ranks: dict[str, int], layer: int, *, precond: str,
-                 damp: float, alpha: float, rope_window: int, n_iter: int, block_identity: bool
-                 ) -> tuple[LowRankFactors, LowRankFactors, dict[str, Any]]:
-    """q and k factors (B per head flattened to (h·d_h, r)) and the HOSVD loss before and after the iterations."""
+                 damp: float, alpha: float, rope_window: int, n_iter: int, block_identity: bool,
+                 rope_freqs: torch.Tensor | None = None) -> tuple[LowRankFactors, LowRankFactors, dict[str, Any]]:
+    """q and k factors (B per head flattened to (h·d_h, r)) and the HOSVD loss before and after the iterations.
+    `rope_freqs` (d_rot/2,): the model's own RoPE frequencies (`adapters.rotary.rotary_angles`), needed when
+    rope_window > 1 on a RoPE layer: scaled RoPE (llama3, yarn) is not theta's."""
     rope = None
     if spec.rope is not None and rope_window > 1:
-        rope = rope_rotations(spec.head_dim, causal_offsets(rope_window), spec.rope.theta, spec.rope.rotary_dims)
+        if rope_freqs is None:
+            raise AttnslimError(f"layer {layer}: rope_window = {rope_window} needs the model's RoPE frequencies, "
+                                "and the adapter gives no rotary module; set rope_window: 1")
+        rope = rope_rotations(spec.head_dim, causal_offsets(rope_window), spec.rope.theta, spec.rope.rotary_dims,
+                              freqs=rope_freqs.cpu())
     whiten, bias_aware = None, None
     if precond != "rootcov":  # Table-1 ablation: the HOSVD in P-coordinates of another P
         center = precond == "cov" and spec.q_bias is not None

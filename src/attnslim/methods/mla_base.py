@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from attnslim import _compat
 from attnslim.adapters.base import Adapter, AttentionSpec
+from attnslim.adapters.rotary import rotary_angles
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
@@ -290,20 +290,13 @@ def _load(module: MLAAttention, f: MLAFactors, spec: AttentionSpec) -> None:
 def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[torch.Tensor, float]:
     """(θ_j (d_rot/2,) radians per token, RoPE's attention scale) read from the model's own rotary tables."""
     assert spec.rope is not None
-    rotary = adapter.rotary_embedding(spec.rope.layer_type)
-    if rotary is None:
+    info = rotary_angles(adapter, spec.rope.layer_type)
+    if info is None:
         raise AttnslimError(f"{where}: the adapter gives no rotary module for a RoPE layer")
-    # on the rotary module's own device: with offloaded weights the layer's tensors may not be materialised
-    device = next(iter(rotary.buffers()), torch.zeros(0)).device
-    x = torch.zeros(1, dtype=torch.float32, device=device)
-    pos = torch.arange(2, device=device)[None]
-    cos, sin = _compat.rotary_cos_sin(rotary, x, pos, spec.rope.layer_type)  # (1, 2, d_rot)
-    if cos.shape[-1] != spec.rope.rotary_dims:
-        raise AttnslimError(f"{where}: the model rotates {cos.shape[-1]} dims per head but the adapter says "
+    if 2 * info[0].numel() != spec.rope.rotary_dims:
+        raise AttnslimError(f"{where}: the model rotates {2 * info[0].numel()} dims per head but the adapter says "
                             f"{spec.rope.rotary_dims}; MLA needs the true rotary width (fix the adapter's RopeSpec)")
-    half = spec.rope.rotary_dims // 2
-    angles = torch.atan2(sin[0, 1, :half].double(), cos[0, 1, :half].double())
-    return angles, float(cos[0, 0, 0])
+    return info
 
 
 def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
