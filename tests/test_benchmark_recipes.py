@@ -80,7 +80,13 @@ def test_nbl_and_composed_benchmark_recipes_are_valid(script: Any) -> None:
     _check(composed.variants(16))
 
 
-@pytest.mark.parametrize("kv", [0.5, 0.25])
-def test_plan_benchmark_baselines_are_valid(script: Any, kv: float) -> None:
+@pytest.mark.parametrize("kv", [0.5, 0.375, 0.25, 0.15, 0.1])
+def test_plan_benchmark_baselines_are_valid_and_remove_the_fewest_layers_under_the_budget(script: Any,
+                                                                                         kv: float) -> None:
     plan: ModuleType = script("plan")
-    _check({f"{m}-kv{kv:g}": plan.baseline(m, kv) for m in ("mla", "transmla")})
+    layers = 30
+    rows = {m: plan.baseline(m, kv, layers) for m in ("mla", "transmla", "mla-local", "nbl", "drop")}
+    _check({f"{m}-kv{kv:g}": row for m, row in rows.items()})
+    removed = rows["nbl"]["steps"][0]["args"]["m"]
+    assert removed == rows["drop"]["steps"][0]["args"]["count"]
+    assert (layers - removed) / layers <= kv < (layers - removed + 1) / layers
