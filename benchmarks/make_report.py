@@ -39,6 +39,8 @@ SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "plan-smollm2-135m-h100": ("Planning under a budget: the planner against uniform MLA and TransMLA at the same KV "
                                "cache", "benchmarks/plan.py"),
+    "calib-source-smollm2-135m": ("Calibration that follows the model: wiki against text the model writes itself "
+                                  "(`self`)", "benchmarks/calib_source.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
     "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
@@ -147,7 +149,7 @@ ORDER = ("baselines", "latentllm", "latentllm-table", "latentllm-attn50", "laten
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-kernels-intel",
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
-         "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100",
+         "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "calib-source-smollm2-135m",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
