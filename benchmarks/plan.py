@@ -42,7 +42,9 @@ from typing import Any
 from common import RESULTS, Harness, calibration, load_on_device
 from mla import speed
 
-from attnslim.adapters import get_adapter
+from attnslim.bench import kv_bytes_per_token
+from attnslim.models import load_model
+from attnslim.modules.dropped import DroppedAttention
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER
 from attnslim.planner.run import PlanConfig, choose, prepare
 from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
@@ -52,11 +54,20 @@ LOCAL = load_recipe("mla-kv25")  # the strongest single-method MLA recipe: its c
 LOCAL_ARGS = {k: v for k, v in LOCAL.steps[0].args.items() if k != "kv_ratio"}  # alloc, refit_o, local_steps
 
 
-def baseline(method: str, kv: float, layers: int) -> dict[str, Any]:
-    """A single-method row at `kv` for a model of `layers` layers.
+def shape(model_name: str) -> tuple[int, float]:
+    """(decoder layers, the bytes per token a KV-free layer keeps as a fraction of a dense layer's): nbl and drop keep
+    a position marker (modules/dropped.py), which the baselines' layer count must include to hold the budget."""
+    model, _ = load_model(model_name)
+    dense = kv_bytes_per_token(model)["per_layer"]
+    marker = DroppedAttention(0, model.config.hidden_size).kv_cache_bytes_per_token()
+    return len(dense), marker / min(dense)
+
+
+def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[str, Any]:
+    """A single-method row at `kv` for a model of `layers` layers (`marker`: see `shape`).
     mla: with refit_o (recipes/mla-oneshot.yaml's one-shot fit); nbl/drop: the fewest layers whose removed KV
     brings the cache to at most `kv` (similarity-selected, as the packaged recipes)."""
-    removed = math.ceil((1.0 - kv) * layers - 1e-9)
+    removed = math.ceil((1.0 - kv) * layers / (1.0 - marker) - 1e-9)  # (L - m + m·marker) / L <= kv
     args: dict[str, Any] = {
         "mla": {"kv_ratio": kv, "refit_o": True}, "transmla": {"kv_ratio": kv},
         "mla-local": {"kv_ratio": kv, **LOCAL_ARGS},
@@ -130,16 +141,14 @@ def main() -> None:
     healed = {float(b) for b in args.heal.split(",") if b}
     local = {float(b) for b in args.local.split(",") if b}
     budgets = [float(b) for b in args.budgets.split(",")]
+    layers, marker = shape(args.model)
     if args.baselines_only:
-        layers = get_adapter(load_on_device(args.model)[0]).num_layers()
         for kv in budgets:
             for method in filter(None, args.baselines.split(",")):
-                harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers))
+                harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers, marker))
         return
-    layers = 0
     plans = _stored_plans(args.plans_from, budgets) if args.plans_from else _plans(args.model, budgets, args)
     if args.speed:
-        layers = get_adapter(load_on_device(args.model)[0]).num_layers()
         recipes = {}
         for kv, recipe, _ in plans:
             recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers)
@@ -147,10 +156,9 @@ def main() -> None:
               repeats=args.repeats, cache_kind="dynamic")
         return
     for kv, recipe, summary in plans:
-        layers = layers or len(summary["plan_layers"])
         harness.run(f"plan-kv{kv:g}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
-            harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers))
+            harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers, marker))
         if kv in healed:
             harness.run(f"plan-kv{kv:g}-heal40", {**recipe, "heal": STANDARD_HEAL}, summary)
             harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv, layers), "heal": STANDARD_HEAL})
