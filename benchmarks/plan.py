@@ -42,10 +42,10 @@ from typing import Any
 from common import RESULTS, Harness, calibration, load_on_device
 from mla import speed
 
-from attnslim.bench import kv_bytes_per_token
+from attnslim.adapters import get_adapter
 from attnslim.models import load_model
-from attnslim.modules.dropped import DroppedAttention
-from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER
+from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, candidate_set
+from attnslim.planner.costs import resources
 from attnslim.planner.run import PlanConfig, choose, prepare
 from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
 
@@ -55,12 +55,13 @@ LOCAL_ARGS = {k: v for k, v in LOCAL.steps[0].args.items() if k != "kv_ratio"}  
 
 
 def shape(model_name: str) -> tuple[int, float]:
-    """(decoder layers, the bytes per token a KV-free layer keeps as a fraction of a dense layer's): nbl and drop keep
-    a position marker (modules/dropped.py), which the baselines' layer count must include to hold the budget."""
+    """(decoder layers, the bytes per token a KV-free layer keeps as a fraction of a dense layer's), from the
+    planner's own exact costs (planner/costs.py): nbl and drop keep a position marker (modules/dropped.py), which the
+    baselines' layer count must include to hold the budget."""
     model, _ = load_model(model_name)
-    dense = kv_bytes_per_token(model)["per_layer"]
-    marker = DroppedAttention(0, model.config.hidden_size).kv_cache_bytes_per_token()
-    return len(dense), marker / min(dense)
+    adapter = get_adapter(model)
+    keep, drop = (resources(adapter, 0, c, context=1).kv_bytes for c in candidate_set(("keep", "drop")))
+    return adapter.num_layers(), drop / keep
 
 
 def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[str, Any]:
