@@ -18,9 +18,10 @@ additive estimate against the measured whole-plan KL, plan seconds).
 `--heal 0.25`: at those budgets the plan and uniform `mla` also get the standard heal (recipes/default.yaml's:
 40 steps of logit distillation on wiki + c4 + TinyStories), rows `plan-kvF-heal40` and `mla-kvF-heal40`.
 `--local 0.25`: at those budgets, the strongest single-method MLA recipe (recipes/mla-kv25.yaml: global ranks,
-o_proj refit, 96 local-fit steps per layer, then a 40-step heal of every parameter at lr 3e-4) at that kv_ratio
-beside the plan given the same local fit on its mla layers and the same heal: rows `mla-kvF-local`,
-`plan-kvF-local` and their `-heal40-all` rows. `--plans-from STEM` takes the plans an earlier run recorded in
+o_proj refit, 96 local-fit steps per layer) at that kv_ratio beside the plan given the same local fit on its mla
+layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains each layer alone towards the dense
+attention on calibration text); where `--heal` names the budget too, also after mla-kv25's heal (40 steps of every
+parameter at lr 3e-4): rows `-heal40-all`. `--plans-from STEM` takes the plans an earlier run recorded in
 benchmarks/results/STEM.json instead of planning again (e.g. a GPU run's plans, compressed and scored here).
 `--speed 512,4096`: decode and prefill speed of each budget's plan and uniform mla against dense, interleaved
 (benchmarks/mla.py's speed group), into its own results file (`--name`):
@@ -167,8 +168,9 @@ def main() -> None:
             for key, row in ((f"mla-kv{kv:g}-local", baseline("mla-local", kv, layers)),
                              (f"plan-kv{kv:g}-local", with_local(recipe))):
                 harness.run(key, row, summary if key.startswith("plan") else None)
-                harness.run(f"{key}-heal40-all", {**row, "heal": LOCAL.heal},
-                            summary if key.startswith("plan") else None)
+                if kv in healed:
+                    harness.run(f"{key}-heal40-all", {**row, "heal": LOCAL.heal},
+                                summary if key.startswith("plan") else None)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 SOURCES = ("wiki", "ptb", "c4")
 RESULTS = Path(__file__).parent / "results"
 CPU_FILE = "plan-smollm2-135m"  # benchmarks/plan.py's default results file (a CPU run)
+SPEED_FILE = "plan-speed-smollm2-135m"  # plan.py --speed (a CPU run)
 PLOT = "docs/plan.svg"  # benchmarks/make_plot.py
 
 
@@ -104,6 +105,13 @@ def plan_section(data: dict[str, Any]) -> list[str]:
         out += [f"The budgets the GPU run did not reach, on this project's 2-core CPU (`python "
                 f"{other['environment']['command']}` → `benchmarks/results/{CPU_FILE}.json`; plan s is the "
                 "planner's wall time there, the CPU target):", "", *_rows(other), "", *verdicts(other), ""]
+    speed = RESULTS / f"{SPEED_FILE}.json"
+    if speed.is_file():
+        timed = json.loads(speed.read_text())
+        out += [f"Decode and prefill of the planned model against dense and uniform `mla` at the same KV, on the "
+                f"2-core CPU (`OMP_NUM_THREADS={timed['environment']['threads']} python "
+                f"{timed['environment']['command']}` → `benchmarks/results/{SPEED_FILE}.json`; the plans are the GPU "
+                "run's above, compressed there).", "", *(timed.get("notes") or []), ""]
     plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
     if plans:
         out += ["What each plan chose, per layer:", ""]
@@ -129,4 +137,5 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
 
 # the CPU run's rows are shown inside the GPU run's section (one section for the planner)
 PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-135m-h100": plan_section,
-                                                                   CPU_FILE: lambda data: []}
+                                                                   CPU_FILE: lambda data: [],
+                                                                   SPEED_FILE: lambda data: []}
