@@ -44,6 +44,7 @@ from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContex
 from attnslim.methods.latentllm_attention import fit_joint_qk, fit_joint_vo
 from attnslim.methods.latentllm_mlp import check_ud_activation, fit_joint_ud, fit_local
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
+from attnslim.modules.base import AttnShape
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
 from attnslim.plan import LayerEntry, StepPlan
@@ -326,10 +327,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                  o: nn.Module) -> LatentAttention:
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = LatentAttention(
-            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, q_proj=q, k_proj=k, v_proj=v,
-            o_proj=o, q_norm=spec.q_norm, k_norm=spec.k_norm, rotary=rotary,
-            layer_type=spec.rope.layer_type if spec.rope is not None else None,
-            sliding_window=spec.sliding_window, softcap=spec.softcap, cache=self.cache,
+            AttnShape.of(spec), q_proj=q, k_proj=k, v_proj=v, o_proj=o, q_norm=spec.q_norm,
+            k_norm=spec.k_norm, rotary=rotary, cache=self.cache,
         )
         adapter.replace_attention(layer, module)
         return module

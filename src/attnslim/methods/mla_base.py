@@ -24,7 +24,8 @@ from attnslim.linalg.mla import (
 from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, RotarySplit, split_rotary
 from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
 from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in
-from attnslim.modules.mla import MLAAttention
+from attnslim.modules.base import AttnShape
+from attnslim.modules.mla import MLAAttention, MLAShape
 from attnslim.plan import LayerEntry, StepPlan
 
 LAYOUTS = ("free", "deepseek")
@@ -194,14 +195,10 @@ class MLABase(Method[MLAEntry, MLAStats]):
         dtype = spec.q.dtype
         o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
-        module = MLAAttention(
-            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
-            rank=entry.rank, rope_dims=entry.rope_dims, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
-            k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
-            layer_type=spec.rope.layer_type if spec.rope is not None else None,
-            sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
-            key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps,
-        )
+        mla = MLAShape(entry.rank, entry.rope_dims, k_rope_bias=spec.k_bias is not None,
+                       key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps)
+        module = MLAAttention(AttnShape.of(spec), mla, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
+                              q_norm=spec.q_norm, rotary=rotary, dtype=dtype)
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
 
