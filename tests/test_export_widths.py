@@ -189,20 +189,20 @@ def test_real_smollm2_auto_export_is_320_wide_and_equals_the_source(tmp_path):
 
 
 def test_split_rotary_keeps_only_the_allowed_frequencies_and_refuses_what_it_cannot():
-    from attnslim.linalg.mla_rope import split_rotary
+    from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, split_rotary
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2 * 16, 24, generator=gen, dtype=torch.float64)  # 2 KV heads x head_dim 16 (8 frequencies)
     moment = w @ w.T
-    kw = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "rotary_dims": 16, "select": "pca"}
-    split = split_rotary(moment, None, pairs=4, one_per_freq=True, allowed_freqs=[0, 2, 4, 6], **kw)
+    layout, stride = RotaryLayout(4, 2, 16, 16), [0, 2, 4, 6]
+    split = split_rotary(moment, None, layout, RotaryChoice(4, "pca", one_per_freq=True, allowed_freqs=stride))
     assert sorted(split.freq.tolist()) == [0, 2, 4, 6]
-    free = split_rotary(moment, None, pairs=4, one_per_freq=True, **kw)
+    free = split_rotary(moment, None, layout, RotaryChoice(4, "pca", one_per_freq=True))
     assert any(f % 2 for f in free.freq.tolist())  # the stride changed the choice (these keys favour odd ones too)
     with pytest.raises(AttnslimError, match=r"rope_fastest leave 4 rotary pairs; 5 requested"):
-        split_rotary(moment, None, pairs=5, one_per_freq=True, allowed_freqs=[0, 2, 4, 6], **kw)
+        split_rotary(moment, None, layout, RotaryChoice(5, "pca", one_per_freq=True, allowed_freqs=stride))
     with pytest.raises(AttnslimError, match=r"cannot be combined with FreqFold \(fold 4\): set rope_fold: 1"):
-        split_rotary(moment, None, pairs=2, fold=4, allowed_freqs=[0, 2, 4, 6], **kw)
+        split_rotary(moment, None, layout, RotaryChoice(2, "pca", fold=4, allowed_freqs=stride))
     from attnslim.methods.mla import MLA
 
     assert MLA(rope_stride=2, rope_fastest=4).allowed_freqs(16) == [0, 2] and MLA().allowed_freqs(16) is None

@@ -17,7 +17,8 @@ from attnslim.calib.hooks import capture_sites
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
-from attnslim.linalg.tucker import joint_qk, qk_logit_loss, split_qk
+from attnslim.linalg.lowrank import FitOptions
+from attnslim.linalg.tucker import QKWeights, joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
 from helpers import ByteTokenizer, SavingTokenizer, assert_cache_kinds_match, one_step
@@ -280,14 +281,14 @@ def test_hosvd_not_worse_than_split_at_equal_params_on_model_statistics():
     with torch.no_grad(), capture_sites(adapter, 1, {"attn_in"}, lambda site, x: st.update(x)):
         model(input_ids=ids)
     spec = adapter.attention_spec(1)
-    kw = {"n_heads": 4, "n_kv_heads": 2}
+    qk = QKWeights(spec.q, spec.k, 4, 2)
     for r_q, r_k in ((16, 16), (24, 20), (40, 24)):
-        joint = joint_qk(spec.q, spec.k, st, r_q, r_k, damp=1e-6, **kw)
-        split = split_qk(spec.q, spec.k, st, r_q, r_k, damp=1e-6, **kw)
+        joint = joint_qk(qk, st, r_q, r_k, options=FitOptions(damp=1e-6))
+        split = split_qk(qk, st, r_q, r_k, damp=1e-6)
         hist = joint.loss_history
         assert all(b <= a * (1 + 1e-9) for a, b in zip(hist, hist[1:], strict=False))
-        loss_joint = qk_logit_loss(spec.q, spec.k, joint, st, **kw)
-        loss_split = qk_logit_loss(spec.q, spec.k, split, st, **kw)
+        loss_joint = qk_logit_loss(qk, joint, st)
+        loss_split = qk_logit_loss(qk, split, st)
         assert loss_joint <= loss_split, (r_q, r_k, loss_joint, loss_split)
 
 

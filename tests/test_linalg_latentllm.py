@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from dataclasses import replace
 
 import pytest
 import torch
 
 from attnslim.calib.stats import InputStats
-from attnslim.linalg.joint_ud import joint_ud
-from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, factorize, param_count, rrr_tokens
-from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
+from attnslim.linalg.joint_ud import UD_FIT, MLPWeights, joint_ud
+from attnslim.linalg.lowrank import (
+    JUNCTIONS,
+    FitOptions,
+    LowRankFactors,
+    factorize,
+    param_count,
+    rrr_tokens,
+)
+from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec, preconditioner
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.tucker import (
     JointQKFactors,
+    QKWeights,
     causal_offsets,
     joint_qk,
     qk_logit_loss,
     rope_rotations,
     split_qk,
 )
-from attnslim.linalg.vo import joint_vo, vo_loss
+from attnslim.linalg.vo import VOWeights, joint_vo, vo_loss
 
 F64 = torch.float64
 
@@ -68,11 +76,11 @@ def test_full_rank_reproduces_w(data: tuple[torch.Tensor, InputStats], precond: 
     _, st = data
     w, b = _randn(24, 32, seed=1), _randn(24, seed=2)
     for junction in JUNCTIONS:
-        f = factorize(w, b, st, 24, precond=precond, junction=junction)
+        f = factorize(w, b, st, 24, precond=PrecondSpec(precond), junction=junction)
         assert torch.allclose(f.weight(), w, atol=1e-9), (precond, junction)
         assert f.bias is not None and torch.allclose(f.bias, b, atol=1e-8)
     wt = _randn(40, 32, seed=3)  # d_out > d_in: rank d_in
-    assert torch.allclose(factorize(wt, None, st, 32, precond=precond).weight(), wt, atol=1e-9)
+    assert torch.allclose(factorize(wt, None, st, 32, precond=PrecondSpec(precond)).weight(), wt, atol=1e-9)
 
 
 def test_junctions_leave_product_unchanged(data: tuple[torch.Tensor, InputStats]) -> None:
@@ -87,7 +95,7 @@ def test_rootcov_has_lowest_activation_loss(data: tuple[torch.Tensor, InputStats
     x, st = data
     w, r = _randn(24, 32, seed=5), 8
     losses = {
-        p: _act_loss(x, w, factorize(w, None, st, r, precond=p, damp=1e-9).weight()) for p in PRECOND_KINDS
+        p: _act_loss(x, w, factorize(w, None, st, r, precond=PrecondSpec(p, damp=1e-9)).weight()) for p in PRECOND_KINDS
     }
     assert all(losses["rootcov"] <= v * (1 + 1e-9) for v in losses.values()), losses
     # and it equals the tail of the spectrum of W C^{1/2} (Eq. 5)
@@ -135,7 +143,7 @@ def test_bias_update_beats_no_update() -> None:
 def test_rrr_matches_local_factorisation(data: tuple[torch.Tensor, InputStats]) -> None:
     x, st = data
     w, b = _randn(24, 32, seed=11), _randn(24, seed=12)
-    f = factorize(w, b, st, 8, damp=1e-10)
+    f = factorize(w, b, st, 8, precond=PrecondSpec(damp=1e-10))
     g = rrr_tokens(x, x @ w.T + b, 8, damp=1e-10)
     assert torch.allclose(g.weight(), f.weight(), atol=1e-6)
     assert g.bias is not None and f.bias is not None and torch.allclose(g.bias, f.bias, atol=1e-6)
@@ -146,7 +154,7 @@ def test_rank_deficient_covariance_warns_with_label() -> None:
     with pytest.warns(UserWarning, match=r"blk3\.q_proj.*rank-deficient"):
         factorize(_randn(8, 32, seed=13), None, InputStats.from_tokens(x), 4, label="blk3.q_proj")
     with pytest.raises(ValueError, match="damp"):
-        factorize(_randn(8, 32, seed=13), None, InputStats.from_tokens(x), 4, damp=0.0)
+        factorize(_randn(8, 32, seed=13), None, InputStats.from_tokens(x), 4, precond=PrecondSpec(damp=0.0))
 
 
 def test_rank_out_of_range_raises(data: tuple[torch.Tensor, InputStats]) -> None:
@@ -159,11 +167,11 @@ def test_rank_out_of_range_raises(data: tuple[torch.Tensor, InputStats]) -> None
         param_count(24, 32, 40)
     wq, wk = _randn(32, 32, seed=15), _randn(16, 32, seed=16)
     with pytest.raises(ValueError, match=r"r_k = 33.*1\.\.32"):
-        joint_qk(wq, wk, st, 8, 33, n_heads=4, n_kv_heads=2)
+        joint_qk(QKWeights(wq, wk, 4, 2), st, 8, 33)
     with pytest.raises(ValueError, match=r"r_o = 0"):
-        joint_vo(wk, wq.T, st, 8, 0, n_heads=4, n_kv_heads=2)
+        joint_vo(VOWeights(wk, wq.T, 4, 2), st, 8, 0)
     with pytest.raises(ValueError, match=r"rank_d = 99"):
-        joint_ud(x, _randn(48, 32, seed=17), None, _randn(32, 48, seed=18), None, 8, 99)
+        joint_ud(x, MLPWeights(_randn(48, 32, seed=17), _randn(32, 48, seed=18)), 8, 99)
 
 
 # ------------------------------------------------------------------ joint QK (Tucker / HOSVD)
@@ -198,13 +206,13 @@ def _brute_logit_loss(
 def test_hosvd_monotone_and_beats_split_asvd(data: tuple[torch.Tensor, InputStats]) -> None:
     x, st = data
     wq, wk, _, _ = _qk(20)
-    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV}
-    f = joint_qk(wq, wk, st, 10, 10, damp=1e-10, **kw)
+    qk = QKWeights(wq, wk, H, KV)
+    f = joint_qk(qk, st, 10, 10, options=FitOptions(damp=1e-10))
     hist = f.loss_history
     assert len(hist) == 8 and all(b <= a * (1 + 1e-12) for a, b in zip(hist, hist[1:], strict=False)), hist
     assert f.a_q.shape == (10, 32) and f.b_q.shape == (H, DH, 10) and f.b_k.shape == (KV, DH, 10)
-    joint = qk_logit_loss(wq, wk, f, st, **kw)
-    split = qk_logit_loss(wq, wk, split_qk(wq, wk, st, 10, 10, damp=1e-10, **kw), st, **kw)
+    joint = qk_logit_loss(qk, f, st)
+    split = qk_logit_loss(qk, split_qk(qk, st, 10, 10, damp=1e-10), st)
     assert joint <= split
     assert joint == pytest.approx(_brute_logit_loss(x, wq, wk, None, None, f), rel=1e-9)
     assert joint == pytest.approx(hist[-1], rel=1e-6)  # whitened loss = logit loss when C is undamped
@@ -214,7 +222,7 @@ def test_hosvd_monotone_and_beats_split_asvd(data: tuple[torch.Tensor, InputStat
 def test_full_rank_hosvd_reproduces_logits(data: tuple[torch.Tensor, InputStats], junction: str) -> None:
     x, st = data
     wq, wk, bq, bk = _qk(30)
-    f = joint_qk(wq, wk, st, 32, 32, n_heads=H, n_kv_heads=KV, b_q=bq, b_k=bk, junction=junction)
+    f = joint_qk(QKWeights(wq, wk, H, KV, bq, bk), st, 32, 32, options=FitOptions(junction=junction))
     wq_hat, wk_hat = f.weights()
     assert torch.allclose(wq_hat, wq, atol=1e-8) and torch.allclose(wk_hat, wk, atol=1e-8)
     assert _brute_logit_loss(x, wq, wk, bq, bk, f) < 1e-16
@@ -225,11 +233,11 @@ def test_full_rank_hosvd_reproduces_logits(data: tuple[torch.Tensor, InputStats]
 def test_gqa_low_rank_reconstruction_matches_loss(data: tuple[torch.Tensor, InputStats]) -> None:
     x, st = data
     wq, wk, bq, bk = _qk(40)
-    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV, "b_q": bq, "b_k": bk}
-    aware = joint_qk(wq, wk, st, 12, 12, damp=1e-10, **kw)
-    unaware = joint_qk(wq, wk, st, 12, 12, damp=1e-10, bias_aware=False, **kw)
+    qk = QKWeights(wq, wk, H, KV, bq, bk)
+    aware = joint_qk(qk, st, 12, 12, options=FitOptions(damp=1e-10))
+    unaware = joint_qk(qk, st, 12, 12, options=FitOptions(damp=1e-10), bias_aware=False)
     true_aware = _brute_logit_loss(x, wq, wk, bq, bk, aware)
-    assert true_aware == pytest.approx(qk_logit_loss(wq, wk, aware, st, **kw), rel=1e-9)
+    assert true_aware == pytest.approx(qk_logit_loss(qk, aware, st), rel=1e-9)
     assert true_aware == pytest.approx(aware.loss_history[-1], rel=1e-6)
     assert true_aware < _brute_logit_loss(x, wq, wk, bq, bk, unaware)
     # the decompressed weights keep the dense model's per-head mean query exactly (b̂ = b + (W − Ŵ)μ)
@@ -256,13 +264,13 @@ def test_rope_aware_hosvd(data: tuple[torch.Tensor, InputStats]) -> None:
     _, st = data
     wq, wk, bq, bk = _qk(60)
     rope = rope_rotations(DH, causal_offsets(4), theta=100.0)
-    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV}
-    aware = joint_qk(wq, wk, st, 10, 10, rope=rope, damp=1e-10, **kw)
-    plain = joint_qk(wq, wk, st, 10, 10, damp=1e-10, **kw)
-    loss_aware = qk_logit_loss(wq, wk, aware, st, rope=rope, **kw)
+    qk, damped = QKWeights(wq, wk, H, KV), FitOptions(damp=1e-10)
+    aware = joint_qk(qk, st, 10, 10, rope=rope, options=damped)
+    plain = joint_qk(qk, st, 10, 10, options=damped)
+    loss_aware = qk_logit_loss(qk, aware, st, rope=rope)
     assert loss_aware == pytest.approx(aware.loss_history[-1], rel=1e-6)
-    assert loss_aware < qk_logit_loss(wq, wk, plain, st, rope=rope, **kw)
-    biased = joint_qk(wq, wk, st, 10, 10, rope=rope, b_q=bq, b_k=bk, **kw)
+    assert loss_aware < qk_logit_loss(qk, plain, st, rope=rope)
+    biased = joint_qk(QKWeights(wq, wk, H, KV, bq, bk), st, 10, 10, rope=rope)
     hist = biased.loss_history
     assert all(b <= a * (1 + 1e-12) for a, b in zip(hist, hist[1:], strict=False)), hist
 
@@ -273,15 +281,16 @@ def test_rope_aware_hosvd(data: tuple[torch.Tensor, InputStats]) -> None:
 def test_joint_vo(data: tuple[torch.Tensor, InputStats]) -> None:
     x, st = data
     wv, wo, bo = _randn(KV * DH, 32, seed=70), _randn(32, H * DH, seed=71), _randn(32, seed=72)
-    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV}
-    f = joint_vo(wv, wo, st, 8, 12, damp=1e-10, **kw)
+    vo = VOWeights(wv, wo, H, KV)
+    f = joint_vo(vo, st, 8, 12, options=FitOptions(damp=1e-10))
     hist = f.loss_history
     assert all(b <= a * (1 + 1e-12) for a, b in zip(hist, hist[1:], strict=False)), hist
     assert f.a_v.shape == (8, 32) and f.b_v.shape == (KV, DH, 8)
     assert f.a_o.shape == (H, 12, DH) and f.b_o.shape == (32, 12)
-    assert vo_loss(wv, wo, f, st, **kw) == pytest.approx(hist[-1], rel=1e-6)
-    full = joint_vo(wv, wo, st, KV * DH, H * DH, b_o=bo, junction="block_identity", **kw)
-    assert vo_loss(wv, wo, full, st, **kw) < 1e-12 * hist[0]
+    assert vo_loss(vo, f, st) == pytest.approx(hist[-1], rel=1e-6)
+    exact = FitOptions(junction="block_identity")
+    full = joint_vo(VOWeights(wv, wo, H, KV, b_o=bo), st, KV * DH, H * DH, options=exact)
+    assert vo_loss(vo, full, st) < 1e-12 * hist[0]
     assert full.bias_o is not None and torch.allclose(full.bias_o, bo, atol=1e-8)
 
 
@@ -298,7 +307,7 @@ def _mlp(seed: int, d: int = 24, d_i: int = 64) -> dict[str, torch.Tensor]:
 
 def test_joint_ud_relu_lowers_objective() -> None:
     x, m = _tokens(800, 24, seed=80), _mlp(81)
-    res = joint_ud(x, m["w_u"], m["b_u"], m["w_d"], m["b_d"], 10, 10, n_iter=4)
+    res = joint_ud(x, MLPWeights(m["w_u"], m["w_d"], m["b_u"], m["b_d"]), 10, 10, options=replace(UD_FIT, n_iter=4))
     assert len(res.objective) == 4 and res.objective[-1] < res.objective[0]
     assert res.gate is None and res.up.rank == 10 and res.down.rank == 10
     assert all(b <= a * (1 + 1e-6) for a, b in zip(res.objective, res.objective[1:], strict=False))
@@ -306,8 +315,8 @@ def test_joint_ud_relu_lowers_objective() -> None:
 
 def test_joint_ud_swiglu_lowers_objective() -> None:
     x, m = _tokens(800, 24, seed=90), _mlp(91)
-    res = joint_ud(x, m["w_u"], None, m["w_d"], None, 10, 10, activation="silu", w_g=m["w_g"], rank_g=10,
-                   n_iter=3)
+    mlp = MLPWeights(m["w_u"], m["w_d"], w_g=m["w_g"], activation="silu")
+    res = joint_ud(x, mlp, 10, 10, 10, options=replace(UD_FIT, n_iter=3))
     assert res.objective[-1] < res.objective[0]
     assert res.gate is not None and res.gate.bias is None and res.up.bias is None  # stays bias-free
 
@@ -315,9 +324,9 @@ def test_joint_ud_swiglu_lowers_objective() -> None:
 def test_joint_ud_rejects_unsupported_activation() -> None:
     x, m = _tokens(200, 24, seed=95), _mlp(96)
     with pytest.raises(ValueError, match="'gelu'"):
-        joint_ud(x, m["w_u"], m["b_u"], m["w_d"], m["b_d"], 4, 4, activation="gelu")
+        joint_ud(x, MLPWeights(m["w_u"], m["w_d"], m["b_u"], m["b_d"], activation="gelu"), 4, 4)
     with pytest.raises(ValueError, match="'tanh'"):
-        joint_ud(x, m["w_u"], None, m["w_d"], None, 4, 4, activation="tanh", w_g=m["w_g"], rank_g=4)
+        joint_ud(x, MLPWeights(m["w_u"], m["w_d"], w_g=m["w_g"], activation="tanh"), 4, 4, 4)
 
 
 def test_no_warnings_on_well_conditioned_data(data: tuple[torch.Tensor, InputStats]) -> None:
@@ -334,15 +343,15 @@ def test_hosvd_in_another_preconditioners_coordinates_handles_rank_deficient_inp
     st = InputStats.from_tokens(x)
     wq, wk, _, _ = _qk(50)
     pc = preconditioner(st, "cov", damp=1e-2)
-    kw: dict[str, Any] = {"n_heads": H, "n_kv_heads": KV, "bias_aware": False}
-    full = joint_qk(wq, wk, st, 32, 32, whiten=(pc.matrix(), pc.inv_matrix()), **kw)
+    qk, whiten = QKWeights(wq, wk, H, KV), (pc.matrix(), pc.inv_matrix())
+    full = joint_qk(qk, st, 32, 32, whiten=whiten, bias_aware=False)
     wq_hat, wk_hat = full.weights()
     assert torch.allclose(wq_hat, wq, atol=1e-8) and torch.allclose(wk_hat, wk, atol=1e-8)
-    low = joint_qk(wq, wk, st, 12, 12, whiten=(pc.matrix(), pc.inv_matrix()), **kw)
+    low = joint_qk(qk, st, 12, 12, whiten=whiten, bias_aware=False)
     assert low.a_q.shape == (12, 32) and all(torch.isfinite(t).all() for t in low.weights())
     with pytest.raises(ValueError, match="exclude each other"):
-        joint_qk(wq, wk, st, 12, 12, n_heads=H, n_kv_heads=KV, b_q=torch.zeros(H * DH, dtype=F64),
-                 b_k=torch.zeros(KV * DH, dtype=F64), whiten=(pc.matrix(), pc.inv_matrix()))
+        biased = QKWeights(wq, wk, H, KV, torch.zeros(H * DH, dtype=F64), torch.zeros(KV * DH, dtype=F64))
+        joint_qk(biased, st, 12, 12, whiten=whiten)
 
 
 def test_preconditioner_is_built_once_per_statistics_and_settings(monkeypatch):

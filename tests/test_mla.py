@@ -20,7 +20,7 @@ from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
 from attnslim.linalg.mla import fit_latent
-from attnslim.linalg.mla_rope import phase_mean, split_rotary
+from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, phase_mean, split_rotary
 from attnslim.linalg.precond import root_pair
 from attnslim.linalg.rope import apply_rope
 from attnslim.modules.lowrank import LowRankLinear
@@ -100,20 +100,20 @@ def test_rotary_split_keeps_logits_and_drops_only_phases():
     kr = apply_rope(k.permute(1, 0, 2)[None], cos, sin)[0]  # (n_kv, t, d_h)
     ref = qr @ kr.repeat_interleave(h // n_kv, 0).transpose(-1, -2)  # (h, t, t)
     for select in ("pca", "query"):
-        kw = {"n_heads": h, "n_kv_heads": n_kv, "head_dim": d_h, "rotary_dims": d_rot, "select": select,
-              "angles": angles}
-        full = split_rotary(k_mom, q_mom, pairs=n_kv * d_rot // 2, **kw)
+        layout = RotaryLayout(h, n_kv, d_h, d_rot)
+        full = split_rotary(k_mom, q_mom, layout, RotaryChoice(n_kv * d_rot // 2, select), angles=angles)
         idx = torch.cat([full.freq, full.freq])
         q_rope = apply_rope(torch.einsum("thd,hed->hte", q, full.rope_query)[None], cos[..., idx], sin[..., idx])[0]
         k_rope = apply_rope((k.reshape(12, -1) @ full.rope_key.T)[None, None], cos[..., idx], sin[..., idx])[0]
         assert torch.allclose(q_rope @ k_rope.transpose(-1, -2), ref, atol=1e-8), select
-        none = split_rotary(k_mom, q_mom, pairs=0, span=1, **kw)  # span 1: no phase to lose, no shrinkage
+        # span 1: no phase to lose, no shrinkage
+        none = split_rotary(k_mom, q_mom, layout, RotaryChoice(0, select, span=1), angles=angles)
         q_n = torch.einsum("thd,hnd->htn", q, none.nope_query)  # (h, t, D_n)
         k_n = k.reshape(12, -1) @ none.nope_key.T  # (t, D_n)
         unrotated = torch.einsum("thd,thd->ht", q, k.repeat_interleave(h // n_kv, 1))
         assert torch.allclose(torch.einsum("htn,tn->ht", q_n, k_n), unrotated, atol=1e-8), select
     # select=query scales a de-rotated component's query by its phase's mean cosine: rows (j, component, re|im)
-    shrunk = split_rotary(k_mom, q_mom, pairs=0, span=64, **kw)
+    shrunk = split_rotary(k_mom, q_mom, layout, RotaryChoice(0, "query", span=64), angles=angles)
     beta = torch.tensor([phase_mean(float(a), 64) for a in angles]).repeat_interleave(2 * n_kv)
     assert torch.allclose(shrunk.nope_query, none.nope_query * beta[None, :, None], atol=1e-10)
     assert phase_mean(0.0, 64) == pytest.approx(1.0) and abs(phase_mean(1.0, 64)) < 0.05
@@ -146,11 +146,10 @@ def test_freqfold_is_exact_where_the_folded_frequencies_are_equal():
     paired = torch.tensor([1.0, 1.0, 0.1, 0.1], dtype=torch.float64)  # folds of 2 with equal frequencies
     distinct = torch.tensor([1.0, 0.5, 0.1, 0.05], dtype=torch.float64)
     for select in ("pca", "query"):
-        kw = {"n_heads": h, "n_kv_heads": n_kv, "head_dim": d_h, "rotary_dims": d_rot, "select": select,
-              "fold": 2, "pairs": d_rot // 2}
-        got, ref = logits(paired, split_rotary(k_mom, q_mom, angles=paired, **kw))
+        layout, choice = RotaryLayout(h, n_kv, d_h, d_rot), RotaryChoice(d_rot // 2, select, fold=2)
+        got, ref = logits(paired, split_rotary(k_mom, q_mom, layout, choice, angles=paired))
         assert torch.allclose(got, ref, atol=1e-8), select
-        got, ref = logits(distinct, split_rotary(k_mom, q_mom, angles=distinct, **kw))
+        got, ref = logits(distinct, split_rotary(k_mom, q_mom, layout, choice, angles=distinct))
         assert not torch.allclose(got, ref, atol=1e-3), select
 
 

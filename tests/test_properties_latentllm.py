@@ -5,6 +5,7 @@ weights, the notes' OPT-125M rank table, and linear FLOPs against the kept weigh
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.data.windows import eval_windows
-from attnslim.linalg.joint_ud import joint_ud, mlp_forward
+from attnslim.linalg.joint_ud import UD_FIT, MLPWeights, UDOptions, joint_ud, mlp_forward
 from attnslim.linalg.ranks import factor_weights
 from attnslim.methods.latentllm import LatentLLM
 from attnslim.methods.latentllm_ranks import uniform_ranks
@@ -111,9 +112,9 @@ def test_joint_ud_with_unequal_weights_is_monotone_and_keeps_the_best_iterate():
     w_u, b_u = torch.randn(d_i, d, generator=g, dtype=F64) / d**0.5, 0.1 * torch.randn(d_i, generator=g, dtype=F64)
     w_d, b_d = torch.randn(d, d_i, generator=g, dtype=F64) / d_i**0.5, 0.1 * torch.randn(d, generator=g, dtype=F64)
     y = torch.relu(x @ w_u.T + b_u) @ w_d.T + b_d  # (n, d) the dense MLP output
-    kw = {"n_iter": 6, "alpha": 0.5, "beta": 2.0, "gamma": 1.0, "damp": 1e-6}
-    best = joint_ud(x, w_u, b_u, w_d, b_d, 10, 10, keep_best=True, **kw)
-    last = joint_ud(x, w_u, b_u, w_d, b_d, 10, 10, keep_best=False, **kw)
+    mlp, fit = MLPWeights(w_u, w_d, b_u, b_d), replace(UD_FIT, n_iter=6, damp=1e-6)
+    best = joint_ud(x, mlp, 10, 10, options=fit, ud=UDOptions(alpha=0.5, beta=2.0, gamma=1.0, keep_best=True))
+    last = joint_ud(x, mlp, 10, 10, options=fit, ud=UDOptions(alpha=0.5, beta=2.0, gamma=1.0, keep_best=False))
     obj, err = best.objective, best.output_error
     assert len(obj) == 6 and all(b <= a * (1 + 1e-9) for a, b in zip(obj, obj[1:], strict=False)), obj
     assert obj[-1] < 0.5 * obj[0], obj  # the alternation does real work under unequal weights

@@ -12,6 +12,7 @@ from attnslim.methods import METHODS
 SRC = Path(attnslim.__file__).parent
 HEADER_LINES = 25  # DESIGN, Style 8: what, from which paper, what is approximated, the cost, where it lives
 FILE_LINES = 400  # DESIGN, Style 9
+PARAMETERS = 10  # DESIGN, Style 9: more travel together in a small frozen dataclass
 # a measured outcome written as a ratio, a percentage of a result, a time or a perplexity (goals, settings and formats
 # name no such unit: targets.py's "≤ 0.5 × dense" has a space before ×, a setting has no unit)
 MEASURED = re.compile(r"\b\d+(\.\d+)?(x|×)\s+(slower|faster|dense|smaller|larger)|\b\d+(\.\d+)?\s?s at n\b|"
@@ -48,3 +49,24 @@ def test_no_docstring_carries_a_measured_figure():
 def test_no_source_file_is_over_the_size_limit():
     sizes = {str(p.relative_to(SRC)): len(p.read_text(encoding="utf-8").splitlines()) for p in SRC.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > FILE_LINES} == {}
+
+
+def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Positional, keyword-only and star parameters, without a method's self / cls."""
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    bound = 1 if names[:1] in (["self"], ["cls"]) else 0
+    return len(names) - bound + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_parameter_count_reads_every_kind_of_parameter():
+    tree = ast.parse("class C:\n    def f(self, a, /, b, *c, d, **e): ...\ndef g(cls_, a=1, *, b): ...\n")
+    counts = {n.name: _parameter_count(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert counts == {"f": 5, "g": 3}
+
+
+def test_no_signature_takes_more_than_ten_parameters():
+    long = {f"{path.relative_to(SRC)}:{node.lineno} {node.name}": n
+            for path in sorted(SRC.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and (n := _parameter_count(node)) > PARAMETERS}
+    assert long == {}, f"signatures over {PARAMETERS} parameters (group those that travel together): {long}"

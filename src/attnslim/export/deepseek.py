@@ -51,7 +51,7 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
 from attnslim.errors import AttnslimError
-from attnslim.export.deepseek_layer import attention_tensors, latent_scale
+from attnslim.export.deepseek_layer import MLALayer, attention_tensors, latent_scale
 from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, VLLM_ROPE, check_served_rank, check_served_rope, served_rank
 from attnslim.modules.mla import MLAAttention
 from attnslim.offload import check_free_disk
@@ -308,13 +308,12 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int,
         with torch.no_grad():
             latent = m.kv.dense_latent()  # (r, d)
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
-        tensors = attention_tensors(
+        source = MLALayer(
             _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
             m.rope_freq // rotary.stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
             m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
-            None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj),
-            n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, scaling=m.scaling, rotary_dims=rotary.dims,
-            kv_lora_rank=rank, alpha=alpha, eps=EPS)
+            None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj), m.n_heads, m.n_kv_heads, m.scaling)
+        tensors = attention_tensors(source, rotary_dims=rotary.dims, kv_lora_rank=rank, alpha=alpha, eps=EPS)
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * scale
         state.update({p + "self_attn." + k: v for k, v in tensors.items()})
         state[p + "input_layernorm.weight"] = norm

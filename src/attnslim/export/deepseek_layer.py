@@ -17,6 +17,7 @@ P places our half-split rotary pair p (rows p and m + p, frequency f_p) at DeepS
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -41,16 +42,37 @@ def latent_scale(latent_map: torch.Tensor, input_bound: float, kv_lora_rank: int
     return math.sqrt(TAU * eps * kv_lora_rank) / max(bound, 1e-30)
 
 
-def attention_tensors(
-    w_q: torch.Tensor, q_nope: torch.Tensor | None, q_rope: torch.Tensor | None, freq: torch.Tensor,
-    latent_map: torch.Tensor, b_k: torch.Tensor, b_v: torch.Tensor, w_kr: torch.Tensor | None, w_o: torch.Tensor,
-    *, n_heads: int, n_kv_heads: int, scaling: float, rotary_dims: int, kv_lora_rank: int, alpha: float, eps: float,
-) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3 attention tensors of one layer, float64.
+@dataclass(frozen=True)
+class MLALayer:
+    """One MLAAttention layer's tensors as the export reads them (modules/mla.py's names in the docstring above).
 
-    w_q (h·d_h, d); q_nope (h, D_n, d_h) N_q; q_rope (h, 2m, d_h) R_q; freq (m,) long; latent_map (r, d) A;
-    b_k (D_n, r); b_v (n_kv·d_h, r); w_kr (2m, d); w_o (d, h·d_h). Absent parts (None) are zero."""
-    h, r, d = n_heads, latent_map.shape[0], w_q.shape[1]
+    w_q (h·d_h, d);  q_nope (h, D_n, d_h) N_q or None;  q_rope (h, 2m, d_h) R_q or None;  freq (m,) long, in the
+    target's frequency numbering;  latent_map (r, d) A;  b_k (D_n, r);  b_v (n_kv·d_h, r);  w_kr (2m, d) or None;
+    w_o (d, h·d_h);  n_heads h, n_kv_heads n_kv;  scaling s, the layer's logit scale. Absent parts are zero."""
+
+    w_q: torch.Tensor
+    q_nope: torch.Tensor | None
+    q_rope: torch.Tensor | None
+    freq: torch.Tensor
+    latent_map: torch.Tensor
+    b_k: torch.Tensor
+    b_v: torch.Tensor
+    w_kr: torch.Tensor | None
+    w_o: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    scaling: float
+
+
+def attention_tensors(
+    layer: MLALayer, *, rotary_dims: int, kv_lora_rank: int, alpha: float, eps: float,
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 attention tensors of one layer, float64: rotary_dims D and kv_lora_rank R of the target, alpha
+    the latent scale (`latent_scale`), eps kv_a_layernorm's epsilon."""
+    w_q, q_nope, q_rope, freq, latent_map = layer.w_q, layer.q_nope, layer.q_rope, layer.freq, layer.latent_map
+    b_k, b_v, w_kr, w_o = layer.b_k, layer.b_v, layer.w_kr, layer.w_o
+    n_kv_heads, scaling = layer.n_kv_heads, layer.scaling
+    h, r, d = layer.n_heads, latent_map.shape[0], w_q.shape[1]
     d_h = w_q.shape[0] // h
     w_q64 = w_q.to(_F64).view(h, d_h, d)  # (h, d_h, d)
     kappa = scaling * math.sqrt(d_h + rotary_dims)  # s / s'

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import LowRankFactors, factorize, rrr
+from attnslim.linalg.lowrank import FitOptions, LowRankFactors, factorize, rrr
+from attnslim.linalg.precond import PrecondSpec
 from attnslim.linalg.ranks import check_rank
 
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -36,6 +37,44 @@ GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
 }
 _CHUNK = 8192
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    """The MLP joint_ud approximates: y = W_d σ(W_u x + b_u) + b_d, or gated
+    y = W_d (act(W_g x + b_g) ⊙ (W_u x + b_u)) + b_d.
+
+    w_u: (d_i, d);  w_d: (d_out, d_i);  w_g: (d_i, d) or None (un-gated);  b_u, b_g: (d_i,) or None;
+    b_d: (d_out,) or None;  activation: a GATE_ACTIVATIONS name (gated) or "relu"."""
+
+    w_u: torch.Tensor
+    w_d: torch.Tensor
+    b_u: torch.Tensor | None = None
+    b_d: torch.Tensor | None = None
+    w_g: torch.Tensor | None = None
+    b_g: torch.Tensor | None = None
+    activation: str = "relu"
+
+
+@dataclass(frozen=True)
+class UDOptions:
+    """joint_ud's own settings beside the shared FitOptions.
+
+    alpha, beta, gamma: the weights α, β, γ of L4's three terms (all > 0);  gate_steps: Gauss-Newton steps on the
+    gate pre-activation per iteration (gated MLPs);  keep_best: return the step with the lowest output error
+    instead of the last (not in the paper);  dtype: work dtype of the (N, d_i) auxiliaries (float32 halves memory;
+    statistics are always float64)."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 1.0
+    gate_steps: int = 2
+    keep_best: bool = False
+    dtype: torch.dtype = torch.float64
+
+
+UD_FIT = FitOptions(n_iter=4, junction="block_identity", label="mlp")  # the paper's 4 steps, local one included
+UD_DEFAULT = UDOptions()
 
 
 @dataclass(frozen=True)
@@ -139,35 +178,25 @@ def _gate_s(
 
 def joint_ud(
     x: torch.Tensor,
-    w_u: torch.Tensor,
-    b_u: torch.Tensor | None,
-    w_d: torch.Tensor,
-    b_d: torch.Tensor | None,
+    mlp: MLPWeights,
     rank_u: int,
     rank_d: int,
-    *,
-    activation: str = "relu",
-    w_g: torch.Tensor | None = None,
-    b_g: torch.Tensor | None = None,
     rank_g: int | None = None,
+    *,
     y: torch.Tensor | None = None,
-    n_iter: int = 4,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    gamma: float = 1.0,
-    damp: float = 1e-2,
-    junction: str = "block_identity",
-    gate_steps: int = 2,
-    keep_best: bool = False,
-    dtype: torch.dtype = torch.float64,
-    label: str = "mlp",
+    options: FitOptions = UD_FIT,
+    ud: UDOptions = UD_DEFAULT,
 ) -> JointUDResult:
-    """Joint U/D compression. x: (N, d) tokens as rows; w_u (d_i, d); w_d (d_out, d_i); w_g (d_i, d) gated.
+    """Joint U/D compression. x: (N, d) tokens as rows; mlp: the weights (MLPWeights); rank_g: the gate's rank
+    (gated MLPs only); y: (N, d_out) targets (default: the dense MLP's output).
 
-    n_iter counts compression steps including the local one (paper: 4). keep_best returns the step with
-    the lowest output error instead of the last (not in the paper; off by default). dtype is the work
-    dtype of the (N, d_i) auxiliaries (float32 halves memory); statistics are always float64.
+    options.n_iter counts compression steps including the local one (paper: 4); options.damp and junction apply to
+    every factorisation and refit. ud: the L4 weights and the run settings (UDOptions).
     """
+    w_u, b_u, w_d, b_d, w_g, b_g, activation = mlp.w_u, mlp.b_u, mlp.w_d, mlp.b_d, mlp.w_g, mlp.b_g, mlp.activation
+    n_iter, damp, junction, label = options.n_iter, options.damp, options.junction, options.label
+    alpha, beta, gamma = ud.alpha, ud.beta, ud.gamma
+    gate_steps, keep_best, dtype = ud.gate_steps, ud.keep_best, ud.dtype
     gated = w_g is not None
     act = _activation(activation, gated)
     if n_iter < 1:
@@ -199,6 +228,7 @@ def joint_ud(
     objective: list[float] = []
     output_error: list[float] = []
     n = xw.shape[0]
+    precond = PrecondSpec(damp=damp)  # the local step: root covariance
 
     def refit(src: torch.Tensor, dst: torch.Tensor, rank: int, bias: bool, name: str) -> LowRankFactors:
         # bias only where the layer has one: a bias-free model stays bias-free
@@ -207,11 +237,11 @@ def joint_ud(
 
     for t in range(n_iter):
         if t == 0:  # local compression of the original weights (SparseLLM order)
-            fu = factorize(w_u, b_u, x_stats, rank_u, junction=junction, damp=damp, label=f"{label}.up")
+            fu = factorize(w_u, b_u, x_stats, rank_u, precond=precond, junction=junction, label=f"{label}.up")
             fg = None
             if w_g is not None and rank_g is not None:
-                fg = factorize(w_g, b_g, x_stats, rank_g, junction=junction, damp=damp, label=f"{label}.gate")
-            fd = factorize(w_d, b_d, _stats(zp), rank_d, junction=junction, damp=damp, label=f"{label}.down")
+                fg = factorize(w_g, b_g, x_stats, rank_g, precond=precond, junction=junction, label=f"{label}.gate")
+            fd = factorize(w_d, b_d, _stats(zp), rank_d, precond=precond, junction=junction, label=f"{label}.down")
         else:  # refit every weight to its auxiliary target (reduced-rank regression, §2.8)
             fu = refit(xw, z, rank_u, b_u is not None, "up")
             fg = None if s is None or rank_g is None else refit(xw, s, rank_g, b_g is not None, "gate")
@@ -219,7 +249,7 @@ def joint_ud(
         results.append((fu, fd, fg))
         m_u = _affine(xw, fu)
         m_g = None if fg is None else _affine(xw, fg)
-        objective.append(_objective(m_u, m_g, z, s, zp, target, fd, act, alpha, beta, gamma) / n)
+        objective.append(_objective(m_u, m_g, z, s, zp, target, fd, act, ud) / n)
         output_error.append(float(((mlp_forward(xw, fu, fd, activation, fg) - target) ** 2).sum()) / n)
         if t == n_iter - 1:
             break
@@ -240,10 +270,10 @@ def joint_ud(
 
 def _objective(
     m_u: torch.Tensor, m_g: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor | None, zp: torch.Tensor,
-    target: torch.Tensor, fd: LowRankFactors, act: Callable[[torch.Tensor], torch.Tensor],
-    alpha: float, beta: float, gamma: float,
+    target: torch.Tensor, fd: LowRankFactors, act: Callable[[torch.Tensor], torch.Tensor], ud: UDOptions,
 ) -> float:
-    """Un-normalised L4 (gated: plus α‖m_g − s‖² and the β term on act(s) ⊙ z)."""
+    """Un-normalised L4 with ud's α, β, γ (gated: plus α‖m_g − s‖² and the β term on act(s) ⊙ z)."""
+    alpha, beta, gamma = ud.alpha, ud.beta, ud.gamma
     hidden = act(z) if s is None else act(s) * z
     total = alpha * ((m_u - z) ** 2).sum() + beta * ((zp - hidden) ** 2).sum()
     if s is not None and m_g is not None:

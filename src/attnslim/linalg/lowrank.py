@@ -19,12 +19,30 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.precond import damped_eigh, preconditioner
+from attnslim.linalg.precond import ROOTCOV, PrecondSpec, damped_eigh
 from attnslim.linalg.ranks import check_rank, factor_weights
 
 Junction = Literal["left", "right", "split", "block_identity"]
 JUNCTIONS: tuple[str, ...] = ("left", "right", "split", "block_identity")
 _F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """The settings linalg's iterative joint fits share (tucker.joint_qk, vo.joint_vo, joint_ud.joint_ud).
+
+    n_iter: alternating iterations (joint_ud counts its local step);  damp: λ = damp · mean(diag C) added before
+    any root or inverse (precond.damped_eigh);  junction: how each factor pair is gauged ("none",
+    "block_identity", or for joint_ud any of JUNCTIONS);  label: names the layer in errors and warnings.
+    The defaults are joint_qk's and joint_vo's (the paper's 8 iterations); joint_ud's are `joint_ud.UD_FIT`."""
+
+    n_iter: int = 8
+    damp: float = 1e-2
+    junction: str = "none"
+    label: str = "layer"
+
+
+JOINT_FIT = FitOptions()
 
 
 @dataclass(frozen=True)
@@ -140,19 +158,17 @@ def factorize(
     stats: InputStats,
     rank: int,
     *,
-    precond: str = "rootcov",
+    precond: PrecondSpec = ROOTCOV,
     junction: str = "block_identity",
-    damp: float = 1e-2,
-    alpha: float = 0.5,
     center: bool | None = None,
     update_bias: bool | None = None,
     label: str = "layer",
 ) -> LowRankFactors:
     """Rank-`rank` activation-aware factorisation of w (d_out, d_in) with bias b (d_out,) or None.
 
-    U S V = svd_r[W P];  B = U S J;  A = J⁻¹ V P⁻¹ (Eq. 3, 6-7, corrected 42).
+    U S V = svd_r[W P];  B = U S J;  A = J⁻¹ V P⁻¹ (Eq. 3, 6-7, corrected 42); P from `precond` (kind, damp, alpha).
     center: whiten with the centred covariance C0 (Eq. 46-48); default (None) = on when the layer
-      has a bias and precond is "rootcov" or "cov" (App. B, Eq. 46-48). Needs a bias.
+      has a bias and precond.kind is "rootcov" or "cov" (App. B, Eq. 46-48). Needs a bias.
     update_bias: b̂ = b + (W − BA) μ (Eq. 45); default follows `center`.
     """
     if junction not in JUNCTIONS:
@@ -162,7 +178,7 @@ def factorize(
         raise AttnslimError(f"{label}: stats are for d = {stats.dim} inputs but W is {tuple(w.shape)}")
     check_rank(rank, min(d_out, d_in), "rank", label)
     if center is None:
-        center = b is not None and precond in ("rootcov", "cov")
+        center = b is not None and precond.kind in ("rootcov", "cov")
     if update_bias is None:
         update_bias = center
     if (center or update_bias) and b is None:
@@ -171,7 +187,7 @@ def factorize(
         )
     dev = stats.sxx.device  # all math runs where the statistics live
     w64 = w.to(dev, _F64)
-    pc = preconditioner(stats, precond, damp=damp, alpha=alpha, center=center, label=label)
+    pc = precond.build(stats, center=center, label=label)
     u, s, vh = torch.linalg.svd(pc.right(w64), full_matrices=False)  # (d_out, k) (k,) (k, d_in)
     u, s, vh = u[:, :rank], s[:rank], vh[:rank]
     big_b, a, perm = _apply_junction(u, s, pc.right_inv(vh), junction)

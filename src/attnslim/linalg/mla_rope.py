@@ -71,6 +71,35 @@ class RotarySplit:
 
 
 @dataclass(frozen=True)
+class RotaryLayout:
+    """The heads split_rotary works on: n_heads query heads and n_kv_heads KV heads of head_dim dims each, the
+    first rotary_dims of every head rotated by RoPE (HF half-split: pair (j, j + rotary_dims/2))."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rotary_dims: int
+
+
+@dataclass(frozen=True)
+class RotaryChoice:
+    """How split_rotary chooses the rotary components it keeps (the module docstring says what each does).
+
+    pairs: rotary pairs to keep (rope dims / 2);  select: one of SELECTS;  span: causal distances the query
+    selection averages a dropped phase over;  fold: FreqFold's neighbouring frequencies treated as one;
+    one_per_freq: at most one pair per frequency;  allowed_freqs: the frequency indices a pair may keep (None:
+    any);  damp: damping of the query selection's moment roots."""
+
+    pairs: int
+    select: str
+    span: int = 512
+    fold: int = 1
+    one_per_freq: bool = False
+    allowed_freqs: list[int] | None = None
+    damp: float = 1e-6
+
+
+@dataclass(frozen=True)
 class _Group:
     freqs: list[int]  # frequency indices treated as one
     key_t: torch.Tensor  # (M·n_kv, M·n_kv) rows = components, over coordinates (g, j) g-major
@@ -80,17 +109,18 @@ class _Group:
 
 
 def split_rotary(
-    key_moment: torch.Tensor, query_moment: torch.Tensor | None, *, n_heads: int, n_kv_heads: int, head_dim: int,
-    rotary_dims: int, pairs: int, select: str, angles: torch.Tensor | None = None, span: int = 512,
-    scale: float = 1.0, fold: int = 1, damp: float = 1e-6, one_per_freq: bool = False, label: str = "layer",
-    allowed_freqs: list[int] | None = None,
+    key_moment: torch.Tensor, query_moment: torch.Tensor | None, layout: RotaryLayout, choice: RotaryChoice, *,
+    angles: torch.Tensor | None = None, scale: float = 1.0, label: str = "layer",
 ) -> RotarySplit:
-    """Choose `pairs` rotary components to keep (see the module docstring).
+    """Choose `choice.pairs` rotary components to keep (see the module docstring).
 
     key_moment: (n_kv·d_h, n_kv·d_h) E[k kᵀ] of the stacked pre-RoPE keys (bias included).
     query_moment: (h, d_h, d_h) E[q_i q_iᵀ] per query head (select=query only).
     angles: (d_rot/2,) θ_j in radians per token (select=query only). scale: RoPE's attention scale.
     """
+    n_kv_heads, head_dim, rotary_dims = layout.n_kv_heads, layout.head_dim, layout.rotary_dims
+    pairs, select, fold, one_per_freq = choice.pairs, choice.select, choice.fold, choice.one_per_freq
+    allowed_freqs = choice.allowed_freqs
     half = rotary_dims // 2
     if select not in SELECTS:
         raise AttnslimError(f"{label}: rope selection {select!r} is not one of {SELECTS}")
@@ -113,11 +143,10 @@ def split_rotary(
         raise AttnslimError(f"{label}: rope_stride / rope_fastest leave {allowed} rotary pairs; {pairs} requested "
                             f"(rope_dims at most {2 * allowed})")
     groups = [list(range(s, min(s + fold, half))) for s in range(0, half, fold)]
-    built = [_group(key_moment, query_moment, f, n_heads, n_kv_heads, head_dim, half, select, angles, span, damp)
-             for f in groups]
+    built = [_group(key_moment, query_moment, f, layout, choice, angles) for f in groups]
     kept = _choose(built, pairs, fold, 1 if one_per_freq else None, by_rank=select == "pca",
                    allowed=None if allowed_freqs is None else set(allowed_freqs))
-    return _assemble(built, kept, n_heads, n_kv_heads, head_dim, rotary_dims, scale)
+    return _assemble(built, kept, layout, scale)
 
 
 def _coords(freqs: list[int], n_kv: int, head_dim: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +155,10 @@ def _coords(freqs: list[int], n_kv: int, head_dim: int, half: int) -> tuple[torc
     return re, re + half
 
 
-def _group(k_mom: torch.Tensor, q_mom: torch.Tensor | None, freqs: list[int], h: int, n_kv: int, d_h: int,
-           half: int, select: str, angles: torch.Tensor | None, span: int, damp: float) -> _Group:
+def _group(k_mom: torch.Tensor, q_mom: torch.Tensor | None, freqs: list[int], layout: RotaryLayout,
+           choice: RotaryChoice, angles: torch.Tensor | None) -> _Group:
+    h, n_kv, d_h, half = layout.n_heads, layout.n_kv_heads, layout.head_dim, layout.rotary_dims // 2
+    select, span, damp = choice.select, choice.span, choice.damp
     re, im = _coords(freqs, n_kv, d_h, half)
     k = k_mom.to(_F64)
     kc = k[re][:, re] + k[im][:, im]  # (M·n_kv, M·n_kv): the rotation-invariant part of the key moment
@@ -182,8 +213,8 @@ def _choose(groups: list[_Group], pairs: int, fold: int, per_freq: int | None, b
     return sorted((gi, c) for _, _, gi, c in cands[:pairs])
 
 
-def _assemble(groups: list[_Group], kept: list[tuple[int, int]], h: int, n_kv: int, d_h: int, d_rot: int,
-              scale: float) -> RotarySplit:
+def _assemble(groups: list[_Group], kept: list[tuple[int, int]], layout: RotaryLayout, scale: float) -> RotarySplit:
+    h, n_kv, d_h, d_rot = layout.n_heads, layout.n_kv_heads, layout.head_dim, layout.rotary_dims
     half, g, m = d_rot // 2, h // n_kv, len(kept)
     rope_key = torch.zeros(2 * m, n_kv * d_h, dtype=_F64)
     rope_query = torch.zeros(h, 2 * m, d_h, dtype=_F64)

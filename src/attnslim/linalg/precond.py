@@ -66,6 +66,25 @@ class Precond:
         return torch.diag(self.p_inv) if self.diagonal else self.p_inv
 
 
+@dataclass(frozen=True)
+class PrecondSpec:
+    """Which pre-conditioner of Table 1 a fit whitens with, and its settings (`preconditioner` builds it).
+
+    kind: one of PRECOND_KINDS;  damp: λ = damp · mean(diag C) (the kinds that damp);  alpha: the l1 kind's
+    exponent (ASVD). Whether C is centred is not part of it: that follows the linear's bias, per call."""
+
+    kind: str = "rootcov"
+    damp: float = 1e-2
+    alpha: float = 0.5
+
+    def build(self, stats: InputStats, *, center: bool = False, label: str = "layer") -> Precond:
+        """`preconditioner(stats, kind, damp=, alpha=, center=, label=)`: built once per statistics and settings."""
+        return preconditioner(stats, self.kind, damp=self.damp, alpha=self.alpha, center=center, label=label)
+
+
+ROOTCOV = PrecondSpec()  # the default: LatentLLM's root covariance, damp 1e-2
+
+
 def damped_eigh(
     c: torch.Tensor, damp: float, *, label: str = "layer", n: int | None = None, warn: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -24,11 +24,26 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import block_identity, factorize
-from attnslim.linalg.precond import damped_eigh
+from attnslim.linalg.lowrank import JOINT_FIT, FitOptions, block_identity, factorize
+from attnslim.linalg.precond import PrecondSpec, damped_eigh
 from attnslim.linalg.ranks import check_rank
 
 _F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class QKWeights:
+    """The query and key projections of one attention layer, what joint_qk approximates.
+
+    w_q: (h·d_h, d);  w_k: (n_kv·d_h, d);  b_q: (h·d_h,) or None;  b_k: (n_kv·d_h,) or None;
+    n_heads h, n_kv_heads n_kv (GQA: query head i·g + j reads KV head i, HF repeat_kv order)."""
+
+    w_q: torch.Tensor
+    w_k: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    b_q: torch.Tensor | None = None
+    b_k: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -114,28 +129,20 @@ def _top_rows(m: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def joint_qk(
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
+    qk: QKWeights,
     stats: InputStats,
     r_q: int,
     r_k: int,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    b_q: torch.Tensor | None = None,
-    b_k: torch.Tensor | None = None,
+    options: FitOptions = JOINT_FIT,
     bias_aware: bool | None = None,
     rope: torch.Tensor | None = None,
     rope_weights: torch.Tensor | None = None,
-    n_iter: int = 8,
-    damp: float = 1e-2,
-    junction: str = "none",
-    label: str = "layer",
     whiten: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> JointQKFactors:
     """Joint QK HOSVD (Alg. 1 corrected, block form: no (h, d, d) tensor is ever built).
 
-    w_q: (h·d_h, d), w_k: (n_kv·d_h, d), biases (h·d_h,) / (n_kv·d_h,) or None.
+    qk: the weights (QKWeights); options: n_iter (paper: 8), damp, junction, label (FitOptions).
     bias_aware (default: both biases given): whiten with the centred C0 and add the rank-1 mean-key /
     mean-query terms (§3.7); then b̂ = b + (W − Ŵ) μ. Without it, P = (Sxx/n + λI)^{1/2} and given
     biases still get the b̂ mean correction. rope: Θ_δ (n_off, d_h, d_h) from `rope_rotations`
@@ -143,6 +150,8 @@ def joint_qk(
     whiten: (P, P⁻¹) (d, d) to run the HOSVD in the coordinates of another pre-conditioner (Table-1 ablation)
     instead of the damped root correlation; it excludes bias_aware (which needs the centred root covariance).
     """
+    w_q, w_k, b_q, b_k, n_heads, n_kv_heads = qk.w_q, qk.w_k, qk.b_q, qk.b_k, qk.n_heads, qk.n_kv_heads
+    n_iter, damp, junction, label = options.n_iter, options.damp, options.junction, options.label
     d = stats.dim
     d_h = w_q.shape[0] // n_heads
     if n_heads % n_kv_heads or w_q.shape != (n_heads * d_h, d) or w_k.shape != (n_kv_heads * d_h, d):
@@ -244,42 +253,27 @@ def _loss_from_grams(
 
 
 def split_qk(
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
-    stats: InputStats,
-    r_q: int,
-    r_k: int,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    b_q: torch.Tensor | None = None,
-    b_k: torch.Tensor | None = None,
-    damp: float = 1e-2,
-    label: str = "layer",
+    qk: QKWeights, stats: InputStats, r_q: int, r_k: int, *, damp: float = 1e-2, label: str = "layer",
 ) -> JointQKFactors:
     """The split-ASVD baseline: separate RootCov factorisations of W_q and W_k at ranks r_q, r_k.
 
     Same structure as `joint_qk` (a rank-r_q A_q shared by all query heads), so it is a feasible point
     of the joint problem and `qk_logit_loss` compares the two directly. loss_history is empty.
     """
-    d_h = w_q.shape[0] // n_heads
-    fq = factorize(w_q, b_q, stats, r_q, precond="rootcov", junction="left", damp=damp, label=f"{label}.q")
-    fk = factorize(w_k, b_k, stats, r_k, precond="rootcov", junction="left", damp=damp, label=f"{label}.k")
+    d_h = qk.w_q.shape[0] // qk.n_heads
+    precond = PrecondSpec("rootcov", damp)
+    fq = factorize(qk.w_q, qk.b_q, stats, r_q, precond=precond, junction="left", label=f"{label}.q")
+    fk = factorize(qk.w_k, qk.b_k, stats, r_k, precond=precond, junction="left", label=f"{label}.k")
     return JointQKFactors(
-        fq.A, fk.A, fq.B.reshape(n_heads, d_h, r_q), fk.B.reshape(n_kv_heads, d_h, r_k), fq.bias, fk.bias
+        fq.A, fk.A, fq.B.reshape(qk.n_heads, d_h, r_q), fk.B.reshape(qk.n_kv_heads, d_h, r_k), fq.bias, fk.bias
     )
 
 
 def qk_logit_loss(
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
+    qk: QKWeights,
     approx: JointQKFactors,
     stats: InputStats,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    b_q: torch.Tensor | None = None,
-    b_k: torch.Tensor | None = None,
     rope: torch.Tensor | None = None,
     rope_weights: torch.Tensor | None = None,
     damp: float = 0.0,
@@ -290,8 +284,9 @@ def qk_logit_loss(
     c² + ‖P a‖² + ‖P b‖² + ‖P Δ P‖² (constant, query-only, key-only and bilinear parts; the cross terms
     vanish because x̃ has zero mean). damp = 0: the exact mean over all ordered pairs of calibration tokens
     (independent pairs under RoPE); damp > 0: the whitened surrogate `joint_qk(bias_aware=True)` minimises.
-    Shapes: w_q (h·d_h, d), w_k (n_kv·d_h, d), biases as in `joint_qk`.
+    Shapes: as in QKWeights.
     """
+    w_q, w_k, b_q, b_k, n_heads, n_kv_heads = qk.w_q, qk.w_k, qk.b_q, qk.b_k, qk.n_heads, qk.n_kv_heads
     d = stats.dim
     d_h, g = w_q.shape[0] // n_heads, n_heads // n_kv_heads
     dev = stats.sxx.device

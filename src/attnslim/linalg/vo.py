@@ -20,11 +20,26 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import block_identity
+from attnslim.linalg.lowrank import JOINT_FIT, FitOptions, block_identity
 from attnslim.linalg.precond import damped_eigh
 from attnslim.linalg.ranks import check_rank
 
 _F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class VOWeights:
+    """The value and output projections of one attention layer, what joint_vo approximates.
+
+    w_v: (n_kv·d_h, d);  w_o: (d_out, h·d_h);  b_v: (n_kv·d_h,) or None;  b_o: (d_out,) or None;
+    n_heads h, n_kv_heads n_kv (GQA: query head i·g + j reads KV head i, HF repeat_kv order)."""
+
+    w_v: torch.Tensor
+    w_o: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    b_v: torch.Tensor | None = None
+    b_o: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -62,27 +77,17 @@ def _split_o(w_o: torch.Tensor, n_kv: int, g: int, d_h: int) -> torch.Tensor:
 
 
 def joint_vo(
-    w_v: torch.Tensor,
-    w_o: torch.Tensor,
-    stats: InputStats,
-    r_v: int,
-    r_o: int,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    b_v: torch.Tensor | None = None,
-    b_o: torch.Tensor | None = None,
+    vo: VOWeights, stats: InputStats, r_v: int, r_o: int, *, options: FitOptions = JOINT_FIT,
     center: bool | None = None,
-    n_iter: int = 8,
-    damp: float = 1e-2,
-    junction: str = "none",
-    label: str = "layer",
 ) -> JointVOFactors:
     """Alternating eigen-updates of G.0 (Eq. 184-188), block form:
     B_o ← top-r_o cols of Σ_ij W_{o,ij} (V_i V_iᵀ) W_{o,ij}ᵀ,  V_i = W̃_{v,i} A'_vᵀ;
     A'_v ← top-r_v rows of Σ_ij W̃_{v,i}ᵀ (W_{o,ij}ᵀ B_o B_oᵀ W_{o,ij}) W̃_{v,i},  W̃_v = W_v P.
     center (default: b_o given): P from the centred C0 and b̂_o = b_o + W_o v̄ − Ŵ_o v̂̄ (G.1).
+    options: n_iter, damp, junction ("none" | "block_identity"), label (FitOptions).
     """
+    w_v, w_o, b_v, b_o, n_heads, n_kv_heads = vo.w_v, vo.w_o, vo.b_v, vo.b_o, vo.n_heads, vo.n_kv_heads
+    n_iter, damp, junction, label = options.n_iter, options.damp, options.junction, options.label
     d = stats.dim
     d_h = w_v.shape[0] // n_kv_heads
     d_out = w_o.shape[0]
@@ -147,21 +152,14 @@ def joint_vo(
 
 
 def vo_loss(
-    w_v: torch.Tensor,
-    w_o: torch.Tensor,
-    approx: JointVOFactors,
-    stats: InputStats,
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    center: bool = False,
-    damp: float = 0.0,
+    vo: VOWeights, approx: JointVOFactors, stats: InputStats, *, center: bool = False, damp: float = 0.0,
 ) -> float:
     """Σ_heads ‖(W_{o,i} W_{v,i} − Ŵ_{o,i} Ŵ_{v,i}) P‖², P = (C + λI)^{1/2} (C0 when `center`).
 
     Evaluated with (d_h, d_h) Gram matrices only. damp = 0 and center = False: the per-token
-    attention-agnostic output error Σ_i E‖(W_{o,i}W_{v,i} − Ŵ_{o,i}Ŵ_{v,i}) x‖².
+    attention-agnostic output error Σ_i E‖(W_{o,i}W_{v,i} − Ŵ_{o,i}Ŵ_{v,i}) x‖². The biases of `vo` play no part.
     """
+    w_v, w_o, n_heads, n_kv_heads = vo.w_v, vo.w_o, vo.n_heads, vo.n_kv_heads
     d = stats.dim
     d_h = w_v.shape[0] // n_kv_heads
     g = n_heads // n_kv_heads

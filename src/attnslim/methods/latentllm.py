@@ -38,12 +38,13 @@ from attnslim.calib.hooks import SITE_OF
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
-from attnslim.linalg.precond import PRECOND_KINDS, preconditioner
+from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
 from attnslim.methods.latentllm_attention import fit_joint_qk, fit_joint_vo
 from attnslim.methods.latentllm_mlp import check_ud_activation, fit_joint_ud, fit_local
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
+from attnslim.modules.base import AttnShape
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
 from attnslim.plan import LayerEntry, StepPlan
@@ -246,8 +247,7 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             spec = attn if n in rk.ATTENTION else mlp
             w, b = getattr(spec, n), getattr(spec, f"{n}_bias")
             center = b is not None and self.precond in ("rootcov", "cov")
-            pc = preconditioner(stats.site(SITE_OF[n], layer), self.precond, damp=self.damp, alpha=self.alpha,
-                                center=center, label=f"layer {layer} {n}")
+            pc = self.precond_spec.build(stats.site(SITE_OF[n], layer), center=center, label=f"layer {layer} {n}")
             out[n] = torch.linalg.svdvals(pc.right(w.to(pc.p.device, torch.float64)))  # where the statistics are
         return out
 
@@ -272,8 +272,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
             fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
             return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
         angles = rotary_angles(adapter, spec.rope.layer_type) if spec.rope is not None else None
-        return fit_joint_qk(spec, st, ranks, layer, precond=self.precond, damp=self.damp, alpha=self.alpha,
-                            rope_window=self.rope_window, n_iter=self.qk_iter, block_identity=self.block_identity,
+        return fit_joint_qk(spec, st, ranks, layer, precond=self.precond_spec, rope_window=self.rope_window,
+                            n_iter=self.qk_iter, block_identity=self.block_identity,
                             rope_freqs=None if angles is None else angles[0])
 
     def _vo(self, adapter: Adapter, spec: AttentionSpec, stats: LayerStats, ranks: dict[str, int], layer: int
@@ -293,8 +293,12 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
 
     def _local(self, w: torch.Tensor, b: torch.Tensor | None, st: InputStats, rank: int, label: str) -> LowRankFactors:
         """Local activation-aware factorisation with this step's pre-conditioner, junction and damping."""
-        return factorize(w, b, st, rank, precond=self.precond, junction=self.junction, damp=self.damp,
-                         alpha=self.alpha, label=label)
+        return factorize(w, b, st, rank, precond=self.precond_spec, junction=self.junction, label=label)
+
+    @property
+    def precond_spec(self) -> PrecondSpec:
+        """This step's pre-conditioner: kind, damping and the l1 exponent."""
+        return PrecondSpec(self.precond, self.damp, self.alpha)
 
     def _gauge(self, b: torch.Tensor, a: torch.Tensor, bias: torch.Tensor | None) -> LowRankFactors:
         """Joint V/O factors in the module's form: the identity block (if any) in A's columns."""
@@ -323,10 +327,8 @@ class LatentLLM(Method[LatentEntry, LayerStats]):
                  o: nn.Module) -> LatentAttention:
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
         module = LatentAttention(
-            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, q_proj=q, k_proj=k, v_proj=v,
-            o_proj=o, q_norm=spec.q_norm, k_norm=spec.k_norm, rotary=rotary,
-            layer_type=spec.rope.layer_type if spec.rope is not None else None,
-            sliding_window=spec.sliding_window, softcap=spec.softcap, cache=self.cache,
+            AttnShape.of(spec), q_proj=q, k_proj=k, v_proj=v, o_proj=o, q_norm=spec.q_norm,
+            k_norm=spec.k_norm, rotary=rotary, cache=self.cache,
         )
         adapter.replace_attention(layer, module)
         return module

@@ -17,8 +17,8 @@ import torch
 from attnslim.adapters.base import MLPSpec
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.linalg.joint_ud import joint_ud
-from attnslim.linalg.lowrank import Gauge, LowRankFactors
+from attnslim.linalg.joint_ud import MLPWeights, UDOptions, joint_ud
+from attnslim.linalg.lowrank import FitOptions, Gauge, LowRankFactors
 from attnslim.methods.latentllm_ranks import MLP
 from attnslim.methods.latentllm_stats import LayerStats
 
@@ -57,12 +57,11 @@ def fit_joint_ud(spec: MLPSpec, stats: LayerStats, ranks: dict[str, int], layer:
     if stats.tokens is None:
         raise AttnslimError(f"latentllm: layer {layer}: mlp=joint_ud has no MLP-input token sample (the "
                             "collector keeps one when ud_tokens > 0); set ud_tokens >= 1")
-    res = joint_ud(
-        stats.tokens, spec.up, spec.up_bias, spec.down, spec.down_bias, ranks["up"], ranks["down"],
-        activation=UD_ACTIVATIONS[spec.activation], w_g=spec.gate, b_g=spec.gate_bias, rank_g=ranks.get("gate"),
-        n_iter=n_iter, damp=damp, junction=junction, keep_best=keep_best, dtype=torch.float32,
-        label=f"layer {layer} mlp",
-    )
+    mlp = MLPWeights(spec.up, spec.down, spec.up_bias, spec.down_bias, spec.gate, spec.gate_bias,
+                     UD_ACTIVATIONS[spec.activation])
+    res = joint_ud(stats.tokens, mlp, ranks["up"], ranks["down"], ranks.get("gate"),
+                   options=FitOptions(n_iter, damp, junction, f"layer {layer} mlp"),
+                   ud=UDOptions(keep_best=keep_best, dtype=torch.float32))
     chosen = {"up": res.up, "down": res.down, **({"gate": res.gate} if res.gate is not None else {})}
     factors = {n: gauge(f.B, f.A, f.bias) if gauge is not None else f for n, f in chosen.items()}
     info = {"ud_tokens": int(stats.tokens.shape[0]), "ud_output_error": [round(e, 6) for e in res.output_error]}

@@ -23,6 +23,7 @@ from attnslim.calib.hooks import SITE_OF
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import factorize
+from attnslim.linalg.precond import PrecondSpec
 from attnslim.linalg.ranks import rank_for_ratio
 from attnslim.methods.base import (
     NO_CONTEXT,
@@ -122,13 +123,14 @@ class LowRankBaseline(Method[LinearRanks, Grams]):
                 g = stats[site]
             bias = None if lin.bias is None else lin.bias.detach()
             factors = factorize(
-                lin.weight.detach(), bias, g, rank, precond=self.precond, junction="left", damp=self.damp,
-                label=f"layer {layer} {name}", **self._extra(),
+                lin.weight.detach(), bias, g, rank, precond=PrecondSpec(self.precond, self.damp, **self._extra()),
+                junction="left", label=f"layer {layer} {name}",
             )
             adapter.replace_linear(layer, name, LowRankLinear.from_factors(factors, lin.weight.dtype))
         return None
 
     def _extra(self) -> dict[str, Any]:
+        """PrecondSpec settings beyond kind and damp (ASVD's alpha)."""
         return {}
 
     def skeleton(self, adapter: Adapter, layer: int, entry: LinearRanks) -> None:

@@ -21,10 +21,11 @@ from attnslim.linalg.mla import (
     mean_square,
     second_moment,
 )
-from attnslim.linalg.mla_rope import RotarySplit, split_rotary
+from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, RotarySplit, split_rotary
 from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
 from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in
-from attnslim.modules.mla import MLAAttention
+from attnslim.modules.base import AttnShape
+from attnslim.modules.mla import MLAAttention, MLAShape
 from attnslim.plan import LayerEntry, StepPlan
 
 LAYOUTS = ("free", "deepseek")
@@ -183,8 +184,9 @@ class MLABase(Method[MLAEntry, MLAStats]):
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
-        return _split_common(adapter, spec, st, rope, *self._rotary_choice(rope, d_rot), where,
-                             self.allowed_freqs(d_rot))
+        select, span, fold, one_per_freq = self._rotary_choice(rope, d_rot)
+        choice = RotaryChoice(rope // 2, select, span, fold, one_per_freq, self.allowed_freqs(d_rot))
+        return _split_common(adapter, spec, st, choice, where)
 
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
@@ -193,14 +195,10 @@ class MLABase(Method[MLAEntry, MLAStats]):
         dtype = spec.q.dtype
         o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
-        module = MLAAttention(
-            layer, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling, hidden_size=spec.hidden_size,
-            rank=entry.rank, rope_dims=entry.rope_dims, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
-            k_rope_bias=spec.k_bias is not None, q_norm=spec.q_norm, rotary=rotary,
-            layer_type=spec.rope.layer_type if spec.rope is not None else None,
-            sliding_window=spec.sliding_window, softcap=spec.softcap, dtype=dtype,
-            key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps,
-        )
+        mla = MLAShape(entry.rank, entry.rope_dims, k_rope_bias=spec.k_bias is not None,
+                       key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps)
+        module = MLAAttention(AttnShape.of(spec), mla, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
+                              q_norm=spec.q_norm, rotary=rotary, dtype=dtype)
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
 
@@ -299,19 +297,17 @@ def _rotary_info(adapter: Adapter, spec: AttentionSpec, where: str) -> tuple[tor
     return info
 
 
-def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, select: str, span: int,
-                  fold: int, one_per_freq: bool, where: str, allowed: list[int] | None = None) -> RotarySplit:
+def _split_common(adapter: Adapter, spec: AttentionSpec, st: InputStats, choice: RotaryChoice, where: str
+                  ) -> RotarySplit:
     d_rot, angles, scale = 0, None, 1.0
     if spec.rope is not None:
         d_rot = spec.rope.rotary_dims
         angles, scale = _rotary_info(adapter, spec, where)
         angles = angles.to(st.sxx.device)
-    q_mom = head_moments(spec.q, spec.q_bias, st, spec.n_heads) if select == "query" else None
-    return split_rotary(
-        second_moment(spec.k, spec.k_bias, st), q_mom,
-        n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, rotary_dims=d_rot,
-        pairs=rope // 2, select=select, angles=angles, span=span, scale=scale, fold=fold, one_per_freq=one_per_freq,
-        label=where, allowed_freqs=allowed)
+    q_mom = head_moments(spec.q, spec.q_bias, st, spec.n_heads) if choice.select == "query" else None
+    layout = RotaryLayout(spec.n_heads, spec.n_kv_heads, spec.head_dim, d_rot)
+    return split_rotary(second_moment(spec.k, spec.k_bias, st), q_mom, layout, choice, angles=angles, scale=scale,
+                        label=where)
 
 
 def stacked_kv(spec: AttentionSpec, split: RotarySplit) -> torch.Tensor:

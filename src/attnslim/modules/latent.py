@@ -37,7 +37,7 @@ from attnslim.errors import AttnslimError
 from attnslim.linalg.attention import grouped_attention, repeat_kv, sliding_keep, softmax_attention
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads, merge_heads
-from attnslim.modules.base import ReplacementAttention
+from attnslim.modules.base import AttnShape, ReplacementAttention
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.registry import register_module
 
@@ -52,13 +52,15 @@ def _rank(module: nn.Module) -> int | None:
 @register_module
 class LatentAttention(ReplacementAttention):
     def __init__(
-        self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *,
-        q_proj: nn.Module, k_proj: LowRankLinear, v_proj: nn.Module, o_proj: nn.Module,
+        self, shape: AttnShape, *, q_proj: nn.Module, k_proj: LowRankLinear, v_proj: nn.Module, o_proj: nn.Module,
         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, rotary: nn.Module | None = None,
-        layer_type: str | None = None, sliding_window: int | None = None, softcap: float | None = None,
         cache: str = "latent",
     ) -> None:
+        """shape: the replaced layer's heads and softmax settings; rotary: the model's rotary module (None: no
+        RoPE), used for its tables and never owned."""
         super().__init__()
+        layer_idx, n_heads, n_kv_heads, head_dim = shape.layer, shape.n_heads, shape.n_kv_heads, shape.head_dim
+        scaling, sliding_window, softcap = shape.scaling, shape.sliding_window, shape.softcap
         if cache not in CACHE_MODES:
             raise AttnslimError(f"layer {layer_idx}: LatentAttention cache={cache!r} is invalid; valid: {CACHE_MODES}")
         if not isinstance(k_proj, LowRankLinear):
@@ -69,7 +71,7 @@ class LatentAttention(ReplacementAttention):
         self.q_norm, self.k_norm = q_norm, k_norm
         # A plain tuple, not a submodule: the model owns the rotary module (and its buffers)
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)
-        self.layer_type = layer_type
+        self.layer_type = shape.layer_type
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, cap, d_rot) cos and sin
 
     # --- RoPE ------------------------------------------------------------------------------------

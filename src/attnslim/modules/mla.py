@@ -26,6 +26,7 @@ absolute cache positions: keys are rotated once when cached, so sliding windows 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +40,29 @@ from attnslim.linalg import split_attention
 from attnslim.linalg.attention import repeat_kv
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import heads, merge_heads
-from attnslim.modules.base import ReplacementAttention
+from attnslim.modules.base import AttnShape, ReplacementAttention
 from attnslim.modules.latent import FEW_QUERIES, attend, attention_keep
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.modules.mla_decode import DECODE_KERNELS, MLADecode
 from attnslim.registry import register_module
 
 PATHS = ("auto", "absorb", "decompress")
-__all__ = ["DECODE_KERNELS", "PATHS", "MLAAttention"]
+__all__ = ["DECODE_KERNELS", "PATHS", "MLAAttention", "MLAShape"]
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """An MLA layer's own sizes beside its AttnShape, which the plan and the replaced layer decide (the skeleton
+    rebuilds from them).
+
+    rank r: the cached latent's width;  rope_dims d_rope: the shared rotary key's width (even, at most n_kv·d_h;
+    0 without RoPE);  k_rope_bias: the rotary key has a bias (the model's keys have one);  key_norm_eps: the
+    model's key RMS-norm epsilon (QK-norm), None without a key norm."""
+
+    rank: int
+    rope_dims: int
+    k_rope_bias: bool = False
+    key_norm_eps: float | None = None
 
 
 @register_module
@@ -55,13 +71,16 @@ class MLAAttention(MLADecode, ReplacementAttention):
     linear_kernel = "torch"  # or "onednn" for the fused decode projection: modules/cpu_linear.set_cpu_linear
 
     def __init__(
-        self, layer_idx: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float, *, hidden_size: int,
-        rank: int, rope_dims: int, q_proj: nn.Module, o_proj: nn.Linear, k_rope_bias: bool,
-        q_norm: nn.Module | None = None, rotary: nn.Module | None = None, layer_type: str | None = None,
-        sliding_window: int | None = None, softcap: float | None = None, dtype: torch.dtype = torch.float32,
-        key_norm_eps: float | None = None,
+        self, shape: AttnShape, mla: MLAShape, *, q_proj: nn.Module, o_proj: nn.Linear,
+        q_norm: nn.Module | None = None, rotary: nn.Module | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:
+        """shape: the replaced layer's heads and softmax settings; mla: the MLA sizes; rotary: the model's rotary
+        module (None: no RoPE), used for its tables and never owned; dtype: of the new parameters."""
         super().__init__()
+        layer_idx, n_heads, n_kv_heads, head_dim = shape.layer, shape.n_heads, shape.n_kv_heads, shape.head_dim
+        scaling, sliding_window, softcap = shape.scaling, shape.sliding_window, shape.softcap
+        hidden_size, rank, rope_dims = shape.hidden_size, mla.rank, mla.rope_dims
+        k_rope_bias, key_norm_eps = mla.k_rope_bias, mla.key_norm_eps
         d_n = n_kv_heads * head_dim - rope_dims
         if rope_dims % 2 or d_n < 0 or (rope_dims and rotary is None):
             raise AttnslimError(f"layer {layer_idx}: MLAAttention rope_dims = {rope_dims} must be even, at most "
@@ -83,7 +102,7 @@ class MLAAttention(MLADecode, ReplacementAttention):
         self.key_norm = None if key_norm_eps is None else nn.Linear(hidden_size, n_kv_heads * head_dim, bias=False,
                                                                       dtype=dtype)
         self._rotary: tuple[nn.Module, ...] = () if rotary is None else (rotary,)  # owned by the model
-        self.layer_type = layer_type
+        self.layer_type = shape.layer_type
         # "auto": decode steps of a sequence under way take `_decode_step`, other calls with few queries absorb,
         # many decompress; or "absorb" / "decompress" (the general path) for every call (tests, benchmarks)
         self.path = "auto"

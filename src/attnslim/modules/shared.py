@@ -40,7 +40,7 @@ from attnslim.linalg.attention import sliding_keep
 from attnslim.linalg.rope import apply_rope
 from attnslim.linalg.scores import attend, heads, qk_scores
 from attnslim.modules.aligner import Aligner
-from attnslim.modules.base import ReplacementAttention
+from attnslim.modules.base import AttnShape, ReplacementAttention
 from attnslim.modules.score_link import ScoreLink
 from attnslim.registry import register_module
 
@@ -64,26 +64,6 @@ def _clone_norm(norm: nn.Module | None) -> nn.Module | None:
     import copy
 
     return None if norm is None else copy.deepcopy(norm)
-
-
-@dataclass(frozen=True)
-class AttnShape:
-    """What a module needs to know about its layer besides weights (read from the AttentionSpec)."""
-
-    layer: int
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    scaling: float
-    rope: bool
-    softcap: float | None = None
-    sliding_window: int | None = None
-
-    @classmethod
-    def of(cls, spec: AttentionSpec) -> AttnShape:
-        return cls(spec.layer, spec.hidden_size, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.scaling,
-                   spec.rope is not None, spec.softcap, spec.sliding_window)
 
 
 class _OriginalQK(nn.Module):
