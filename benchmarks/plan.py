@@ -151,9 +151,10 @@ def main() -> None:
         return
     plans = _stored_plans(args.plans_from, budgets) if args.plans_from else _plans(args.model, budgets, args)
     if args.speed:
-        recipes = {}
-        for kv, recipe, _ in plans:
+        recipes, harness.data["plans"] = {}, {}
+        for kv, recipe, summary in plans:
             recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers)
+            harness.data["plans"][f"plan-kv{kv:g}"] = summary  # plan seconds on this machine, unless --plans-from
         speed(harness, recipes, list(recipes), [int(c) for c in args.speed.split(",")], new_tokens=32,
               repeats=args.repeats, cache_kind="dynamic")
         return

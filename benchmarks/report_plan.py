@@ -110,8 +110,13 @@ def plan_section(data: dict[str, Any]) -> list[str]:
         timed = json.loads(speed.read_text())
         out += [f"Decode and prefill of the planned model against dense and uniform `mla` at the same KV, on the "
                 f"2-core CPU (`OMP_NUM_THREADS={timed['environment']['threads']} python "
-                f"{timed['environment']['command']}` → `benchmarks/results/{SPEED_FILE}.json`; the plans are the GPU "
-                "run's above, compressed there).", "", *(timed.get("notes") or []), ""]
+                f"{timed['environment']['command']}` → `benchmarks/results/{SPEED_FILE}.json`).", ""]
+        planned = timed.get("plans") or {}
+        if planned:  # planned in that run (no --plans-from): the planner's wall time on this CPU
+            out += ["Planned in the same run, on the same CPU: " + "; ".join(
+                f"`{k}` in {v['plan_seconds']:.0f} s (measuring the candidates: {v['plan_measure_seconds']:.0f} s)"
+                for k, v in planned.items()) + ".", ""]
+        out += [*(timed.get("notes") or []), ""]
     plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
     if plans:
         out += ["What each plan chose, per layer:", ""]
