@@ -3,8 +3,8 @@ model runs the drop-6 output (marker `serving`: `make test-serve`).
 
 No attnslim plugin: the offline driver runs vLLM with VLLM_PLUGINS empty (no general plugin loads, in any of its
 processes) and --trust-remote-code for the export's config class only; the model class vLLM reports is its own.
-Same prompts, dtype and KV space as tests/test_serving.py (its fixtures and driver), dense SmolLM2 beside the
-export in one vLLM process for the KV-capacity ratio.
+Same prompts, dtype and KV space as tests/test_serving.py (tests/serving_helpers.py), dense SmolLM2 beside the
+export in one vLLM process for the KV-capacity ratio; `attnslim serve` on the export answers the `openai` client.
 """
 
 from __future__ import annotations
@@ -75,3 +75,28 @@ def test_dropped_layers_hold_no_kv_cache_in_vllm(deci_runs):
     print(f"deci export: {ours['kv_blocks']} KV blocks, dense {dense['kv_blocks']}: "
           f"{ours['kv_blocks'] / dense['kv_blocks']:.4f}x (expected {LAYERS / (LAYERS - DROPPED):.4f})")
     assert abs(ours["kv_blocks"] - dense["kv_blocks"] * LAYERS / (LAYERS - DROPPED)) <= 1, (ours, dense)
+
+
+def test_attnslim_serve_runs_the_export_over_loopback(deci, prompts, tmp_path):
+    """`attnslim serve OUT` starts vLLM on the export (with --trust-remote-code for attnslim's own config class):
+    the `openai` client gets attnslim's greedy tokens."""
+    import openai
+
+    from attnslim.serving.probe import free_port, wait_ready
+    from attnslim.serving.reference import reference
+
+    expected = reference(str(deci["drop-6"]), prompts[:1], 16)["greedy"][0]
+    port, log = free_port(), tmp_path / "server.log"
+    argv = [sys.executable, "-m", "attnslim", "serve", str(deci["deci"]), "--port", str(port), "--dtype", "float32",
+            "--max-model-len", "1024", "--kv-cache-gib", "1"]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+        reply = client.completions.create(model=str(deci["deci"]), prompt=prompts[0], max_tokens=16, temperature=0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert reply.choices[0].token_ids == expected, log.read_text()[-4000:]
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=120)

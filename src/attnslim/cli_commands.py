@@ -102,7 +102,8 @@ def _export_deci(source: Any, out: Any, args: argparse.Namespace) -> dict[str, A
     print(f"wrote {out} (DeciLMForCausalLM, {args.dtype}): no attention and no KV cache in layers "
           f"{report['no_op_attention_layers']}, {report['kv_cache_layers']} of {report['dense_kv_cache_layers']} "
           f"layers cache KV ({report['kv_tokens_vs_dense']:.3f}x the dense tokens in the same cache); serve it with "
-          f"`vllm serve {out} --trust-remote-code` (vLLM's own model; the remote code is its config class)")
+          f"`attnslim serve {out}` or vLLM with --trust-remote-code (vLLM's own model; the remote code is its config "
+          "class)")
     return report
 
 

@@ -71,7 +71,8 @@ def export_deci(model: Any, tokenizer: Any, out: Path, dtype: str = "float32", o
     report = {"architecture": ARCHITECTURE, "model_type": MODEL_TYPE, "dtype": dtype,
               "no_op_attention_layers": [i for i, k in enumerate(kept) if not k], "kv_cache_layers": kv_layers,
               "dense_kv_cache_layers": n, "kv_tokens_vs_dense": n / kv_layers,
-              "serve": "vllm serve OUT --trust-remote-code (the config class; the model is vLLM's own)"}
+              "serve": "attnslim serve OUT, or vLLM with --trust-remote-code (for the config class; the model is "
+                       "vLLM's own DeciLMForCausalLM)"}
     with staged_output(out, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
         shutil.copy(CONFIG_CODE, tmp / CONFIG_CODE.name)
