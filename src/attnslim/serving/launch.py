@@ -185,11 +185,12 @@ def deci_arguments(directory: Path) -> list[str]:
     class it carries; the model is vLLM's own DeciLMForCausalLM), only where that class is byte for byte attnslim's:
     `attnslim serve` runs no other remote code."""
     path = directory / "config.json"
-    if not os.path.lexists(path) or read_json(path).get("model_type") != deci_format.MODEL_TYPE:
+    config = read_json(path) if os.path.lexists(path) else {}
+    if config.get("model_type") != deci_format.MODEL_TYPE:
         return []
     code = directory / deci_format.CONFIG_CODE.name
     ours = deci_format.CONFIG_CODE.read_bytes()
-    if read_json(path).get("auto_map") == deci_format.AUTO_MAP and os.path.lexists(code):
+    if config.get("auto_map") == deci_format.AUTO_MAP and os.path.lexists(code):
         regular_file(code, "config class")
         with open(code, "rb") as f:
             if f.read(len(ours) + 1) == ours:
