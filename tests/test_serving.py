@@ -10,7 +10,6 @@ sides, 8 wiki prompts of 96 tokens, 64 greedy tokens each (no EOS stop on either
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,16 +20,14 @@ from pathlib import Path
 import pytest
 
 from attnslim.errors import AttnslimError
-from attnslim.serving.launch import serving_python
 from attnslim.serving.probe import free_port, wait_ready
+from serving_helpers import KV_GIB, MAX_TOKENS, PROMPT_LEN, offline, perplexity, wiki_prompts
 
 pytestmark = pytest.mark.serving
 
 LLAMA_VARIANTS = ("dense", "nbl-6", "drop-6")
 MLA_VARIANTS = ("mla-deepseek",)
 VARIANTS = LLAMA_VARIANTS + MLA_VARIANTS
-PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 96, 64
-KV_GIB = "1"
 
 
 @pytest.fixture(scope="session")
@@ -43,30 +40,13 @@ def served(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
-    from attnslim.data import eval_windows
-    from attnslim.models import load_model
-
-    _, tokenizer = load_model("smollm2-135m")
-    windows = eval_windows("wiki", tokenizer, tokens=PROMPTS * PROMPT_LEN, seq_len=PROMPT_LEN)
-    return [[int(t) for t in row] for row in windows.ids]
-
-
-def _offline(work: Path, models: list[str], prompts: list[list[int]], **extra: str) -> dict[str, dict]:
-    request = {"models": models, "dtype": "float32", "max_model_len": 1024,
-               "correctness": {"prompts": prompts, "max_tokens": MAX_TOKENS}, **extra}
-    (work / "request.json").write_text(json.dumps(request))
-    proc = subprocess.run(
-        [str(serving_python()), "-m", "attnslim.serving.offline", str(work / "request.json"), str(work / "out.json")],
-        cwd=work, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GIB), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return dict(json.loads((work / "out.json").read_text()))
+    return wiki_prompts()
 
 
 @pytest.fixture(scope="session")
 def vllm_runs(served, prompts, tmp_path_factory) -> dict[str, dict]:
-    results = _offline(tmp_path_factory.mktemp("vllm"), [str(served[n]) for n in LLAMA_VARIANTS], prompts)
-    results |= _offline(tmp_path_factory.mktemp("vllm-mla"), [str(served[n]) for n in MLA_VARIANTS], prompts,
+    results = offline(tmp_path_factory.mktemp("vllm"), [str(served[n]) for n in LLAMA_VARIANTS], prompts)
+    results |= offline(tmp_path_factory.mktemp("vllm-mla"), [str(served[n]) for n in MLA_VARIANTS], prompts,
                         attention_backend="CPU_MLA")
     return {name: results[str(served[name])] for name in VARIANTS}
 
@@ -77,11 +57,6 @@ def hf_runs(served, prompts) -> Callable[[str], dict]:
     from attnslim.serving.reference import reference
 
     return cache(lambda name: reference(str(served[name]), prompts, MAX_TOKENS))
-
-
-def _perplexity(logprobs: list[list[float]]) -> float:
-    flat = [x for row in logprobs for x in row]
-    return math.exp(-sum(flat) / len(flat))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -95,8 +70,8 @@ def test_greedy_tokens_equal_hf(variant, vllm_runs, hf_runs):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_prompt_perplexity_within_one_percent_of_hf(variant, vllm_runs, hf_runs):
-    ours = _perplexity(vllm_runs[variant]["correctness"]["prompt_logprobs"])
-    theirs = _perplexity(hf_runs(variant)["prompt_logprobs"])
+    ours = perplexity(vllm_runs[variant]["correctness"]["prompt_logprobs"])
+    theirs = perplexity(hf_runs(variant)["prompt_logprobs"])
     assert len(vllm_runs[variant]["correctness"]["prompt_logprobs"][0]) == PROMPT_LEN - 1
     print(f"{variant}: perplexity vLLM {ours:.4f}, HF {theirs:.4f}, ratio {ours / theirs:.6f}")
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)

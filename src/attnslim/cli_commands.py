@@ -60,13 +60,21 @@ def load_placed(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from attnslim.export import ExportOptions, export_deepseek
-    from attnslim.export.deepseek import check_kv_lora_rank_in
-    from attnslim.io import load
     from attnslim.outdir import check_output
 
     source, out = Path(args.directory), Path(args.out)
     check_output(out, args.overwrite, inputs=[source])  # before loading: a bad --out is found in a second
+    report = _export_deci(source, out, args) if args.to == "deci" else _export_deepseek(source, out, args)
+    if args.json:
+        emit_json({"out": str(out), **report})
+    return 0
+
+
+def _export_deepseek(source: Any, out: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from attnslim.export import ExportOptions, export_deepseek
+    from attnslim.export.deepseek import check_kv_lora_rank_in
+    from attnslim.io import load
+
     options = ExportOptions(kv_lora_rank=args.kv_lora_rank, dtype=args.dtype, drop_biases=args.drop_biases)
     check_kv_lora_rank_in(source, args.kv_lora_rank)  # before loading too
     model, tokenizer = load(source)
@@ -77,9 +85,26 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"{args.dtype}); verified by transformers on {report['verified_on']}: "
           f"relative logit error {report['relative_logit_error']:.1e}, top-1 agreement "
           f"{report['top1_agreement']:.3f}, NLL {report['nll_source']:.4f} -> {report['nll_export']:.4f}")
-    if args.json:
-        emit_json({"out": str(out), **report})
-    return 0
+    return report
+
+
+def _export_deci(source: Any, out: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from attnslim.export import export_deci
+    from attnslim.export.deci_check import check_directory
+    from attnslim.io import load
+
+    for flag, given in (("--kv-lora-rank", args.kv_lora_rank is not None), ("--drop-biases", args.drop_biases)):
+        if given:
+            raise AttnslimError(f"{flag} is an option of --to deepseek-v3; --to deci copies every tensor as it is")
+    check_directory(source)  # every refusal before loading
+    model, tokenizer = load(source)
+    report = export_deci(model, tokenizer, out, args.dtype, args.overwrite, source)
+    print(f"wrote {out} (DeciLMForCausalLM, {args.dtype}): no attention and no KV cache in layers "
+          f"{report['no_op_attention_layers']}, {report['kv_cache_layers']} of {report['dense_kv_cache_layers']} "
+          f"layers cache KV ({report['kv_tokens_vs_dense']:.3f}x the dense tokens in the same cache); serve it with "
+          f"`attnslim serve {out}` or vLLM with --trust-remote-code (vLLM's own model; the remote code is its config "
+          "class)")
+    return report
 
 
 @command("serve")

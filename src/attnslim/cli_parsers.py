@@ -207,19 +207,24 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("export", help="write an all-MLA output as a stock DeepSeek-V3 checkpoint (transformers and "
-                       "vLLM load it without attnslim)")
-    p.add_argument("directory", help="an attnslim output whose every layer is mla/transmla (layout: deepseek)")
-    p.add_argument("--to", required=True, choices=["deepseek-v3"], help="the target format")
+    p = sub.add_parser("export", help="write an output as a stock checkpoint other engines load without attnslim: "
+                       "all-MLA as DeepSeek-V3 (transformers and vLLM), kept/dropped attention as DeciLM (vLLM)")
+    p.add_argument("directory", help="an attnslim output: every layer mla/transmla (layout: deepseek) for "
+                   "deepseek-v3; drop steps only for deci")
+    p.add_argument("--to", required=True, choices=["deepseek-v3", "deci"], help="the target format: deepseek-v3 "
+                   "(DeepseekV3ForCausalLM) or deci (DeciLMForCausalLM, model_type nemotron-nas: vLLM builds no "
+                   "attention and no KV cache for a dropped layer; serve with --trust-remote-code for its config), "
+                   "e.g. attnslim export out/drop --to deci --out out/drop-deci")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--kv-lora-rank", type=kv_lora_rank_arg, default=None, help="pad every latent (exactly, with "
-                   "zeros) to a width vLLM serves: `auto` picks the smallest, kv_lora_rank 256 (width 320 with the "
-                   "64-dim rotary key) where the latent fits, else 512 (width 576); or give 256 or 512. vLLM's CPU "
-                   "kernel runs only 512. Default: the latent's own rank (transformers loads any; vLLM does not)")
-    p.add_argument("--dtype", default="float32", help="saved weights: float32 | bfloat16")
-    p.add_argument("--drop-biases", action="store_true", help="drop attention biases DeepSeek-V3 cannot hold (the "
-                   "cost is measured and written to attnslim-export.json)")
+    p.add_argument("--kv-lora-rank", type=kv_lora_rank_arg, default=None, help="deepseek-v3: pad every latent "
+                   "(exactly, with zeros) to a width vLLM serves: `auto` picks the smallest, kv_lora_rank 256 (width "
+                   "320 with the 64-dim rotary key) where the latent fits, else 512 (width 576); or give 256 or 512. "
+                   "vLLM's CPU kernel runs only 512. Default: the latent's own rank (transformers loads any; vLLM "
+                   "does not)")
+    p.add_argument("--dtype", default="float32", help="saved weights: float32 | bfloat16 (deci: also float16)")
+    p.add_argument("--drop-biases", action="store_true", help="deepseek-v3: drop attention biases DeepSeek-V3 "
+                   "cannot hold (the cost is measured and written to attnslim-export.json)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("serve", help="serve a model (dense, or an nbl / drop output) with vLLM's OpenAI-compatible "

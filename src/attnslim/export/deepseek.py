@@ -51,6 +51,7 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
 from attnslim.errors import AttnslimError
+from attnslim.export.common import span, weight, write_weights
 from attnslim.export.deepseek_layer import MLALayer, attention_tensors, latent_scale
 from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, VLLM_ROPE, check_served_rank, check_served_rope, served_rank
 from attnslim.modules.mla import MLAAttention
@@ -98,7 +99,7 @@ def export_deepseek(model: Any, tokenizer: Any, out: Path, options: ExportOption
     state = deepseek_state(adapter, layers, rank, rotary)
     with staged_output(out, overwrite) as tmp:
         _compat.config_from_dict("deepseek_v3", config).save_pretrained(tmp)
-        _write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
+        write_weights({k: v.to(dtype) for k, v in state.items()}, tmp)
         del state
         tokenizer.save_pretrained(tmp)
         report = verify(model, tokenizer, tmp, options)
@@ -128,7 +129,7 @@ def mla_layers(adapter: Adapter) -> list[MLAAttention]:
     other = [i for i, m in enumerate(found) if not isinstance(m, MLAAttention)]
     if other:
         kinds = sorted({type(found[i]).__name__ for i in other})
-        raise AttnslimError(f"layers {_span(other)} are not MLA ({', '.join(kinds)}): a DeepSeek-V3 checkpoint is "
+        raise AttnslimError(f"layers {span(other)} are not MLA ({', '.join(kinds)}): a DeepSeek-V3 checkpoint is "
                             "MLA in every layer; compress every layer with method mla or transmla")
     layers = [m for m in found if isinstance(m, MLAAttention)]
     for i, m in enumerate(layers):
@@ -155,12 +156,6 @@ def mla_layers(adapter: Adapter) -> list[MLAAttention]:
                                     f"{' with a bias' if type(lin) is nn.Linear else ''}; DeepSeek-V3's dense MLP "
                                     "is three Linears without biases")
     return layers
-
-
-def _span(items: list[int] | list[str], unit: str = "layers", limit: int = 8) -> str:
-    """The first `limit` items, comma-separated, and how many there are when that is not all."""
-    shown = ", ".join(map(str, items[:limit]))
-    return shown if len(items) <= limit else f"{shown}, ... ({len(items)} {unit})"
 
 
 def check_kv_lora_rank_in(directory: Path, wanted: int | str | None) -> None:
@@ -199,7 +194,7 @@ def _kv_lora_rank(layers: list[MLAAttention], wanted: int | str | None, rope: in
         worst = [i for i, m in enumerate(layers) if m.rank > wanted]
         fit = [r for r in VLLM_LORA_RANKS if r >= largest]
         fix = f"give {fit[0]} or `auto`" if fit else "compress with a smaller latent"
-        raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {_span(worst)} (largest "
+        raise AttnslimError(f"--kv-lora-rank {wanted} is below the latent rank of layers {span(worst)} (largest "
                             f"{largest}); {fix} (padding is exact, truncating is not)")
     return wanted
 
@@ -213,7 +208,7 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
             if isinstance(bias, torch.Tensor) and bool(bias.detach().abs().max() > 0):
                 found.append(f"layer {i} {name}")
     if found and not drop:
-        raise AttnslimError(f"{_span(found, 'in all', 6)} have nonzero biases, which the DeepSeek-V3 model vLLM "
+        raise AttnslimError(f"{span(found, 'in all', 6)} have nonzero biases, which the DeepSeek-V3 model vLLM "
                             "serves cannot hold: vLLM 0.32 builds q_proj, kv_a_proj_with_mqa (the rotary key) and "
                             "o_proj without biases, and DeepSeek-V3 has no q_proj bias at all. Compress with `layout: "
                             "deepseek` (no bias: the latent is fitted without the mean correction; recipes/"
@@ -295,35 +290,35 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int,
     source's (no shared storage: lm_head is written out). rotary: `deepseek_rotary`."""
     model = adapter.model
     state: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": _weight(adapter.embed_tokens()),
-        "model.norm.weight": _weight(adapter.final_norm()),
-        "lm_head.weight": _weight(model.get_output_embeddings()),
+        "model.embed_tokens.weight": weight(adapter.embed_tokens()),
+        "model.norm.weight": weight(adapter.final_norm()),
+        "lm_head.weight": weight(model.get_output_embeddings()),
     }
     d = adapter.config.hidden_size
     scale = residual_scale(adapter)
     state["model.embed_tokens.weight"] *= scale
     for i, m in enumerate(layers):
         p = f"model.layers.{i}."
-        norm = _weight(adapter.attention_norm(i))
+        norm = weight(adapter.attention_norm(i))
         with torch.no_grad():
             latent = m.kv.dense_latent()  # (r, d)
         alpha = latent_scale(latent, math.sqrt(d) * float(norm.abs().max()), rank, EPS)
         source = MLALayer(
-            _weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
+            weight(m.q_proj), _opt(m.q_nope), _opt(m.q_rope),
             m.rope_freq // rotary.stride if m.rope_freq is not None else torch.zeros(0, dtype=torch.long), latent,
             m.kv.b.detach()[: m.nope_dims], m.kv.b.detach()[m.nope_dims :],
-            None if m.k_rope is None else _weight(m.k_rope), _weight(m.o_proj), m.n_heads, m.n_kv_heads, m.scaling)
+            None if m.k_rope is None else weight(m.k_rope), weight(m.o_proj), m.n_heads, m.n_kv_heads, m.scaling)
         tensors = attention_tensors(source, rotary_dims=rotary.dims, kv_lora_rank=rank, alpha=alpha, eps=EPS)
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * scale
         state.update({p + "self_attn." + k: v for k, v in tensors.items()})
         state[p + "input_layernorm.weight"] = norm
-        state[p + "post_attention_layernorm.weight"] = _weight(adapter.mlp_norm(i))
+        state[p + "post_attention_layernorm.weight"] = weight(adapter.mlp_norm(i))
         for name in ("gate", "up", "down"):
             linear = adapter.linear(i, name)
             if getattr(linear, "bias", None) is not None:
                 raise AttnslimError(f"layer {i} {name}_proj has a bias; DeepSeek-V3's MLP has none, so the export "
                                     "cannot carry it")
-            state[p + f"mlp.{name}_proj.weight"] = _weight(linear) * (scale if name == "down" else 1.0)
+            state[p + f"mlp.{name}_proj.weight"] = weight(linear) * (scale if name == "down" else 1.0)
     return state
 
 
@@ -337,22 +332,8 @@ def residual_scale(adapter: Adapter) -> float:
     return math.sqrt(EPS / eps)
 
 
-def _weight(module: nn.Module) -> torch.Tensor:
-    """A detached copy of module.weight (no storage shared with the source or another entry)."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise AttnslimError(f"{type(module).__name__} has no weight tensor to export")
-    return weight.detach().clone()
-
-
 def _opt(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.detach()
-
-
-def _write_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
-    from huggingface_hub import save_torch_state_dict
-
-    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, directory, max_shard_size="5GB")
 
 
 def verify(model: Any, tokenizer: Any, directory: Path, options: ExportOptions) -> dict[str, Any]:

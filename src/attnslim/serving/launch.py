@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnslim import deci_format
 from attnslim.errors import AttnslimError
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK, VLLM_ROPE
 from attnslim.safe_files import regular_file
@@ -176,7 +177,28 @@ def command(args: ServeArgs, directory: Path) -> list[str]:
             "--host", args.host, "--port", str(args.port), "--dtype", args.dtype]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
-    return argv + mla_arguments(directory, args.dtype)
+    return argv + mla_arguments(directory, args.dtype) + deci_arguments(directory)
+
+
+def deci_arguments(directory: Path) -> list[str]:
+    """--trust-remote-code for an `attnslim export --to deci` directory (vLLM reads its config through the config
+    class it carries; the model is vLLM's own DeciLMForCausalLM), only where that class is byte for byte attnslim's:
+    `attnslim serve` runs no other remote code."""
+    path = directory / "config.json"
+    config = read_json(path) if os.path.lexists(path) else {}
+    if config.get("model_type") != deci_format.MODEL_TYPE:
+        return []
+    code = directory / deci_format.CONFIG_CODE.name
+    ours = deci_format.CONFIG_CODE.read_bytes()
+    if config.get("auto_map") == deci_format.AUTO_MAP and os.path.lexists(code):
+        regular_file(code, "config class")
+        with open(code, "rb") as f:
+            if f.read(len(ours) + 1) == ours:
+                return ["--trust-remote-code"]
+    raise AttnslimError(f"{directory}: a {deci_format.MODEL_TYPE} model whose config class is not the one this "
+                        "attnslim writes; attnslim serve runs no other remote code. Re-export it with `attnslim "
+                        "export DIR --to deci`, or, if you trust the directory's code, serve it with vLLM itself "
+                        "and --trust-remote-code")
 
 
 def environment(args: ServeArgs, access: Access) -> dict[str, str]:

@@ -3,10 +3,13 @@
     .venv-vllm/bin/python -m attnslim.serving.offline REQUEST.json OUT.json
 
 REQUEST: {"models": [dir, ...], "dtype": "float32", "max_model_len": 1024, "attention_backend": "CPU_MLA" (optional),
+          "trust_remote_code": true (optional: a DeciLM export's config class), "plugins": [names] (optional: the
+          only vLLM general plugins loaded, as VLLM_PLUGINS; [] runs stock vLLM without attnslim's plugin),
           "correctness": {"prompts": [[token ids], ...], "max_tokens": 64}         (optional)
           "throughput": {"prompts": 32, "input_len": 512, "output_len": 128}}       (optional)
 Every model is started once, in turn, in this process. OUT maps each model directory to
-{"start_s", "kv_blocks", "block_size", "kv_tokens", "attention_layers", "correctness": {"greedy": [[ids]],
+{"start_s", "kv_blocks", "block_size", "kv_tokens", "architecture" (the model class vLLM ran), "general_plugins"
+(those this process loads), "correctness": {"greedy": [[ids]],
 "prompt_logprobs": [[logprob of token i given the tokens before it, i >= 1]]}, "throughput": {...}}.
 KV capacity is vLLM's own: the blocks it allocated in VLLM_CPU_KVCACHE_SPACE GiB (set by the caller).
 """
@@ -58,15 +61,19 @@ def _throughput(llm: Any, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
 
 def run_model(directory: str, request: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
     start = time.perf_counter()
     backend = {"attention_backend": request["attention_backend"]} if "attention_backend" in request else {}
     llm = LLM(directory, dtype=request.get("dtype", "float32"), enforce_eager=True,
-              max_model_len=request.get("max_model_len", 1024), enable_prefix_caching=False, seed=0, **backend)
+              max_model_len=request.get("max_model_len", 1024), enable_prefix_caching=False, seed=0,
+              trust_remote_code=bool(request.get("trust_remote_code", False)), **backend)
     result: dict[str, Any] = {"start_s": time.perf_counter() - start}
-    cache = llm.llm_engine.vllm_config.cache_config
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
     result.update(kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
-                  kv_tokens=cache.num_gpu_blocks * cache.block_size)
+                  kv_tokens=cache.num_gpu_blocks * cache.block_size, architecture=config.model_config.architecture,
+                  general_plugins=sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP)))
     try:
         if "correctness" in request:
             result["correctness"] = _correctness(llm, request["correctness"])
@@ -84,6 +91,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m attnslim.serving.offline REQUEST.json OUT.json", file=sys.stderr)
         return 2
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    if "plugins" in request:  # before vLLM is imported; its engine and worker processes inherit it
+        os.environ["VLLM_PLUGINS"] = ",".join(request["plugins"])
     results = {directory: run_model(directory, request) for directory in request["models"]}
     Path(argv[1]).write_text(json.dumps(results), encoding="utf-8")
     return 0
