@@ -199,7 +199,9 @@ def claims_section(claims: list[Claim], results: dict[str, Any]) -> list[str]:
            "suite's average (section \"Standard zero-shot suite on the Summary's headline rows\"), differences "
            "paired on the same items ± paired standard error; \"within noise\": the verdict would flip within two "
            "paired standard errors. \"not measured\" says what is missing. The papers' numbers are on their "
-           "models (OPT, Llama-2/3, BERT, DeepSeek-R1-Distill-8B) and tasks, so only directions compare exactly.",
+           "models (OPT, Llama-2/3, BERT, DeepSeek-R1-Distill-8B) and tasks, so only directions compare exactly. "
+           "The notes' testable properties, each mapped to its test: "
+           "[docs/paper-properties.md](docs/paper-properties.md).",
            "", "| paper | claim | paper's number (setting) | " + " | ".join(MODELS.values())
            + " | verdict | where it fails: what was tried |", "|---|---|---|" + "---|" * len(MODELS) + "---|---|"]
     for c in claims:
