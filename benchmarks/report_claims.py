@@ -160,10 +160,21 @@ def _find(results: dict[str, Any], file: str, path: tuple[str, ...]) -> float | 
     return _lookup(results[file], path, file) if file in results else f"no {file}.json"
 
 
+def _other_windows(results: dict[str, Any], file: str, other: str) -> str | None:
+    """Why a baseline of another file is not comparable: both files record a dense perplexity and they differ
+    (other evaluation windows). None when comparable or when either file records none."""
+    ppl = [results.get(f, {}).get("dense", {}).get("ppl") for f in (file, other)]
+    if all(isinstance(p, dict) and p for p in ppl) and ppl[0] != ppl[1]:
+        return f"{file}.json and {other}.json evaluate different windows (their dense perplexities differ)"
+    return None
+
+
 def _number(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:
     """(text, verdict) of a measurement read from JSON paths."""
     value = _find(results, m.file, m.value)
     base = None if m.baseline is None else _find(results, m.baseline_file or m.file, m.baseline)
+    if m.baseline_file and isinstance(value, float) and isinstance(base, float):
+        base = _other_windows(results, m.file, m.baseline_file) or base
     if isinstance(value, str) or isinstance(base, str):
         return f"{NOT_MEASURED}: {m.pending or (value if isinstance(value, str) else base)}", NOT_MEASURED
     if base is None:

@@ -177,6 +177,15 @@ def test_a_claim_whose_number_is_missing_renders_not_measured() -> None:
     assert row[3] == "80%: not measured: no latentllm.json" and row[6] == "not measured"
     row = _row(claims_section(_claims(["<", 1], pending="not run yet"), {}))  # type: ignore[arg-type]
     assert row[3] == "80%: not measured: not run yet"
+    # a baseline from another file counts only if both files evaluated the same windows (same dense perplexity)
+    split = _results(1.0)
+    split["baselines"] = {"dense": {"ppl": {"wiki": 9.16}}, "variants": split["latentllm"]["variants"]}  # type: ignore
+    split["latentllm"]["dense"] = {"ppl": {"wiki": 9.16}}  # type: ignore[index]
+    claims = _claims(["<", 1], baseline_file="baselines")
+    assert _row(claims_section(claims, split))[6] == "holds"  # type: ignore[arg-type]
+    split["baselines"]["dense"] = {"ppl": {"wiki": 9.2}}  # type: ignore[index]
+    row = _row(claims_section(claims, split))  # type: ignore[arg-type]
+    assert row[6] == "not measured" and "evaluate different windows" in row[3]
 
 
 def test_accuracy_claims_are_paired_and_within_noise_when_the_rule_would_flip() -> None:
