@@ -215,7 +215,7 @@ def test_claims_rules_are_checked_on_load() -> None:
 
 def test_every_claim_of_claims_yaml_finds_its_number_in_the_results() -> None:
     """A typo in a results key would silently read "not measured": every measurement not marked `pending` must
-    resolve on the repo's results, and the repo's section renders one row per claim."""
+    resolve on the repo's results; a claim that fails says what was tried; one row per claim."""
     report = _report()
     from report_claims import claims_section, load_claims, load_results, measure
 
@@ -223,7 +223,8 @@ def test_every_claim_of_claims_yaml_finds_its_number_in_the_results() -> None:
     for claim in claims:
         for cell in claim.cells.values():
             for m in () if isinstance(cell, str) else cell:
-                if not m.pending:
-                    assert measure(m, results)[1] != "not measured", (claim.claim, m.label, measure(m, results))
+                verdict = measure(m, results)[1]
+                assert m.pending or verdict != "not measured", (claim.claim, m.label, measure(m, results))
+                assert verdict != "fails" or claim.tried, f"{claim.claim!r} fails: say what was tried"
     rows = [line for line in claims_section(claims, results) if line.startswith("| ") and "---" not in line]
     assert len(rows) == len(claims) + 1  # the header
