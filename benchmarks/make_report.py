@@ -22,6 +22,7 @@ from report_accuracy import (  # noqa: E402
     summary_entry,
 )
 from report_accuracy import TITLE as ACCURACY_TITLE  # noqa: E402
+from report_claims import claims_section, load_claims, load_results  # noqa: E402
 from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
@@ -308,6 +309,7 @@ def main() -> None:
         results[path.stem] = data
     accuracy = load_accuracy()
     lines += summary(results, accuracy)
+    lines += claims_section(load_claims(), load_results(RESULTS))  # benchmarks/claims.yaml
     if standard.is_file():
         lines += standard_section(json.loads(standard.read_text()))
     if accuracy:

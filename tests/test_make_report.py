@@ -121,3 +121,110 @@ def test_plan_verdict_compares_with_the_best_single_method_of_the_same_budget_an
     assert lines[2] == "| 0.5 | – | 1.100 / 1.400 / 1.300 | 1.150 (nbl) / 1.300 (mla) / 1.250 (nbl) | wiki |"
     assert lines[3] == "| 0.5 | standard | 1.050 / 1.200 / 1.200 | 1.000 (mla) / 1.300 (mla) / 1.300 (mla) | ptb, c4 |"
     assert len(lines) == 4  # another budget's rows are never the rival
+
+
+def _claims(rule: list[object], **extra: object) -> list[object]:
+    """One claim read from claims.yaml's structure: variant against baseline, wiki ratio, on SmolLM2 only."""
+    _report()  # puts benchmarks/ on the path
+    from report_claims import parse_claims
+
+    cell = {"label": "80%", "file": "latentllm", "value": ["variants", "latentllm-80", "ppl_ratio", "wiki"],
+            "baseline": ["variants", "svdllm-attn-80", "ppl_ratio", "wiki"], "holds_if": rule, **extra}
+    return parse_claims([{"paper": "LatentLLM", "claim": "beats SVD-LLM", "paper_number": "Table 2",
+                          "tried": "the spectrum ranks", "models": {"smollm2-135m": [cell],
+                                                                    "gemma3-270m": "not run on Gemma-3"}}])
+
+
+def _row(lines: list[str]) -> list[str]:
+    row = next(line for line in lines if line.startswith("| LatentLLM |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def _results(value: float, base: float = 1.316) -> dict[str, object]:
+    return {"latentllm": {"variants": {"latentllm-80": {"ppl_ratio": {"wiki": value}},
+                                       "svdllm-attn-80": {"ppl_ratio": {"wiki": base}}}}}
+
+
+def test_claims_section_computes_the_verdict_from_the_numbers_and_flips_at_the_rule() -> None:
+    from report_claims import MODELS, claims_section
+
+    claims = _claims(["<", 1])
+    lines = claims_section(claims, _results(1.010))  # type: ignore[arg-type]
+    header = next(line for line in lines if line.startswith("| paper |"))
+    assert all(name in header for name in MODELS.values())
+    row = _row(lines)
+    assert row[3] == "80%: 1.010 vs 1.316 (ratio 0.767; holds if < 1) **holds**"
+    assert row[4] == "not measured: not run on Gemma-3" and row[6] == "holds"
+    assert row[7] == "–"  # what was tried shows only where the claim fails
+    row = _row(claims_section(claims, _results(1.400)))  # type: ignore[arg-type]
+    assert row[3].endswith("**fails**") and row[6] == "fails" and row[7] == "the spectrum ranks"
+    row = _row(claims_section(claims, _results(1.316)))  # type: ignore[arg-type]
+    assert row[6] == "fails"  # equal is not better: "<" is strict
+    row = _row(claims_section(_claims(["<=", 1]), _results(1.316)))  # type: ignore[arg-type]
+    assert row[6] == "holds"
+
+
+def test_a_claim_whose_number_is_missing_renders_not_measured() -> None:
+    from report_claims import claims_section
+
+    claims = _claims(["<", 1])
+    results = _results(1.010)
+    del results["latentllm"]["variants"]["svdllm-attn-80"]  # type: ignore[index]
+    row = _row(claims_section(claims, results))  # type: ignore[arg-type]
+    assert row[3] == "80%: not measured: no `variants.svdllm-attn-80` in latentllm.json"
+    assert row[6] == "not measured" and "1.010" not in row[3]  # no number beside a missing baseline
+    row = _row(claims_section(claims, {}))  # type: ignore[arg-type]
+    assert row[3] == "80%: not measured: no latentllm.json" and row[6] == "not measured"
+    row = _row(claims_section(_claims(["<", 1], pending="not run yet"), {}))  # type: ignore[arg-type]
+    assert row[3] == "80%: not measured: not run yet"
+    # a baseline from another file counts only if both files evaluated the same windows (same dense perplexity)
+    split = _results(1.0)
+    split["baselines"] = {"dense": {"ppl": {"wiki": 9.16}}, "variants": split["latentllm"]["variants"]}  # type: ignore
+    split["latentllm"]["dense"] = {"ppl": {"wiki": 9.16}}  # type: ignore[index]
+    claims = _claims(["<", 1], baseline_file="baselines")
+    assert _row(claims_section(claims, split))[6] == "holds"  # type: ignore[arg-type]
+    split["baselines"]["dense"] = {"ppl": {"wiki": 9.2}}  # type: ignore[index]
+    row = _row(claims_section(claims, split))  # type: ignore[arg-type]
+    assert row[6] == "not measured" and "evaluate different windows" in row[3]
+
+
+def test_accuracy_claims_are_paired_and_within_noise_when_the_rule_would_flip() -> None:
+    from report_claims import measure, parse_claims
+
+    def verdict(variant: list[int]) -> str:
+        claim = parse_claims([{"paper": "p", "claim": "c", "paper_number": "n", "models": {"smollm2-135m": [
+            {"file": "summary_accuracy", "accuracy": ["r", "v", "b"], "holds_if": [">", 0]}]}}])[0]
+        base = [1, 0] * 20
+        models = {k: {"items": {"piqa": items}, "average": {"acc": sum(items) / len(items)}}
+                  for k, items in (("v", variant), ("b", base))}
+        cell = claim.cells["smollm2-135m"]
+        assert not isinstance(cell, str)
+        return measure(cell[0], {"summary_accuracy": {"r": {"models": models}}})[1]
+
+    assert verdict([1, 1] * 20) == "holds"  # +50 points on the same 40 items
+    assert verdict([0, 0] * 20) == "fails"
+    assert verdict([1, 0] * 19 + [1, 1]) == "within noise"  # one item better: inside two paired errors
+
+
+def test_claims_rules_are_checked_on_load() -> None:
+    with pytest.raises(SystemExit, match="holds_if"):
+        _claims(["≈", 1])
+    with pytest.raises(SystemExit, match="compare"):
+        _claims(["<", 1], compare="value")  # a baseline was given: value would ignore it
+
+
+def test_every_claim_of_claims_yaml_finds_its_number_in_the_results() -> None:
+    """A typo in a results key would silently read "not measured": every measurement not marked `pending` must
+    resolve on the repo's results; a claim that fails says what was tried; one row per claim."""
+    report = _report()
+    from report_claims import claims_section, load_claims, load_results, measure
+
+    claims, results = load_claims(), load_results(report.RESULTS)
+    for claim in claims:
+        for cell in claim.cells.values():
+            for m in () if isinstance(cell, str) else cell:
+                verdict = measure(m, results)[1]
+                assert m.pending or verdict != "not measured", (claim.claim, m.label, measure(m, results))
+                assert verdict != "fails" or claim.tried, f"{claim.claim!r} fails: say what was tried"
+    rows = [line for line in claims_section(claims, results) if line.startswith("| ") and "---" not in line]
+    assert len(rows) == len(claims) + 1  # the header
