@@ -1,4 +1,4 @@
-"""The method contract: a frozen dataclass of hyperparameters with four verbs, typed by its plan entry E and its
+"""The method contract: a frozen dataclass of hyperparameters with five verbs, typed by its plan entry E and its
 per-layer statistics S (`Method[E, S]`).
 
     collector(adapter, layer) -> Collector[S]     statistics it needs at one layer (streamed)
@@ -91,7 +91,7 @@ class NoStats(Collector[None]):
 
 
 class OutputRefit(NamedTuple):
-    """What `Method.output_refit` asks the pipeline to refit (calib/refit.py)."""
+    """What `Method.output_refit` asks the pipeline to refit (methods/refit.py)."""
 
     linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
     ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
@@ -162,7 +162,7 @@ class Method(Generic[E, S]):
     def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
         """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
         squares so that the new attention's output matches the original's on the same calibration inputs
-        (calib/refit.py; sequential steps only). Default: none."""
+        (methods/refit.py; sequential steps only). Default: none."""
         return None
 
     def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
@@ -184,12 +184,6 @@ class Method(Generic[E, S]):
         are in memory: a plan that reads the weights (not only the statistics) computes what it needs from them
         here, since with `--offload` they are on disk by the time `plan` runs. Default: `stats` unchanged."""
         return stats
-
-    def offload_problem(self) -> str | None:
-        """Why this configuration cannot run with the weights offloaded (one decoder layer in memory at a time),
-        or None. The pipeline holds only the layer being worked on (and those `rewires` names); a method whose
-        selection needs whole-model forwards with every candidate converted says so here."""
-        return None
 
     @property
     def trains(self) -> bool:
