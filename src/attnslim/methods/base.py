@@ -18,9 +18,9 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
 `output_refit(adapter, layer) -> OutputRefit | None`: after a sequential step converts a layer, the pipeline refits
 the returned linear (the new attention's output projection) by least squares against the original attention's
-output on the same calibration inputs (methods/refit.py; mla's refit_o).
+output on the same calibration inputs (pipeline/refit.py; mla's refit_o).
 `local_fit(adapter, layer) -> LocalFit | None`: then the pipeline trains the returned module towards the original
-attention's output on those inputs, keeping the best held-out iterate (methods/local_fit.py; mla's local_steps).
+attention's output on those inputs, keeping the best held-out iterate (pipeline/local_fit.py; mla's local_steps).
 
 Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
     rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
@@ -91,7 +91,7 @@ class NoStats(Collector[None]):
 
 
 class OutputRefit(NamedTuple):
-    """What `Method.output_refit` asks the pipeline to refit (methods/refit.py)."""
+    """What `Method.output_refit` asks the pipeline to refit (pipeline/refit.py)."""
 
     linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
     ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
@@ -105,7 +105,7 @@ class CalibrationNeed(NamedTuple):
 
 
 class LocalFit(NamedTuple):
-    """What `Method.local_fit` asks the pipeline to train (methods/local_fit.py)."""
+    """What `Method.local_fit` asks the pipeline to train (pipeline/local_fit.py)."""
 
     module: nn.Module  # the converted attention; every floating-point parameter of it trains
     steps: int  # Adam steps, one calibration batch each
@@ -162,7 +162,7 @@ class Method(Generic[E, S]):
     def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
         """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
         squares so that the new attention's output matches the original's on the same calibration inputs
-        (methods/refit.py; sequential steps only). Default: none."""
+        (pipeline/refit.py; sequential steps only). Default: none."""
         return None
 
     def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
@@ -175,7 +175,7 @@ class Method(Generic[E, S]):
     def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
         """After `convert(layer)` (and the output refit): the converted attention, for the pipeline to train by
         gradient descent towards the original attention's output on the same calibration inputs
-        (methods/local_fit.py; sequential steps only). Default: none."""
+        (pipeline/local_fit.py; sequential steps only). Default: none."""
         return None
 
     def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:

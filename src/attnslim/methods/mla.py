@@ -9,8 +9,8 @@ their weights; biases are carried exactly.
 `transmla`: the baseline, TransMLA (arXiv 2502.07864, RoRoPE + FreqFold + BKV-PCA), reimplemented from the paper.
 `mla` (ours) adds LatentLLM's objective (root covariance, mean correction, Eq. 45) with output-side weights
 (`kv_weight`), a logit-balanced choice of the rotary components (`rope_select=query`), FreqFold by default where
-rotary pairs are fewer than frequencies (`rope_fold`), `alloc=global` ranks, and the optional `refit_o` (methods/
-refit.py) and `local_steps` (methods/local_fit.py) for conversions without a heal.
+rotary pairs are fewer than frequencies (`rope_fold`), `alloc=global` ranks, and the optional `refit_o` (pipeline/
+refit.py) and `local_steps` (pipeline/local_fit.py) for conversions without a heal.
 Statistics: Σxxᵀ, Σx, n at the attention input (methods/mla_stats.py).
 KV budget: `kv_ratio` (kept fraction of the dense cache, r = ⌊kv_ratio·2·n_kv·d_h⌋ − d_rope) or an explicit `rank`.
 Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r² (block-identity
@@ -32,6 +32,7 @@ from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.stats import InputStats
+from attnslim.calib.tokens import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
@@ -45,7 +46,6 @@ from attnslim.linalg.mla_rope import SELECTS, RotarySplit
 from attnslim.methods.base import NO_CONTEXT, CalibrationNeed, LocalFit, OutputRefit, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
-from attnslim.methods.refit import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
@@ -79,8 +79,8 @@ class MLA(MLABase):
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
     refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
-    local_steps: int = 0  # then train the converted attention towards the dense one's output (methods/local_fit.py)
-    local_lr: float = 3.0e-3  # relative to each tensor's RMS (methods/local_fit.py)
+    local_steps: int = 0  # then train the converted attention towards the dense one's output (pipeline/local_fit.py)
+    local_lr: float = 3.0e-3  # relative to each tensor's RMS (pipeline/local_fit.py)
     later_args = ("refit_o", "local_steps", "local_lr")  # added after the MLA tables were measured (Method.args)
 
     def __post_init__(self) -> None:
@@ -127,13 +127,13 @@ class MLA(MLABase):
         return out
 
     def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
-        """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (methods/refit.py)."""
+        """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (pipeline/refit.py)."""
         if not self.refit_o:
             return None
         return OutputRefit(self._installed(adapter, layer).o_proj, self.damp)
 
     def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
-        """local_steps > 0: the installed MLAAttention, trained by the pipeline (methods/local_fit.py)."""
+        """local_steps > 0: the installed MLAAttention, trained by the pipeline (pipeline/local_fit.py)."""
         if not self.local_steps:
             return None
         return LocalFit(self._installed(adapter, layer), self.local_steps, float(self.local_lr))

@@ -39,7 +39,7 @@ from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 SCORES = ("cca", "nmse", "resid", "similarity")  # computed for every candidate layer, recorded in the plan
-MEASURED = "probe"  # measured on the calibration loss (pipeline._probe), not read from the statistics
+MEASURED = "probe"  # measured on the calibration loss (pipeline/probe.py), not read from the statistics
 CRITERIA = (*SCORES, MEASURED, "random", "highest", "given")
 DEFAULT_CRITERION = "similarity"
 
@@ -280,7 +280,7 @@ class Nbl(Method[NblEntry, LayerFit]):
             return sorted(layers[int(j)] for j in perm[:count])
         key = "cca" if self.criterion == "highest" else self.criterion
         missing = [i for i in layers if key not in scores[i]]
-        if missing:  # "probe" is measured by pipeline._probe during compress
+        if missing:  # "probe" is measured by pipeline/probe.py during compress
             raise AttnslimError(f"nbl: criterion {self.criterion!r} has no score for layers {missing}; it is "
                                 "measured by compress (attnslim.pipeline), not computed from the statistics alone")
         sign = -1.0 if self.criterion == "highest" else 1.0
