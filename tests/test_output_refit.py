@@ -110,8 +110,7 @@ def test_a_calibration_above_the_need_is_kept_and_no_refit_needs_none(capsys):
 def test_the_refit_itself_refuses_too_few_tokens():
     """The refit's own guard (what a runner with fewer tokens than the rule meets, e.g. a caller that bypasses
     compress): 24 tokens per input dimension of o_proj (64 + 1 on tiny llama: 1,560) against 1,024."""
-    from attnslim.methods.base import OutputRefit
-    from attnslim.pipeline.refit import refit_output
+    from attnslim.pipeline.refit import OutputRefit, refit_output
 
     class Runner:
         def tokens(self) -> int:

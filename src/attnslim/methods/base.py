@@ -16,11 +16,8 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
-`output_refit(adapter, layer) -> OutputRefit | None`: after a sequential step converts a layer, the pipeline refits
-the returned linear (the new attention's output projection) by least squares against the original attention's
-output on the same calibration inputs (pipeline/refit.py; mla's refit_o).
-`local_fit(adapter, layer) -> LocalFit | None`: then the pipeline trains the returned module towards the original
-attention's output on those inputs, keeping the best held-out iterate (pipeline/local_fit.py; mla's local_steps).
+A method with an output linear may mix in `OutputFits` (methods/output_fits.py): its options `refit_o` and
+`local_steps` make the pipeline fit the converted attention to the original after each conversion (pipeline/).
 
 Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
     rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
@@ -90,26 +87,11 @@ class NoStats(Collector[None]):
         return None
 
 
-class OutputRefit(NamedTuple):
-    """What `Method.output_refit` asks the pipeline to refit (pipeline/refit.py)."""
-
-    linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
-    ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
-
-
 class CalibrationNeed(NamedTuple):
     """What `Method.calibration_need` says a step needs of the calibration on a given model."""
 
     tokens: int  # the fewest calibration tokens (windows x seq_len)
     why: str  # the part of the method that needs them and its rule, for the log line
-
-
-class LocalFit(NamedTuple):
-    """What `Method.local_fit` asks the pipeline to train (pipeline/local_fit.py)."""
-
-    module: nn.Module  # the converted attention; every floating-point parameter of it trains
-    steps: int  # Adam steps, one calibration batch each
-    lr: float
 
 
 @dataclass(frozen=True)
@@ -159,23 +141,11 @@ class Method(Generic[E, S]):
         and writes them back as converted (calib/residency.py). Default: none."""
         return []
 
-    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
-        """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
-        squares so that the new attention's output matches the original's on the same calibration inputs
-        (pipeline/refit.py; sequential steps only). Default: none."""
-        return None
-
     def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
         """The fewest calibration tokens this configuration needs on `adapter`'s model, when that depends on the
         model's sizes (mla's output refit: 24 tokens per input dimension of o_proj). `compress` raises the recipe's
         window count to meet it, with a log line, so one recipe serves models of any width. Default: none. Read only
         shapes (modules exist on the meta device with --offload)."""
-        return None
-
-    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
-        """After `convert(layer)` (and the output refit): the converted attention, for the pipeline to train by
-        gradient descent towards the original attention's output on the same calibration inputs
-        (pipeline/local_fit.py; sequential steps only). Default: none."""
         return None
 
     def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:

@@ -32,7 +32,6 @@ from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.calib.stats import InputStats
-from attnslim.calib.tokens import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
@@ -43,9 +42,10 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
-from attnslim.methods.base import NO_CONTEXT, CalibrationNeed, LocalFit, OutputRefit, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
+from attnslim.methods.output_fits import OutputFits
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
@@ -69,7 +69,7 @@ def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
 
 @register_method("mla")
 @dataclass(frozen=True)
-class MLA(MLABase):
+class MLA(OutputFits, MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "attention"
@@ -78,7 +78,7 @@ class MLA(MLABase):
     rope_fold: int | None = None  # FreqFold for either rope_select: neighbouring frequencies sharing one change of
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
-    refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
+    refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output (OutputFits)
     local_steps: int = 0  # then train the converted attention towards the dense one's output (pipeline/local_fit.py)
     local_lr: float = 3.0e-3  # relative to each tensor's RMS (pipeline/local_fit.py)
     later_args = ("refit_o", "local_steps", "local_lr")  # added after the MLA tables were measured (Method.args)
@@ -96,9 +96,7 @@ class MLA(MLABase):
                                            and self.rope_fold >= 1),
                 self.name, "rope_fold", self.rope_fold, "null (auto) or an integer >= 1 (1: no folding)")
         require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
-        require(isinstance(self.refit_o, bool), self.name, "refit_o", self.refit_o, "true | false")
-        require(self.local_steps >= 0, self.name, "local_steps", self.local_steps, "an integer >= 0 (0: no local fit)")
-        require(self.local_lr > 0, self.name, "local_lr", self.local_lr, "a number > 0")
+        self.check_output_fits()
 
     def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
         return folded_rope_dims(rotary_dims, elements)
@@ -126,28 +124,12 @@ class MLA(MLABase):
             out.layers[i] = replace(old, rank=ranks[i], kv_elements=old.kv_elements - old.rank + ranks[i])
         return out
 
-    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
-        """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (pipeline/refit.py)."""
-        if not self.refit_o:
-            return None
-        return OutputRefit(self._installed(adapter, layer).o_proj, self.damp)
+    def output_linear(self, adapter: Adapter, layer: int) -> nn.Linear:
+        """The installed MLAAttention's o_proj (refit_o; methods/output_fits.py)."""
+        return self._installed(adapter, layer).o_proj
 
-    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
-        """local_steps > 0: the installed MLAAttention, trained by the pipeline (pipeline/local_fit.py)."""
-        if not self.local_steps:
-            return None
-        return LocalFit(self._installed(adapter, layer), self.local_steps, float(self.local_lr))
-
-    def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
-        """refit_o: the refit's token rule on the widest o_proj input (the converted o_proj keeps the dense one's
-        n_heads x head_dim inputs): 36,888 tokens on a hidden size of 1536 against 13,848 on SmolLM2's 576."""
-        linears = [adapter.linear(i, "o") for i in range(adapter.num_layers())]
-        widths = [m.in_features for m in linears if isinstance(m, nn.Linear)]  # else the refit's own guard decides
-        if not self.refit_o or not widths:
-            return None
-        width = max(widths)
-        return CalibrationNeed(refit_tokens(width), f"its output refit of o_proj ({MIN_TOKENS_PER_DIM} tokens per "
-                                                    f"input dimension, {width} + 1 inputs)")
+    def refit_ridge(self) -> float:
+        return self.damp  # the ridge of its latent fit
 
     def _installed(self, adapter: Adapter, layer: int) -> MLAAttention:
         module = adapter.attention(layer)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,8 +28,14 @@ from attnslim.calib.runner import LayerRunner
 from attnslim.calib.tokens import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, linear_fit_nmse, lmmse_map
-from attnslim.methods.base import OutputRefit
 from attnslim.plan import JSON
+
+
+class OutputRefit(NamedTuple):
+    """What the pipeline refits (`OutputFits.refit_o`)."""
+
+    linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
+    ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
 
 
 @contextmanager
@@ -69,7 +75,7 @@ def refit_output(runner: LayerRunner, adapter: Adapter, layer: int, original: nn
         raise AttnslimError(f"layer {layer}: the output refit fits {linear.in_features + 1} numbers per output on "
                             f"{tokens} calibration tokens, which overfits; it needs at least {need} "
                             f"({MIN_TOKENS_PER_DIM} per input dimension): raise the calibration's windows x seq_len, "
-                            "or turn the refit off (mla: refit_o: false)")
+                            "or turn the refit off (refit_o: false)")
     stats = JointStats.zeros(linear.in_features, linear.out_features, device=linear.weight.device)
     with _paired_outputs(new, original, linear, stats):
         runner.run_layer(layer, advance=False)

@@ -15,9 +15,10 @@ from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.methods.base import Fit, StepContext
-from attnslim.pipeline.local_fit import fit_locally
+from attnslim.methods.output_fits import OutputFits
+from attnslim.pipeline.local_fit import LocalFit, fit_locally
 from attnslim.pipeline.probe import AnyMethod, probe
-from attnslim.pipeline.refit import refit_output
+from attnslim.pipeline.refit import OutputRefit, refit_output
 from attnslim.plan import LayerEntry, StepPlan
 
 
@@ -68,22 +69,25 @@ def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry:
     """Convert layer i without a calibration runner (no statistics, or a step that is not sequential)."""
     with res.layer(i), _converting(res, method, adapter, i):
         plan.record(i, method.convert(adapter, i, entry, stats))
-        if method.output_refit(adapter, i) is not None or method.local_fit(adapter, i) is not None:
+        if isinstance(method, OutputFits) and (method.refit_o or method.local_steps):
             raise AttnslimError(f"internal: {method.name} asks for an output refit or a local fit, which needs a "
                                 "sequential step with statistics (pipeline/refit.py, pipeline/local_fit.py)")
 
 
 def convert_and_fit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
                    stats: Any, original: nn.Module | None = None) -> Fit:
-    """Convert layer i, then refit what `method.output_refit` names and train what `method.local_fit` names, both
-    on the runner's inputs of layer i (pipeline/refit.py, pipeline/local_fit.py); the fit's diagnostics gain theirs
-    under "output_refit" and "local_fit". `original`: what the fits match, the installed attention by default (the
-    planner passes one that remembers its outputs across the candidates of a layer)."""
+    """Convert layer i, then, for a method with `OutputFits` (methods/output_fits.py), refit its output linear
+    (`refit_o`) and train the installed attention (`local_steps`), both on the runner's inputs of layer i
+    (pipeline/refit.py, pipeline/local_fit.py); the fit's diagnostics gain theirs under "output_refit" and
+    "local_fit". `original`: what the fits match, the installed attention by default (the planner passes one that
+    remembers its outputs across the candidates of a layer)."""
     original = adapter.attention(i) if original is None else original
     fit = dict(method.convert(adapter, i, entry, stats) or {})
-    if (refit := method.output_refit(adapter, i)) is not None:
+    if isinstance(method, OutputFits) and method.refit_o:
+        refit = OutputRefit(method.output_linear(adapter, i), method.refit_ridge())
         fit["output_refit"] = refit_output(runner, adapter, i, original, refit)
-    if (local := method.local_fit(adapter, i)) is not None:
+    if isinstance(method, OutputFits) and method.local_steps:
+        local = LocalFit(adapter.attention(i), method.local_steps, float(method.local_lr))
         fit["local_fit"] = fit_locally(runner, adapter, i, original, local)
     return fit or None
 
