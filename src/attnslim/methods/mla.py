@@ -46,6 +46,7 @@ from attnslim.methods.base import NO_CONTEXT, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
 from attnslim.methods.output_fits import OutputFits
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
@@ -69,7 +70,7 @@ def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
 
 @register_method("mla")
 @dataclass(frozen=True)
-class MLA(OutputFits, MLABase):
+class MLA(OutputFits, Selecting[MLAStats], MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "attention"

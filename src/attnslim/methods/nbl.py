@@ -33,7 +33,9 @@ from torch import nn
 from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, LmmseInfo, cca_bound, lmmse_map
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
+from attnslim.methods.collect import Collector
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.linearized import INPUTS, LinearizedAttention
 from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
@@ -203,7 +205,7 @@ class LinearityCollector(Collector[LayerFit]):
 
 @register_method("nbl")
 @dataclass(frozen=True)
-class Nbl(Method[NblEntry, LayerFit]):
+class Nbl(Selecting[LayerFit], Method[NblEntry, LayerFit]):
     entry_type = NblEntry
     m: int | None = None
     fraction: float | None = None

@@ -11,8 +11,10 @@ Why a capability and not method code: both fits match the converted attention to
 calibration inputs whatever the conversion was, so the pipeline owns them (sequential steps only: they need the
 layer's inputs) and a method only says which linear is its output projection. A mixer declares the three fields
 itself (so its dataclass keeps its field order and `later_args`), calls `check_output_fits` in `__post_init__`,
-and names its output linear and the refit's ridge. Today `mla` mixes it in; latentllm's and svdllm's o_proj could
-(their defaults would stay off).
+and names its output linear and the refit's ridge. Today `mla` mixes it in. A method that installs a new attention
+module can; latentllm and the low-rank baselines replace linears inside the original attention module, so the
+fits' reference (the module before `convert`) would be the converted one: they would need the pipeline to keep a
+dense copy of the layer's attention first, and a factorised o_proj (LowRankLinear) is no nn.Linear to refit.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 local fit (local_fit.py) after each conversion, and the probe of a selection measured on the loss (probe.py)."""
 
 from attnslim.pipeline.local_fit import fit_locally
-from attnslim.pipeline.probe import AnyMethod
 from attnslim.pipeline.refit import refit_output
-from attnslim.pipeline.run import convert_and_fit, run_step
+from attnslim.pipeline.run import AnyMethod, convert_and_fit, run_step
 
 __all__ = ["AnyMethod", "convert_and_fit", "fit_locally", "refit_output", "run_step"]

@@ -1,5 +1,5 @@
-"""The probe of a layer-selecting step (`Selecting.probe_windows` > 0, NBL's criterion=probe): each candidate
-converted alone, its cost measured as the increase of the calibration loss."""
+"""The probe of a layer-selecting step (methods/selecting.py: `probe_windows` > 0, NBL's criterion=probe): each
+candidate converted alone, its cost measured as the increase of the calibration loss."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from tqdm import tqdm
 from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import Residency
 from attnslim.eval.perplexity import window_nll
-from attnslim.methods.base import Method
-
-AnyMethod = Method[Any, Any]  # the pipeline runs every method alike; each method types its own entries and stats
+from attnslim.methods.selecting import Selecting
 
 
 def mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
@@ -23,8 +21,8 @@ def mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
     return sum(nll for nll, _ in parts) / sum(n for _, n in parts)
 
 
-def probe(model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
-          batch_size: int, progress: bool, res: Residency) -> None:
+def probe(model: Any, adapter: Adapter, method: Selecting[Any], layers: list[int], stats: dict[int, Any],
+          ids: torch.Tensor, batch_size: int, progress: bool, res: Residency) -> None:
     """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
     mean NLL over the probe windows recorded as stats[i].scores["probe"]. Runs inside `res.streamed()`, each
     trial inside `res.layer_in_stream(i)` (offloaded weights: the candidate is read in for its trial)."""

@@ -14,12 +14,15 @@ from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Fit, StepContext
+from attnslim.methods.base import Fit, Method, StepContext
 from attnslim.methods.output_fits import OutputFits
+from attnslim.methods.selecting import Selecting
 from attnslim.pipeline.local_fit import LocalFit, fit_locally
-from attnslim.pipeline.probe import AnyMethod, probe
+from attnslim.pipeline.probe import probe
 from attnslim.pipeline.refit import OutputRefit, refit_output
 from attnslim.plan import LayerEntry, StepPlan
+
+AnyMethod = Method[Any, Any]  # the pipeline runs every method alike; each method types its own entries and stats
 
 
 def _collect(runner: LayerRunner, method: AnyMethod, adapter: Adapter, layer: int, advance: bool) -> Any:
@@ -115,6 +118,9 @@ def _run_selecting(
     res: Residency, context: StepContext,
 ) -> StepPlan[Any]:
     """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""
+    if not isinstance(method, Selecting):
+        raise AttnslimError(f"internal: {method.name} selects layers but does not mix in Selecting "
+                            "(methods/selecting.py)")
     runner = LayerRunner(model, adapter, windows, batch_size, res)
     stats: dict[int, Any] = {}
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name} stats", disable=not progress, leave=False):
