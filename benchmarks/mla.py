@@ -58,7 +58,7 @@ HEAL_ABLATIONS: dict[str, dict[str, Any]] = {"lr3e-4": {"lr": 3.0e-4}, "lr1e-3":
                   **{f"lr3e-4-seed{seed}": {"lr": 3.0e-4, "seed": seed} for seed in (1, 2)}}  # recipes/mla.yaml's
 
 
-# mla's local fit in the rows that use it (methods/local_fit.py)
+# mla's local fit in the rows that use it (pipeline/local_fit.py)
 LOCAL = {"local_steps": 96, "local_lr": 3.0e-3}
 
 
@@ -77,8 +77,8 @@ def oneshot_variants(kv: float, ablate: bool, fold_rope_dims: tuple[int, ...] = 
     old = legacy(kv)
     out = {f"mla-kv{p}": step("mla", {"kv_ratio": kv}), f"transmla-kv{p}": step("transmla", {"kv_ratio": kv}),
            f"mla-legacy-kv{p}": step("mla", old),  # the first default, beside today's
-           f"mla-refit-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True}),  # o_proj refitted (methods/refit.py)
-           # then every parameter of the layer trained towards the dense attention's output (methods/local_fit.py)
+           f"mla-refit-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True}),  # o_proj refitted (pipeline/refit.py)
+           # then every parameter of the layer trained towards the dense attention's output (pipeline/local_fit.py)
            f"mla-refit-local-kv{p}": step("mla", {"kv_ratio": kv, "refit_o": True, **LOCAL})}
     if ablate:  # the ablations (default: at KV 0.5 only, --ablations-at), on the legacy split unless they vary it
         out |= {

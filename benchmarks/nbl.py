@@ -18,7 +18,7 @@ Groups (--groups, comma-separated; default all):
 
 One-shot variants share the dense statistics: they depend only on the dense model and the calibration windows,
 so `stats` collects them once and each variant runs exactly what `compress` runs after the statistics
-(`Nbl.plan`, then `Nbl.convert` of the chosen layers; pipeline._run_selecting). Sequential and drop variants
+(`Nbl.plan`, then `Nbl.convert` of the chosen layers; pipeline/run.py, _run_selecting). Sequential and drop variants
 go through `compress` (Harness.run). `--check` also runs the default variant at the first m through
 `compress` and records both, so the shortcut is verified in the results file.
 

@@ -1,4 +1,4 @@
-"""mla's local fit (methods/local_fit.py): after each layer's conversion the pipeline trains the converted attention
+"""mla's local fit (pipeline/local_fit.py): after each layer's conversion the pipeline trains the converted attention
 towards the dense attention's output on the same calibration inputs, keeping the best held-out iterate."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""mla's refit_o (methods/refit.py): after each layer's conversion the pipeline refits o_proj by least squares to
+"""mla's refit_o (pipeline/refit.py): after each layer's conversion the pipeline refits o_proj by least squares to
 the dense attention's output on the same calibration inputs."""
 
 from __future__ import annotations
@@ -110,8 +110,7 @@ def test_a_calibration_above_the_need_is_kept_and_no_refit_needs_none(capsys):
 def test_the_refit_itself_refuses_too_few_tokens():
     """The refit's own guard (what a runner with fewer tokens than the rule meets, e.g. a caller that bypasses
     compress): 24 tokens per input dimension of o_proj (64 + 1 on tiny llama: 1,560) against 1,024."""
-    from attnslim.methods.base import OutputRefit
-    from attnslim.methods.refit import refit_output
+    from attnslim.pipeline.refit import OutputRefit, refit_output
 
     class Runner:
         def tokens(self) -> int:

@@ -322,11 +322,10 @@ def refuse_offloaded(recipe: Recipe, methods: list[Method]) -> None:
         raise AttnslimError(f"recipe {recipe.name!r}: heal trains the whole model against a copy of it, which "
                             "--offload cannot hold; remove heal: or compress in memory")
     for i, method in enumerate(methods):
-        problem = ("it trains the whole model after converting (a teacher copy and gradients through every layer)"
-                   if method.trains else method.offload_problem())
-        if problem:
-            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({method.name}) cannot run with --offload: "
-                                f"{problem}")
+        if method.trains:
+            raise AttnslimError(f"recipe {recipe.name!r} step {i} ({method.name}) cannot run with --offload: it "
+                                "trains the whole model after converting (a teacher copy and gradients through every "
+                                "layer)")
 
 
 def _refuse_compressed(model: Any) -> None:

@@ -82,7 +82,7 @@ PairSink = Callable[[tuple[Any, ...], dict[str, Any], torch.Tensor], None]
 def beside_original(new: nn.Module, original: nn.Module, sink: PairSink) -> Iterator[None]:
     """While the block runs, every call of `new` (a converted attention) also runs `original` on the same
     arguments (hidden states, mask, positions), and hands (args, kwargs, original's output (b, t, d)) to `sink`:
-    the pairs a post-conversion fit matches the new module against (methods/refit.py, methods/local_fit.py)."""
+    the pairs a post-conversion fit matches the new module against (pipeline/refit.py, pipeline/local_fit.py)."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         want = original(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The method contract: a frozen dataclass of hyperparameters with four verbs, typed by its plan entry E and its
+"""The method contract: a frozen dataclass of hyperparameters with five verbs, typed by its plan entry E and its
 per-layer statistics S (`Method[E, S]`).
 
     collector(adapter, layer) -> Collector[S]     statistics it needs at one layer (streamed)
@@ -16,85 +16,34 @@ later step also corrects what earlier steps lost), e.g. LISA's distillation, ATP
 
 `sequential` methods see the already-converted upstream layers when collecting statistics for a layer;
 `selects_layers` methods need statistics of every candidate layer before deciding (e.g. NBL's ranking).
-`output_refit(adapter, layer) -> OutputRefit | None`: after a sequential step converts a layer, the pipeline refits
-the returned linear (the new attention's output projection) by least squares against the original attention's
-output on the same calibration inputs (methods/refit.py; mla's refit_o).
-`local_fit(adapter, layer) -> LocalFit | None`: then the pipeline trains the returned module towards the original
-attention's output on those inputs, keeping the best held-out iterate (methods/local_fit.py; mla's local_steps).
+A method with an output linear may mix in `OutputFits` (methods/output_fits.py): its options `refit_o` and
+`local_steps` make the pipeline fit the converted attention to the original after each conversion (pipeline/).
 
-Two verbs let a method run with the weights offloaded (one decoder layer in memory at a time, `compress --offload`):
-    rewires(layer) -> list[int]                  the other decoder layers converting `layer` modifies (LISA's donor,
-                                                 layer n-1); the pipeline holds them in memory around the conversion
-    summarize(adapter, layer, stats) -> S        for `selects_layers` methods: what `plan` needs of a layer's weights,
-                                                 computed while that layer is in memory (latentllm's and
-                                                 mla's alloc=global spectra); the pipeline hands the result to `plan`
+`rewires(layer) -> list[int]`: the other decoder layers converting `layer` modifies (LISA's donor, layer n-1); the
+pipeline holds them in memory around the conversion, so the method runs with the weights offloaded (`--offload`).
+A `selects_layers` method mixes in `Selecting` (methods/selecting.py): `summarize`, and a selection measured on the
+calibration loss (`probe_windows`, `trial`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar, cast
 
-import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.methods.collect import Collector, NoStats
 from attnslim.plan import JSON, LayerEntry, NoEntry, StepPlan
 
 E = TypeVar("E", bound=LayerEntry)
 S = TypeVar("S")
-S_co = TypeVar("S_co", covariant=True)
 StepContext: TypeAlias = Mapping[str, float]  # step-wide numbers begin_step solved (latentllm: κ of total_ratio)
 NO_CONTEXT: StepContext = MappingProxyType({})
 Fit: TypeAlias = dict[str, JSON] | None  # what convert measured about its fit (recorded beside the entry)
-
-
-class Collector(Generic[S_co]):
-    """Receives (site, activation) pairs during a layer's forward; `result()` gives the statistics."""
-
-    sites: set[str] = set()
-
-    def __call__(self, site: str, x: torch.Tensor) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def result(self) -> S_co:
-        raise NotImplementedError
-
-
-class GramCollector(Collector[dict[str, InputStats]]):
-    """Input Gram statistics at each requested site: {site: InputStats}."""
-
-    def __init__(self, sites: set[str]) -> None:
-        self.sites = set(sites)
-        self.stats: dict[str, InputStats] = {}
-
-    def __call__(self, site: str, x: torch.Tensor) -> None:
-        self.stats.setdefault(site, InputStats.empty(x.shape[-1])).update(x)
-
-    def result(self) -> dict[str, InputStats]:
-        return self.stats
-
-
-class NoStats(Collector[None]):
-    sites: set[str] = set()
-
-    def __call__(self, site: str, x: torch.Tensor) -> None:
-        pass
-
-    def result(self) -> None:
-        return None
-
-
-class OutputRefit(NamedTuple):
-    """What `Method.output_refit` asks the pipeline to refit (calib/refit.py)."""
-
-    linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
-    ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
 
 
 class CalibrationNeed(NamedTuple):
@@ -104,20 +53,12 @@ class CalibrationNeed(NamedTuple):
     why: str  # the part of the method that needs them and its rule, for the log line
 
 
-class LocalFit(NamedTuple):
-    """What `Method.local_fit` asks the pipeline to train (methods/local_fit.py)."""
-
-    module: nn.Module  # the converted attention; every floating-point parameter of it trains
-    steps: int  # Adam steps, one calibration batch each
-    lr: float
-
-
 @dataclass(frozen=True)
 class Method(Generic[E, S]):
     name: ClassVar[str] = ""
     entry_type: ClassVar[type[LayerEntry]] = NoEntry  # what `plan` puts per layer (read back by io's skeletons)
     sequential: ClassVar[bool] = True
-    selects_layers: ClassVar[bool] = False
+    selects_layers: ClassVar[bool] = False  # True: the method mixes in Selecting (methods/selecting.py)
     later_args: ClassVar[tuple[str, ...]] = ()  # arguments added after benchmark rows were recorded (see `args`)
 
     def collector(self, adapter: Adapter, layer: int) -> Collector[S]:
@@ -143,52 +84,17 @@ class Method(Generic[E, S]):
         """A saved plan (compression.json) back as typed entries."""
         return StepPlan.from_json(data, cast(type[E], self.entry_type), where)
 
-    def probe_windows(self) -> int:
-        """How many calibration windows the selection measures the loss on (0: it reads statistics only).
-        Where > 0, the pipeline converts each candidate alone inside `trial`, records the calibration NLL
-        increase as its "probe" score, and only then calls `plan`."""
-        return 0
-
-    def trial(self, adapter: Adapter, layer: int, stats: S) -> AbstractContextManager[None]:
-        """A context in which `layer` is converted from `stats` as if chosen, undone on exit."""
-        raise NotImplementedError(f"{self.name} does not measure its selection (probe_windows() is 0)")
-
     def rewires(self, layer: int) -> list[int]:
         """The other decoder layers (never `layer` itself) that `convert` or `skeleton` of `layer` modifies, e.g. a
         receiver's donor that starts exporting its scores. The pipeline keeps them in memory around the conversion
         and writes them back as converted (calib/residency.py). Default: none."""
         return []
 
-    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
-        """After `convert(layer)`: the converted attention's output projection, for the pipeline to refit by least
-        squares so that the new attention's output matches the original's on the same calibration inputs
-        (calib/refit.py; sequential steps only). Default: none."""
-        return None
-
     def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
         """The fewest calibration tokens this configuration needs on `adapter`'s model, when that depends on the
         model's sizes (mla's output refit: 24 tokens per input dimension of o_proj). `compress` raises the recipe's
         window count to meet it, with a log line, so one recipe serves models of any width. Default: none. Read only
         shapes (modules exist on the meta device with --offload)."""
-        return None
-
-    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
-        """After `convert(layer)` (and the output refit): the converted attention, for the pipeline to train by
-        gradient descent towards the original attention's output on the same calibration inputs
-        (methods/local_fit.py; sequential steps only). Default: none."""
-        return None
-
-    def summarize(self, adapter: Adapter, layer: int, stats: S) -> S:
-        """A `selects_layers` step's statistics of `layer` as `plan` (and, for a method that is not `sequential`,
-        `convert`) will receive them. The pipeline calls it right after collecting them, while the layer's weights
-        are in memory: a plan that reads the weights (not only the statistics) computes what it needs from them
-        here, since with `--offload` they are on disk by the time `plan` runs. Default: `stats` unchanged."""
-        return stats
-
-    def offload_problem(self) -> str | None:
-        """Why this configuration cannot run with the weights offloaded (one decoder layer in memory at a time),
-        or None. The pipeline holds only the layer being worked on (and those `rewires` names); a method whose
-        selection needs whole-model forwards with every candidate converted says so here."""
         return None
 
     @property
@@ -225,12 +131,6 @@ def require(cond: bool, method: str, key: str, value: Any, valid: str) -> None:
     """Validation helper for __post_init__: ValueError naming the key, the value and the valid range."""
     if not cond:
         raise AttnslimError(f"method {method!r}: {key}={value!r} is invalid; valid: {valid}")
-
-
-def missing_summary(where: str, what: str) -> AttnslimError:
-    """The refusal of a plan that needs what `Method.summarize` computes (`what`) but got raw statistics."""
-    return AttnslimError(f"{where}: the plan needs {what}, which `summarize(adapter, layer, stats)` computes while "
-                         "the layer is in memory; pass plan what it returns for each layer (the pipeline does)")
 
 
 def dense_linear(adapter: Adapter, layer: int, name: str, method: str) -> nn.Linear:

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from attnslim.adapters.base import Adapter
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, NoStats, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
+from attnslim.methods.collect import Collector, NoStats
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.dropped import DroppedAttention
 from attnslim.plan import NoEntry, StepPlan
 from attnslim.registry import register_method
@@ -52,7 +54,7 @@ class SimilarityCollector(Collector[float]):
 
 @register_method("drop")
 @dataclass(frozen=True)
-class Drop(Method[NoEntry, float | None]):
+class Drop(Selecting[float | None], Method[NoEntry, float | None]):
     count: int | None = None
     select: str = "similarity"
     sequential = False

@@ -40,10 +40,12 @@ from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec
 from attnslim.methods import latentllm_ranks as rk
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
+from attnslim.methods.collect import Collector
 from attnslim.methods.latentllm_attention import fit_joint_qk, fit_joint_vo
 from attnslim.methods.latentllm_mlp import check_ud_activation, fit_joint_ud, fit_local
 from attnslim.methods.latentllm_stats import LatentCollector, LayerStats
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.base import AttnShape
 from attnslim.modules.latent import CACHE_MODES, LatentAttention
 from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compact_linear
@@ -68,7 +70,7 @@ class LatentEntry(LayerEntry):
 
 @register_method("latentllm")
 @dataclass(frozen=True)
-class LatentLLM(Method[LatentEntry, LayerStats]):
+class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
     ratio: float | None = None  # kept fraction of each attention matrix (and MLP matrix, unless mlp_ratio);
     # DEFAULT_RATIO when none of ratio, total_ratio and ranks is given
     mlp_ratio: float | None = None

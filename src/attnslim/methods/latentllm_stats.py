@@ -9,7 +9,8 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Collector, missing_summary
+from attnslim.methods.collect import Collector
+from attnslim.methods.selecting import missing_summary
 
 
 class Reservoir:

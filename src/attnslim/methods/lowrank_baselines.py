@@ -25,17 +25,8 @@ from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import factorize
 from attnslim.linalg.precond import PrecondSpec
 from attnslim.linalg.ranks import rank_for_ratio
-from attnslim.methods.base import (
-    NO_CONTEXT,
-    Collector,
-    Fit,
-    GramCollector,
-    Method,
-    NoStats,
-    StepContext,
-    dense_linear,
-    require,
-)
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, dense_linear, require
+from attnslim.methods.collect import Collector, GramCollector, NoStats
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method

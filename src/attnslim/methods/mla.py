@@ -9,8 +9,8 @@ their weights; biases are carried exactly.
 `transmla`: the baseline, TransMLA (arXiv 2502.07864, RoRoPE + FreqFold + BKV-PCA), reimplemented from the paper.
 `mla` (ours) adds LatentLLM's objective (root covariance, mean correction, Eq. 45) with output-side weights
 (`kv_weight`), a logit-balanced choice of the rotary components (`rope_select=query`), FreqFold by default where
-rotary pairs are fewer than frequencies (`rope_fold`), `alloc=global` ranks, and the optional `refit_o` (methods/
-refit.py) and `local_steps` (methods/local_fit.py) for conversions without a heal.
+rotary pairs are fewer than frequencies (`rope_fold`), `alloc=global` ranks, and the optional `refit_o` (pipeline/
+refit.py) and `local_steps` (pipeline/local_fit.py) for conversions without a heal.
 Statistics: Σxxᵀ, Σx, n at the attention input (methods/mla_stats.py).
 KV budget: `kv_ratio` (kept fraction of the dense cache, r = ⌊kv_ratio·2·n_kv·d_h⌋ − d_rope) or an explicit `rank`.
 Parameters per layer: q_proj, o_proj as before; k_rope d·d_rope; latent r(D_n + n_kv·d_h + d) − r² (block-identity
@@ -42,10 +42,11 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
-from attnslim.methods.base import NO_CONTEXT, CalibrationNeed, LocalFit, OutputRefit, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum
-from attnslim.methods.refit import MIN_TOKENS_PER_DIM, refit_tokens
+from attnslim.methods.output_fits import OutputFits
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.mla import MLAAttention
 from attnslim.plan import StepPlan
 from attnslim.registry import register_method
@@ -69,7 +70,7 @@ def folded_rope_dims(rotary_dims: int, elements: int | None) -> int:
 
 @register_method("mla")
 @dataclass(frozen=True)
-class MLA(MLABase):
+class MLA(OutputFits, Selecting[MLAStats], MLABase):
     rope_select: str = "query"
     rope_span: int = 512  # tokens over which select=query averages the cost of dropping a rotation
     kv_weight: str = "attention"
@@ -78,9 +79,9 @@ class MLA(MLABase):
     rope_fold: int | None = None  # FreqFold for either rope_select: neighbouring frequencies sharing one change of
     # basis; None: AUTO_FOLD where the layer keeps fewer rotary pairs than it has frequencies, else 1
     rope_spread: bool = False  # at most one rotary pair per frequency (always so in layout deepseek)
-    refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output
-    local_steps: int = 0  # then train the converted attention towards the dense one's output (methods/local_fit.py)
-    local_lr: float = 3.0e-3  # relative to each tensor's RMS (methods/local_fit.py)
+    refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output (OutputFits)
+    local_steps: int = 0  # then train the converted attention towards the dense one's output (pipeline/local_fit.py)
+    local_lr: float = 3.0e-3  # relative to each tensor's RMS (pipeline/local_fit.py)
     later_args = ("refit_o", "local_steps", "local_lr")  # added after the MLA tables were measured (Method.args)
 
     def __post_init__(self) -> None:
@@ -96,9 +97,7 @@ class MLA(MLABase):
                                            and self.rope_fold >= 1),
                 self.name, "rope_fold", self.rope_fold, "null (auto) or an integer >= 1 (1: no folding)")
         require(isinstance(self.rope_spread, bool), self.name, "rope_spread", self.rope_spread, "true | false")
-        require(isinstance(self.refit_o, bool), self.name, "refit_o", self.refit_o, "true | false")
-        require(self.local_steps >= 0, self.name, "local_steps", self.local_steps, "an integer >= 0 (0: no local fit)")
-        require(self.local_lr > 0, self.name, "local_lr", self.local_lr, "a number > 0")
+        self.check_output_fits()
 
     def _default_rope(self, rotary_dims: int, elements: int | None, dense: int) -> int:
         return folded_rope_dims(rotary_dims, elements)
@@ -126,28 +125,12 @@ class MLA(MLABase):
             out.layers[i] = replace(old, rank=ranks[i], kv_elements=old.kv_elements - old.rank + ranks[i])
         return out
 
-    def output_refit(self, adapter: Adapter, layer: int) -> OutputRefit | None:
-        """refit_o: the installed MLAAttention's o_proj, refitted by the pipeline (methods/refit.py)."""
-        if not self.refit_o:
-            return None
-        return OutputRefit(self._installed(adapter, layer).o_proj, self.damp)
+    def output_linear(self, adapter: Adapter, layer: int) -> nn.Linear:
+        """The installed MLAAttention's o_proj (refit_o; methods/output_fits.py)."""
+        return self._installed(adapter, layer).o_proj
 
-    def local_fit(self, adapter: Adapter, layer: int) -> LocalFit | None:
-        """local_steps > 0: the installed MLAAttention, trained by the pipeline (methods/local_fit.py)."""
-        if not self.local_steps:
-            return None
-        return LocalFit(self._installed(adapter, layer), self.local_steps, float(self.local_lr))
-
-    def calibration_need(self, adapter: Adapter) -> CalibrationNeed | None:
-        """refit_o: the refit's token rule on the widest o_proj input (the converted o_proj keeps the dense one's
-        n_heads x head_dim inputs): 36,888 tokens on a hidden size of 1536 against 13,848 on SmolLM2's 576."""
-        linears = [adapter.linear(i, "o") for i in range(adapter.num_layers())]
-        widths = [m.in_features for m in linears if isinstance(m, nn.Linear)]  # else the refit's own guard decides
-        if not self.refit_o or not widths:
-            return None
-        width = max(widths)
-        return CalibrationNeed(refit_tokens(width), f"its output refit of o_proj ({MIN_TOKENS_PER_DIM} tokens per "
-                                                    f"input dimension, {width} + 1 inputs)")
+    def refit_ridge(self) -> float:
+        return self.damp  # the ridge of its latent fit
 
     def _installed(self, adapter: Adapter, layer: int) -> MLAAttention:
         module = adapter.attention(layer)

@@ -22,7 +22,8 @@ from attnslim.linalg.mla import (
     second_moment,
 )
 from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, RotarySplit, split_rotary
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
+from attnslim.methods.collect import Collector
 from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in
 from attnslim.modules.base import AttnShape
 from attnslim.modules.mla import MLAAttention, MLAShape

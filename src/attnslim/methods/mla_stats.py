@@ -10,7 +10,8 @@ import torch
 
 from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import Collector, GramCollector, missing_summary
+from attnslim.methods.collect import Collector, GramCollector
+from attnslim.methods.selecting import missing_summary
 
 SITE = "attn_in"
 

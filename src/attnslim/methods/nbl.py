@@ -33,13 +33,15 @@ from torch import nn
 from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, LmmseInfo, cca_bound, lmmse_map
-from attnslim.methods.base import NO_CONTEXT, Collector, Fit, Method, StepContext, require
+from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
+from attnslim.methods.collect import Collector
+from attnslim.methods.selecting import Selecting
 from attnslim.modules.linearized import INPUTS, LinearizedAttention
 from attnslim.plan import JSON, LayerEntry, StepPlan
 from attnslim.registry import register_method
 
 SCORES = ("cca", "nmse", "resid", "similarity")  # computed for every candidate layer, recorded in the plan
-MEASURED = "probe"  # measured on the calibration loss (pipeline._probe), not read from the statistics
+MEASURED = "probe"  # measured on the calibration loss (pipeline/probe.py), not read from the statistics
 CRITERIA = (*SCORES, MEASURED, "random", "highest", "given")
 DEFAULT_CRITERION = "similarity"
 
@@ -203,7 +205,7 @@ class LinearityCollector(Collector[LayerFit]):
 
 @register_method("nbl")
 @dataclass(frozen=True)
-class Nbl(Method[NblEntry, LayerFit]):
+class Nbl(Selecting[LayerFit], Method[NblEntry, LayerFit]):
     entry_type = NblEntry
     m: int | None = None
     fraction: float | None = None
@@ -280,7 +282,7 @@ class Nbl(Method[NblEntry, LayerFit]):
             return sorted(layers[int(j)] for j in perm[:count])
         key = "cca" if self.criterion == "highest" else self.criterion
         missing = [i for i in layers if key not in scores[i]]
-        if missing:  # "probe" is measured by pipeline._probe during compress
+        if missing:  # "probe" is measured by pipeline/probe.py during compress
             raise AttnslimError(f"nbl: criterion {self.criterion!r} has no score for layers {missing}; it is "
                                 "measured by compress (attnslim.pipeline), not computed from the statistics alone")
         sign = -1.0 if self.criterion == "highest" else 1.0

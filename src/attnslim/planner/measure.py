@@ -24,7 +24,7 @@ from attnslim.adapters.base import Adapter
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.methods import Method
-from attnslim.methods.base import Collector
+from attnslim.methods.collect import Collector
 from attnslim.pipeline import convert_and_fit
 from attnslim.planner.candidates import Candidate
 from attnslim.planner.costs import entry_for, method_of, restored, touched

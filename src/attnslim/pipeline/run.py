@@ -1,4 +1,5 @@
-"""Runs one method step over a model: statistics layer by layer, plan, convert (one-shot or sequential)."""
+"""Runs one method step over a model: statistics layer by layer, plan, convert (one-shot or sequential), then the
+post-conversion fits (refit.py, local_fit.py); a selection measured on the loss runs its probe (probe.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -14,10 +14,12 @@ from attnslim.adapters.base import Adapter
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
-from attnslim.eval.perplexity import window_nll
 from attnslim.methods.base import Fit, Method, StepContext
-from attnslim.methods.local_fit import fit_locally
-from attnslim.methods.refit import refit_output
+from attnslim.methods.output_fits import OutputFits
+from attnslim.methods.selecting import Selecting
+from attnslim.pipeline.local_fit import LocalFit, fit_locally
+from attnslim.pipeline.probe import probe
+from attnslim.pipeline.refit import OutputRefit, refit_output
 from attnslim.plan import LayerEntry, StepPlan
 
 AnyMethod = Method[Any, Any]  # the pipeline runs every method alike; each method types its own entries and stats
@@ -70,22 +72,25 @@ def _convert(res: Residency, method: AnyMethod, adapter: Adapter, i: int, entry:
     """Convert layer i without a calibration runner (no statistics, or a step that is not sequential)."""
     with res.layer(i), _converting(res, method, adapter, i):
         plan.record(i, method.convert(adapter, i, entry, stats))
-        if method.output_refit(adapter, i) is not None or method.local_fit(adapter, i) is not None:
+        if isinstance(method, OutputFits) and (method.refit_o or method.local_steps):
             raise AttnslimError(f"internal: {method.name} asks for an output refit or a local fit, which needs a "
-                                "sequential step with statistics (methods/refit.py, methods/local_fit.py)")
+                                "sequential step with statistics (pipeline/refit.py, pipeline/local_fit.py)")
 
 
 def convert_and_fit(runner: LayerRunner, method: AnyMethod, adapter: Adapter, i: int, entry: LayerEntry,
                    stats: Any, original: nn.Module | None = None) -> Fit:
-    """Convert layer i, then refit what `method.output_refit` names and train what `method.local_fit` names, both
-    on the runner's inputs of layer i (methods/refit.py, methods/local_fit.py); the fit's diagnostics gain theirs
-    under "output_refit" and "local_fit". `original`: what the fits match, the installed attention by default (the
-    planner passes one that remembers its outputs across the candidates of a layer)."""
+    """Convert layer i, then, for a method with `OutputFits` (methods/output_fits.py), refit its output linear
+    (`refit_o`) and train the installed attention (`local_steps`), both on the runner's inputs of layer i
+    (pipeline/refit.py, pipeline/local_fit.py); the fit's diagnostics gain theirs under "output_refit" and
+    "local_fit". `original`: what the fits match, the installed attention by default (the planner passes one that
+    remembers its outputs across the candidates of a layer)."""
     original = adapter.attention(i) if original is None else original
     fit = dict(method.convert(adapter, i, entry, stats) or {})
-    if (refit := method.output_refit(adapter, i)) is not None:
+    if isinstance(method, OutputFits) and method.refit_o:
+        refit = OutputRefit(method.output_linear(adapter, i), method.refit_ridge())
         fit["output_refit"] = refit_output(runner, adapter, i, original, refit)
-    if (local := method.local_fit(adapter, i)) is not None:
+    if isinstance(method, OutputFits) and method.local_steps:
+        local = LocalFit(adapter.attention(i), method.local_steps, float(method.local_lr))
         fit["local_fit"] = fit_locally(runner, adapter, i, original, local)
     return fit or None
 
@@ -108,29 +113,14 @@ def _converting(res: Residency, method: AnyMethod, adapter: Adapter, i: int) -> 
             res.converted(j)
 
 
-def _mean_nll(model: Any, ids: torch.Tensor, batch_size: int) -> float:
-    """Mean next-token NLL of the windows ids (n, t) under the model as it is now."""
-    device = next(model.parameters()).device
-    parts = [window_nll(model, ids[s : s + batch_size].to(device)) for s in range(0, ids.shape[0], batch_size)]
-    return sum(nll for nll, _ in parts) / sum(n for _, n in parts)
-
-
-def _probe(model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], stats: dict[int, Any], ids: torch.Tensor,
-           batch_size: int, progress: bool, res: Residency) -> None:
-    """A selection measured on the loss: each candidate converted alone (method.trial), the increase of the
-    mean NLL over the probe windows recorded as stats[i].scores["probe"]. Runs inside `res.streamed()`, each
-    trial inside `res.layer_in_stream(i)` (offloaded weights: the candidate is read in for its trial)."""
-    base = _mean_nll(model, ids, batch_size)
-    for i in tqdm(layers, desc=f"{method.name} probe", disable=not progress, leave=False):
-        with res.layer_in_stream(i), method.trial(adapter, i, stats[i]):
-            stats[i].scores["probe"] = _mean_nll(model, ids, batch_size) - base
-
-
 def _run_selecting(
     model: Any, adapter: Adapter, method: AnyMethod, layers: list[int], windows: Any, batch_size: int, progress: bool,
     res: Residency, context: StepContext,
 ) -> StepPlan[Any]:
     """Statistics of every candidate (current model), plan (selection), then convert the chosen layers."""
+    if not isinstance(method, Selecting):
+        raise AttnslimError(f"internal: {method.name} selects layers but does not mix in Selecting "
+                            "(methods/selecting.py)")
     runner = LayerRunner(model, adapter, windows, batch_size, res)
     stats: dict[int, Any] = {}
     for i in tqdm(range(max(layers) + 1), desc=f"{method.name} stats", disable=not progress, leave=False):
@@ -142,7 +132,7 @@ def _run_selecting(
     if method.probe_windows():
         with res.streamed():
             probe_ids = windows[: method.probe_windows()]
-            _probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress, res)
+            probe(model, adapter, method, layers, stats, probe_ids, batch_size, progress, res)
     plan = method.plan(adapter, layers, stats, context)
     chosen = sorted(plan.layers)
     if not chosen:

@@ -20,7 +20,7 @@ section MLA (rows with `local`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,11 +29,18 @@ from attnslim.adapters.base import Adapter
 from attnslim.calib.hooks import beside_original
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
-from attnslim.methods.base import LocalFit
 from attnslim.plan import JSON
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # one attention call's positional and keyword arguments
 CHECKS = 8  # held-out evaluations per fit
+
+
+class LocalFit(NamedTuple):
+    """What the pipeline trains (`OutputFits.local_steps`)."""
+
+    module: nn.Module  # the converted attention; every floating-point parameter of it trains
+    steps: int  # Adam steps, one calibration batch each
+    lr: float
 
 
 def relative_error(module: nn.Module, call: Call, target: torch.Tensor) -> torch.Tensor:
@@ -63,7 +70,7 @@ def fit_locally(runner: LayerRunner, adapter: Adapter, layer: int, original: nn.
     if len(calls) < 2:
         raise AttnslimError(f"layer {layer}: the local fit holds out a batch to choose its result and needs at "
                             f"least 2 calibration batches, got {len(calls)}: raise the calibration's windows or "
-                            "lower its batch size, or turn the local fit off (mla: local_steps: 0)")
+                            "lower its batch size, or turn the local fit off (local_steps: 0)")
     held = max(1, len(calls) // 8)
     train, valid = list(range(len(calls) - held)), list(range(len(calls) - held, len(calls)))
     params = [p for p in new.parameters() if p.is_floating_point()]

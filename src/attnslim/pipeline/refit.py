@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -25,22 +25,17 @@ from torch import nn
 from attnslim.adapters.base import Adapter
 from attnslim.calib.hooks import beside_original
 from attnslim.calib.runner import LayerRunner
+from attnslim.calib.tokens import MIN_TOKENS_PER_DIM, refit_tokens
 from attnslim.errors import AttnslimError
 from attnslim.linalg.cca import JointStats, linear_fit_nmse, lmmse_map
-from attnslim.methods.base import OutputRefit
 from attnslim.plan import JSON
 
-# calibration tokens the refit needs per input dimension of the refitted linear (its weight row plus the bias).
-# With too few the fit overfits: its in-sample error falls while held-out perplexity rises above the unrefitted
-# model's (seen in exploratory runs on SmolLM2-135M with a quarter and a half of the recipes' calibration; the
-# recipes' 32 windows of 512 tokens give 28 per dimension of its o_proj). The real test in tests/test_output_refit.py
-# checks the gain at the recipes' calibration.
-MIN_TOKENS_PER_DIM = 24
 
+class OutputRefit(NamedTuple):
+    """What the pipeline refits (`OutputFits.refit_o`)."""
 
-def refit_tokens(in_features: int) -> int:
-    """The fewest calibration tokens a refit of a linear with `in_features` inputs (plus its bias) needs."""
-    return MIN_TOKENS_PER_DIM * (in_features + 1)
+    linear: nn.Linear  # the converted attention's last linear, refit in place (its bias too, where it has one)
+    ridge: float  # relative to the mean eigenvalue of its input covariance (linalg/cca.lmmse_map)
 
 
 @contextmanager
@@ -80,7 +75,7 @@ def refit_output(runner: LayerRunner, adapter: Adapter, layer: int, original: nn
         raise AttnslimError(f"layer {layer}: the output refit fits {linear.in_features + 1} numbers per output on "
                             f"{tokens} calibration tokens, which overfits; it needs at least {need} "
                             f"({MIN_TOKENS_PER_DIM} per input dimension): raise the calibration's windows x seq_len, "
-                            "or turn the refit off (mla: refit_o: false)")
+                            "or turn the refit off (refit_o: false)")
     stats = JointStats.zeros(linear.in_features, linear.out_features, device=linear.weight.device)
     with _paired_outputs(new, original, linear, stats):
         runner.run_layer(layer, advance=False)
