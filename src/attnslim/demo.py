@@ -118,14 +118,14 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
 
     start = time.perf_counter()
     recipe = load_recipe(recipe_name)
-    check_recipe(recipe)
+    methods = check_recipe(recipe)
     refuse_compressed_input(model_name)
     check_output(Path(out), overwrite, inputs=[Path(model_name)])  # before minutes of measuring and compressing
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)
     before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
-    report = compress(model, tokenizer, recipe)
+    report = compress(model, tokenizer, recipe, methods=methods)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
     save(model, tokenizer, out, {**report.to_json(), "base_model": model_name}, overwrite=overwrite)
     del model
