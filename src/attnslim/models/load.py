@@ -13,6 +13,7 @@ import torch
 from attnslim import _compat
 from attnslim.checksum import sha256_file
 from attnslim.config_bounds import check_config_sizes, hf_weight_files
+from attnslim.disk_format import COMPRESSION_JSON, WEIGHTS
 from attnslim.errors import AttnslimError, first_line
 from attnslim.io import load_tokenizer
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 CACHE_FORMAT = 1
-WEIGHTS = "model.safetensors"
 MANIFEST = "attnslim-cache.json"
 
 
@@ -40,12 +40,12 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
     if name_or_path in ZOO:
         directory = ensure_cached(ZOO[name_or_path])
     elif path.is_dir():
-        if (path / "compression.json").exists():
+        if (path / COMPRESSION_JSON).exists():
             from attnslim.io import load
 
             return load(path, dtype, offload, device)
         if not (path / "config.json").is_file():
-            raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
+            raise AttnslimError(f"{path} is not a model directory (no config.json, no {COMPRESSION_JSON}); pass a "
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
                                 f"({', '.join(sorted(ZOO))})" + describe_copies(path))
         directory = path
@@ -136,7 +136,7 @@ def checkpoint_directory(name_or_path: str) -> Path:
     if name_or_path in ZOO:
         return ensure_cached(ZOO[name_or_path])
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").is_file() and not (path / "compression.json").exists():
+    if path.is_dir() and (path / "config.json").is_file() and not (path / COMPRESSION_JSON).exists():
         _check_tokenizer_files(path)
         return path
     raise AttnslimError(f"--offload reads a packaged model ({', '.join(sorted(ZOO))}) or a local Hugging Face "
@@ -179,7 +179,7 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
 def refuse_compressed_input(name_or_path: str) -> None:
     """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
     steps, so the result could not load (and --out on the input would destroy it)."""
-    if (Path(name_or_path).expanduser() / "compression.json").is_file():
+    if (Path(name_or_path).expanduser() / COMPRESSION_JSON).is_file():
         raise AttnslimError(f"{name_or_path} is already compressed by attnslim; compress the original model with "
                             "one recipe that holds all the steps you want (a recipe may have several steps)")
 
