@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnslim.api import compress, compress_offloaded, lean_heal, model_bytes, offload_reason
+from attnslim.api import check_recipe, compress, compress_offloaded, lean_heal, model_bytes, offload_reason
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.offload import OffloadedLayers
@@ -234,12 +234,14 @@ def test_a_full_disk_is_refused_before_any_work(tmp_path, monkeypatch):
 
 def test_offload_is_chosen_when_the_model_does_not_fit(tmp_path, monkeypatch):
     import attnslim.offload as offload
+    from attnslim.models.load import load_skeleton
 
-    src = _checkpoint("llama", tmp_path / "src")
+    size = model_bytes(load_skeleton(_checkpoint("llama", tmp_path / "src"))[0])
     recipe = one_step("svd", {"ratio": 0.5})
-    assert offload_reason(str(src), recipe, torch.float32) is None
+    methods = check_recipe(recipe)
+    assert offload_reason(size, recipe, methods, torch.float32) is None
     monkeypatch.setattr(offload, "memory_available", lambda: 1000)
-    assert "compressing with --offload" in offload_reason(str(src), recipe, torch.float32)
+    assert "compressing with --offload" in offload_reason(size, recipe, methods, torch.float32)
 
 
 def test_a_heal_that_does_not_fit_takes_a_bfloat16_teacher_and_checkpointing(tmp_path, monkeypatch):
@@ -252,16 +254,18 @@ def test_a_heal_that_does_not_fit_takes_a_bfloat16_teacher_and_checkpointing(tmp
     src = _checkpoint("llama", tmp_path / "src")
     size = model_bytes(load_skeleton(src)[0])
     recipe = recipe_from_dict({**recipe_to_dict(one_step("svd", {"ratio": 0.5})), "heal": {"steps": 2}})
-    assert lean_heal(str(src), recipe, torch.float32) is None  # it fits as it is
+    methods = check_recipe(recipe)
+    assert lean_heal(size, recipe, methods) is None  # it fits as it is
     monkeypatch.setattr(offload, "memory_available", lambda: int(size * 1.2 * 1.75))
-    lean, why = lean_heal(str(src), recipe, torch.float32)
+    lean, why = lean_heal(size, recipe, methods)
     assert lean.heal == {**recipe.heal, "teacher_dtype": "bfloat16", "checkpoint": True}
     assert "healing with a bfloat16 teacher and activation checkpointing" in why
-    assert offload_reason(str(src), lean, torch.float32) is None and offload_reason(str(src), recipe, torch.float32)
+    assert offload_reason(size, lean, methods, torch.float32) is None
+    assert offload_reason(size, recipe, methods, torch.float32)
     chosen = recipe_from_dict({**recipe_to_dict(recipe), "heal": {"steps": 2, "checkpoint": True}})
-    assert lean_heal(str(src), chosen, torch.float32) is None
+    assert lean_heal(size, chosen, methods) is None
     monkeypatch.setattr(offload, "memory_available", lambda: int(size * 1.2 * 1.25))
-    assert lean_heal(str(src), recipe, torch.float32) is None
+    assert lean_heal(size, recipe, methods) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -330,6 +330,21 @@ def config_from_dict(model_type: str, values: dict[str, Any]) -> Any:
         raise AttnslimError(f"config.json is not a valid {model_type} configuration ({problem})") from err
 
 
+def checkpoint_config(values: dict[str, Any], name_or_path: str) -> Any:
+    """The config `AutoConfig.from_pretrained(directory, trust_remote_code=False)` builds, from the config.json dict
+    attnslim has already read (bounded, its sizes checked: models/load.read_checkpoint), so the file is read once:
+    the class by `model_type` (auto_map never consulted), transformers' rule that a "mistral" config with
+    `layer_types` is a "ministral" one, and the directory recorded as the config's `name_or_path`."""
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str):
+        raise AttnslimError(f"config.json has no model_type (got {model_type!r}); restore the model's own config.json")
+    if model_type == "mistral" and "layer_types" in values:
+        model_type = "ministral"
+    config = config_from_dict(model_type, {**values, "model_type": model_type})
+    config.name_or_path = name_or_path
+    return config
+
+
 # forward() keyword that computes the vocabulary projection at the last position only (prefill timing, decode)
 LAST_LOGITS_ONLY: dict[str, int] = {"logits_to_keep": 1}
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
 from attnslim.recipe import Calibration, Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.train.heal import HealConfig, heal, heal_draw
+
+if TYPE_CHECKING:
+    from attnslim.models.load import Checkpoint
 
 
 def peak_rss_mb() -> float:
@@ -79,13 +82,16 @@ def library_versions() -> dict[str, str]:
 
 
 def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
-             residency: Residency | None = None, device: torch.device | str | None = None) -> CompressionReport:
+             residency: Residency | None = None, device: torch.device | str | None = None,
+             methods: list[Method] | None = None) -> CompressionReport:
     """Apply every step of `recipe` to `model` (in place) and report what changed.
 
     `residency` says where the weights live (calib/residency.py): by default the whole model is in memory and
     every layer's work runs on the model's device; `attnslim.offload.OffloadedLayers` keeps them on disk and
     writes the compressed layers to output shards as it goes (the model then stays a skeleton). `device` (default:
-    the model's) is where each layer's calibration and conversion run when the model is in memory."""
+    the model's) is where each layer's calibration and conversion run when the model is in memory. `methods`: the
+    steps' methods as `check_recipe(recipe)` returned them, for a caller that checked the recipe before loading
+    the model (compress_to), so each is built once; by default they are built here."""
     start = time.time()
     check_model("compress", model)
     check_tokenizer("compress", tokenizer)
@@ -99,7 +105,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
                                             device or _compat.input_device(model))
     _refuse_compressed(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
-    methods = check_recipe(recipe)
+    methods = check_recipe(recipe) if methods is None else _matching(recipe, methods)
     if residency.offloaded:
         refuse_offloaded(recipe, methods)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
@@ -176,21 +182,30 @@ def compress_offloaded(directory: Path, recipe: Recipe, out: Path, overwrite: bo
     Weights are read through safetensors' memory map and written as one shard per decoder layer as each is
     final (attnslim.offload); `out` appears only when everything is written (outdir.staged_output). Gives the
     same weights, bit for bit, as `compress` on the model loaded in memory with the same dtype and device."""
+    from attnslim.models.load import read_checkpoint, skeleton
+
+    methods = check_recipe(recipe)
+    checkpoint = read_checkpoint(directory)
+    return _compress_offloaded(checkpoint, skeleton(checkpoint, dtype), methods, recipe, out, overwrite, device,
+                               progress, extra, tokenizer)
+
+
+def _compress_offloaded(checkpoint: Checkpoint, model: Any, methods: list[Method], recipe: Recipe, out: Path,
+                        overwrite: bool, device: torch.device | str, progress: bool, extra: dict[str, Any] | None,
+                        tokenizer: Any = None) -> CompressionReport:
+    """`compress_offloaded` of a checkpoint already read, its skeleton `model` and the recipe's checked methods."""
     from attnslim.io import save_sharded_metadata
-    from attnslim.models.load import load_skeleton
     from attnslim.offload import OffloadedLayers, WeightSource, check_free_disk
     from attnslim.outdir import staged_output
 
-    check_recipe(recipe)
-    model, own_tokenizer = load_skeleton(directory, dtype)
-    tokenizer = tokenizer if tokenizer is not None else own_tokenizer  # the directory's, unless one is given
-    source = WeightSource(directory)  # a missing or truncated shard is named here, before any work
+    tokenizer = tokenizer if tokenizer is not None else checkpoint.tokenizer  # the directory's, unless one is given
+    source = WeightSource(checkpoint.directory)  # a missing or truncated shard is named here, before any work
     check_free_disk(out, model_bytes(model))
     with staged_output(out, overwrite) as tmp:
         adapter = get_adapter(model)
         residency = OffloadedLayers(model, adapter.decoder_layers(), source, tmp, device,
                                     skip=(model.get_output_embeddings(),))
-        report = compress(model, tokenizer, recipe, progress, residency)
+        report = compress(model, tokenizer, recipe, progress, residency, methods=methods)
         shards = residency.finish()
         report.peak_rss_mb = peak_rss_mb()
         save_sharded_metadata(model, tokenizer, tmp, {**report.to_json(), **(extra or {})}, shards)
@@ -201,42 +216,68 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
                 device: str = "cpu", dtype: str = "float32", progress: bool = True) -> CompressionReport:
     """Load `name_or_path`, compress it and save it to `out` (the `compress` command): in memory, or with the
     weights on disk (`offload`, also chosen, with a message, when the model would not fit in memory). `device` and
-    `dtype` are where and in what each layer is computed; statistics are float64 either way."""
-    from attnslim.io import save
-    from attnslim.models.load import checkpoint_directory, load_model
-    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
+    `dtype` are where and in what each layer is computed; statistics are float64 either way.
 
+    Decision: every input is resolved once, and refused before any model is loaded: each step's method is built
+    and checked once (and handed to `compress`), a local checkpoint's config.json is read once
+    (models/load.read_checkpoint) and its one meta-device skeleton sizes the memory estimate and, with --offload,
+    is the model compressed. Before, one command built each method four times and read config.json six times."""
+    from attnslim.io import save
+    from attnslim.models.load import (
+        checkpoint_directory,
+        load_model,
+        load_weights,
+        read_checkpoint,
+        refuse_compressed_input,
+        skeleton,
+    )
+    from attnslim.offload import check_free_disk
+    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
+    from attnslim.outdir import check_output
+
+    methods = check_recipe(recipe)  # refused before seconds of loading and minutes of compressing
+    refuse_compressed_input(name_or_path)
+    check_output(out, overwrite, inputs=[Path(name_or_path)])
     compute_device, compute_dtype = resolve_device(device), parse_dtype(dtype)
     check_dtype(compute_device, compute_dtype)
-    if not offload and (lean := lean_heal(name_or_path, recipe, compute_dtype)):
-        recipe, why = lean
-        print(f"attnslim: {why}", flush=True)
-    if not offload and (reason := offload_reason(name_or_path, recipe, compute_dtype)):
-        print(f"attnslim: {reason}", flush=True)
-        offload = True
+    try:
+        checkpoint: Checkpoint | None = read_checkpoint(checkpoint_directory(name_or_path))
+    except AttnslimError:
+        if offload:
+            raise
+        checkpoint = None  # a hub id, or a directory load_model refuses with its own message: loaded in memory
+    shape = None if checkpoint is None else skeleton(checkpoint, compute_dtype)
+    if not offload and shape is not None:
+        size = model_bytes(shape)
+        if lean := lean_heal(size, recipe, methods):
+            recipe, why = lean
+            print(f"attnslim: {why}", flush=True)
+        if reason := offload_reason(size, recipe, methods, compute_dtype):
+            print(f"attnslim: {reason}", flush=True)
+            offload = True
     extra = {"base_model": name_or_path, "compute": {"device": str(compute_device), "dtype": dtype,
                                                      "offload": offload}}
-    if offload:
-        return compress_offloaded(checkpoint_directory(name_or_path), recipe, out, overwrite, compute_dtype,
-                                  compute_device, progress, extra)
-    model, tokenizer = load_model(name_or_path, compute_dtype)
-    from attnslim.offload import check_free_disk
-
+    if offload and checkpoint is not None and shape is not None:
+        return _compress_offloaded(checkpoint, shape, methods, recipe, out, overwrite, compute_device, progress,
+                                   extra)
+    del shape
+    if checkpoint is None:
+        model, tokenizer = load_model(name_or_path, compute_dtype)
+    else:
+        model, tokenizer = load_weights(checkpoint, compute_dtype), checkpoint.tokenizer
     check_free_disk(out, model_bytes(model))  # the output is at most the dense weights: a full disk fails now
-    report = compress(model, tokenizer, recipe, progress, device=compute_device)
+    report = compress(model, tokenizer, recipe, progress, device=compute_device, methods=methods)
     save(model, tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
     return report
 
 
-def offload_reason(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> str | None:
-    """Why `name_or_path` should be compressed with --offload (it would not fit in memory), or None. Counts the
-    parameters of a meta-device skeleton (no weights read); a recipe that trains also holds a teacher copy (half a
-    copy for a heal with a bfloat16 teacher)."""
-    sizes = _model_and_free_bytes(name_or_path, dtype)
-    if sizes is None:
-        return None  # not a local checkpoint (a hub id, a GGUF name): only the in-memory path can load it
-    size, free = sizes
-    need = int(size * _copies(recipe) * 1.2)
+def offload_reason(size: int, recipe: Recipe, methods: list[Method], dtype: torch.dtype) -> str | None:
+    """Why a model of `size` bytes (its parameters in `dtype`, counted on a meta-device skeleton: no weights read)
+    should be compressed with --offload (it would not fit in memory), or None. A recipe that trains (`methods`:
+    its checked steps) also holds a teacher copy (half a copy for a heal with a bfloat16 teacher)."""
+    from attnslim.offload import memory_available
+
+    need, free = int(size * _copies(recipe, methods) * 1.2), memory_available()
     if need <= free:
         return None
     return (f"the model needs about {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and "
@@ -244,22 +285,22 @@ def offload_reason(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> str
             "memory at a time, weights read from disk)")
 
 
-def lean_heal(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> tuple[Recipe, str] | None:
-    """(the recipe with its heal's memory settings on, the reason) when the heal would not fit in memory with a
-    float32 teacher but fits with a bfloat16 teacher and activation checkpointing (train/heal.py), else None.
+def lean_heal(size: int, recipe: Recipe, methods: list[Method]) -> tuple[Recipe, str] | None:
+    """(the recipe with its heal's memory settings on, the reason) when the heal of a model of `size` bytes would
+    not fit in memory with a float32 teacher but fits with a bfloat16 teacher and activation checkpointing
+    (train/heal.py), else None.
 
     Decision: as with --offload, memory picks the setting and says so, rather than refusing (an offloaded
     compression cannot heal at all). Only a heal left at the float32 defaults is changed; the settings used are
     the recipe compression.json records."""
+    from attnslim.offload import memory_available
+
     if recipe.heal is None or HealConfig.from_dict(recipe.heal) != HealConfig.from_dict(
             {**recipe.heal, "teacher_dtype": "float32", "checkpoint": False}):
         return None
-    sizes = _model_and_free_bytes(name_or_path, dtype)
-    if sizes is None:
-        return None
-    size, free = sizes
+    free = memory_available()
     lean = replace(recipe, heal={**recipe.heal, "teacher_dtype": "bfloat16", "checkpoint": True})
-    full, need = int(size * _copies(recipe) * 1.2), int(size * _copies(lean) * 1.2)
+    full, need = int(size * _copies(recipe, methods) * 1.2), int(size * _copies(lean, methods) * 1.2)
     if full <= free or need > free:
         return None
     return lean, (f"the heal needs about {full / 2**30:.1f} GiB with a float32 teacher and {free / 2**30:.1f} GiB "
@@ -267,23 +308,10 @@ def lean_heal(name_or_path: str, recipe: Recipe, dtype: torch.dtype) -> tuple[Re
                   f"{need / 2**30:.1f} GiB; heal.teacher_dtype, heal.checkpoint)")
 
 
-def _model_and_free_bytes(name_or_path: str, dtype: torch.dtype) -> tuple[int, int] | None:
-    """(bytes of the model's parameters in `dtype`, memory available now), or None for a model that is not a local
-    checkpoint. Counts a meta-device skeleton: no weights are read."""
-    from attnslim.models.load import checkpoint_directory, load_skeleton
-    from attnslim.offload import memory_available
-
-    try:
-        skeleton, _ = load_skeleton(checkpoint_directory(name_or_path), dtype)
-    except AttnslimError:
-        return None
-    return model_bytes(skeleton), memory_available()
-
-
-def _copies(recipe: Recipe) -> float:
+def _copies(recipe: Recipe, methods: list[Method]) -> float:
     """Model copies a compression holds: the model, plus a teacher when a step trains (float32) or the recipe heals
     (half a copy with a bfloat16 teacher)."""
-    if any(m.trains for m in check_recipe(recipe)):
+    if any(m.trains for m in methods):
         return 2.0
     if recipe.heal is None:
         return 1.0
@@ -352,6 +380,15 @@ def _frozen_copy(model: Any, dtype: torch.dtype | None = None) -> Any:
 
 def _methods() -> dict[str, type]:
     return dict(METHODS)
+
+
+def _matching(recipe: Recipe, methods: list[Method]) -> list[Method]:
+    """`methods` when they are the recipe's steps, one per step in order (what `check_recipe(recipe)` returns)."""
+    got, want = [getattr(m, "name", type(m).__name__) for m in methods], [step.method for step in recipe.steps]
+    if got != want or not all(isinstance(m, Method) for m in methods):
+        raise TypeError(f"compress: methods must be check_recipe(recipe), one Method per step of recipe "
+                        f"{recipe.name!r} ({want}), got {got}; or leave methods out")
+    return methods
 
 
 def check_recipe(recipe: Recipe) -> list[Method]:

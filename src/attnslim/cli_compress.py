@@ -30,17 +30,13 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 @command("compress")
 def cmd_compress(args: argparse.Namespace) -> int:
 
-    from attnslim.api import check_recipe, compress_to
-    from attnslim.models import refuse_compressed_input
-    from attnslim.outdir import check_output
+    from attnslim.api import compress_to
     from attnslim.recipe import apply_overrides, load_recipe
 
     if args.kv is not None:
         return _compress_planned(args)
     recipe = apply_overrides(load_recipe(args.recipe or "default"), args.set)
-    check_recipe(recipe)  # refuse before spending seconds loading and minutes compressing
-    refuse_compressed_input(args.model)
-    check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
+    # compress_to checks the recipe, the input and --out before it loads anything
     report = compress_to(args.model, recipe, Path(args.out), args.overwrite, args.offload, args.device, args.dtype)
     _print_compressed(report, args)
     return 0

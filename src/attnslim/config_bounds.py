@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from attnslim.disk_format import INDEX, WEIGHTS
 from attnslim.errors import AttnslimError
 from attnslim.safe_files import read_json, regular_file
 
@@ -49,7 +50,7 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def hf_weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a Hugging Face directory: the shards its index names (plain file names), else
     model.safetensors; [] when it has neither."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX
     if index.exists():
         value = read_json(index, "weights index", fix="copy the complete checkpoint")
         weight_map = value.get("weight_map") if isinstance(value, dict) else None
@@ -61,7 +62,7 @@ def hf_weight_files(directory: Path) -> list[Path]:
                 raise AttnslimError(f"{directory}: shard {path.name} is missing (the checkpoint names it); copy the "
                                     "complete checkpoint")
         return files
-    single = directory / "model.safetensors"
+    single = directory / WEIGHTS
     return [single] if single.exists() or single.is_symlink() else []
 
 

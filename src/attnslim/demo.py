@@ -4,7 +4,6 @@ one run), then the report and a generation from both models."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,8 @@ from attnslim.eval.lmeval_run import evaluate_standard
 from attnslim.eval.standard import materialise
 from attnslim.eval.tasks import TASK_DIR
 from attnslim.generate import generate_text
-from attnslim.io import COMPRESSION_JSON
+from attnslim.io import read_compression_json, write_compression_json
 from attnslim.report import write_report
-from attnslim.safe_files import write_text_atomic
 from attnslim.targets import check_targets, miss_reasons
 from attnslim.user_cache import cache_root
 
@@ -97,15 +95,14 @@ def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str,
 
 def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int) -> None:
     """Add the measured before/after metrics to compression.json (the report reads them)."""
-    path = Path(out) / COMPRESSION_JSON  # the demo's own output, just written
-    info = json.loads(path.read_text())
+    info = read_compression_json(Path(out))  # the demo's own output, just written
     info["metrics"] = {name: {"before": b, "after": a} for name, b, a, _ in rows if "params" not in name}
     info["metrics_description"] = (
         f"perplexity: first {tokens} tokens of each evaluation split, 512-token windows; zero-shot: "
         f"{', '.join(TASKS)} (lm-eval, 0-shot, acc on the first items, n in each name); decode: "
         f"greedy, {SPEED['new_tokens']} new tokens after {SPEED['context']} "
         f"context, median of {SPEED['repeats']} interleaved repetitions on the CPU")
-    write_text_atomic(path, json.dumps(info, indent=1))
+    write_compression_json(Path(out), info)
 
 
 def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = TASK_LIMIT,
@@ -118,14 +115,14 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
 
     start = time.perf_counter()
     recipe = load_recipe(recipe_name)
-    check_recipe(recipe)
+    methods = check_recipe(recipe)
     refuse_compressed_input(model_name)
     check_output(Path(out), overwrite, inputs=[Path(model_name)])  # before minutes of measuring and compressing
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)
     before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
-    report = compress(model, tokenizer, recipe)
+    report = compress(model, tokenizer, recipe, methods=methods)
     print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
     save(model, tokenizer, out, {**report.to_json(), "base_model": model_name}, overwrite=overwrite)
     del model

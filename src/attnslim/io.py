@@ -29,20 +29,17 @@ import torch
 from attnslim import _compat
 from attnslim.checksum import sha256_file
 from attnslim.config_bounds import check_config_sizes
+from attnslim.disk_format import BASE_TYPE_KEY, COMPRESSION_JSON, HF_ENTRY, INDEX, MODEL_TYPE, WEIGHTS
 from attnslim.errors import AttnslimError, first_line
-from attnslim.outdir import MARKER, describe_copies, staged_output
-from attnslim.safe_files import read_json, refuse_special_files, regular_file
+from attnslim.outdir import describe_copies, staged_output
+from attnslim.safe_files import read_json, refuse_special_files, regular_file, write_text_atomic
 from attnslim.verify import READABLE_VERSIONS, SHARDED_VERSION, check_record
 
 FORMAT_VERSION = 2  # 2: model_type "attnslim" + weights sha256; 1 (model_type of the base family) loads, warned
 # SHARDED_VERSION = 3: weight shards (offloaded compression) with per-shard sizes and sha256
-__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "SHARDED_VERSION", "load", "read_compression_json", "save"]
-COMPRESSION_JSON = MARKER
-WEIGHTS = "model.safetensors"
-HF_ENTRY = "attnslim_hf.py"
-MODEL_TYPE = "attnslim"
-BASE_TYPE_KEY = "attnslim_base_model_type"
-_ENTRY_SOURCE = Path(__file__).parent / "hf_entry" / "attnslim_hf.py"
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "SHARDED_VERSION", "load", "read_compression_json", "save",
+           "write_compression_json"]
+_ENTRY_SOURCE = Path(__file__).parent / "hf_entry" / HF_ENTRY
 _REQUIRED_KEYS = ("recipe", "steps")
 
 
@@ -75,7 +72,14 @@ def _write_metadata(model: Any, tokenizer: Any, tmp: Path, info: dict[str, Any])
     (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
     tokenizer.save_pretrained(tmp)
     shutil.copy(_ENTRY_SOURCE, tmp / HF_ENTRY)
-    (tmp / COMPRESSION_JSON).write_text(json.dumps(info, indent=1))
+    write_compression_json(tmp, info)
+
+
+def write_compression_json(directory: Path, info: dict[str, Any]) -> None:
+    """The one writer of compression.json: `save` and `save_sharded_metadata` into their staged output, and the demo
+    adding the metrics it measured to an output it has just written. Atomic, and never through a link
+    (safe_files.write_text_atomic): a failed write leaves the old record whole."""
+    write_text_atomic(directory / COMPRESSION_JSON, json.dumps(info, indent=1))
 
 
 def _deduplicated_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -222,7 +226,7 @@ def _check_weights(directory: Path, info: dict[str, Any], offload: bool, verify:
         from attnslim.offload import WeightSource
 
         if extra := sorted(set(WeightSource(directory).shards) - {f.name for f in files}):
-            raise AttnslimError(f"model.safetensors.index.json names {extra[:3]}, which {COMPRESSION_JSON} does "
+            raise AttnslimError(f"{INDEX} names {extra[:3]}, which {COMPRESSION_JSON} does "
                                 "not record (unchecked weights); re-create the directory with attnslim compress")
     return files
 

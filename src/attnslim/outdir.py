@@ -29,10 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+from attnslim.disk_format import COMPRESSION_JSON, EXPORT_MARKER
 from attnslim.errors import AttnslimError
 
-MARKER = "compression.json"  # what makes a directory an attnslim output that --overwrite may replace
-EXPORT_MARKER = "attnslim-export.json"  # ... or an attnslim export (export/), which has no compression.json
 TEMP_MARK = ".attnslim-temp"  # beside each temp directory attnslim makes (DIR + TEMP_MARK): the writer's pid
 
 
@@ -62,8 +61,8 @@ def _check_replaceable(target: Path, overwrite: bool) -> None:
     if resolved == here or resolved in here.parents:
         raise AttnslimError(f"--overwrite: {target} is the working directory or one of its parents; "
                             "choose a new --out directory")
-    if any(target.iterdir()) and not any((target / m).is_file() for m in (MARKER, EXPORT_MARKER)):
-        raise AttnslimError(f"--overwrite: {target} is not a model saved by attnslim (no {MARKER}) "
+    if any(target.iterdir()) and not any((target / m).is_file() for m in (COMPRESSION_JSON, EXPORT_MARKER)):
+        raise AttnslimError(f"--overwrite: {target} is not a model saved by attnslim (no {COMPRESSION_JSON}) "
                             "and not empty, so it is not replaced; choose another --out or remove it yourself")
 
 

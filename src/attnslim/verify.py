@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.checksum import sha256_file
+from attnslim.disk_format import SHARD_NAME
 from attnslim.errors import AttnslimError
 from attnslim.safe_files import read_json, regular_file, write_text_atomic
 from attnslim.user_cache import cache_root
@@ -38,7 +39,6 @@ READABLE_VERSIONS = (1, 2, 3)
 SHARDED_VERSION = 3
 STAMP_DAYS = 30
 VERIFY_ENV = "ATTNSLIM_VERIFY"
-SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _SHA = re.compile(r"[0-9a-f]{64}")
 _RECREATE = "re-create the directory with attnslim compress"
 

@@ -31,6 +31,7 @@ from torch import nn
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.deci_format import ARCHITECTURE, AUTO_MAP, CONFIG_CODE, MODEL_TYPE
+from attnslim.disk_format import EXPORT_MARKER
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span, weight, write_weights
 from attnslim.export.deci_check import FAMILIES, check_first_layer, refuse_methods
@@ -40,7 +41,7 @@ from attnslim.modules.linearized import LinearizedAttention
 from attnslim.modules.mla import MLAAttention
 from attnslim.modules.shared import DonorAttention, SharedAttention
 from attnslim.offload import check_free_disk
-from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
+from attnslim.outdir import check_output, staged_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("q", "k", "v", "o")

@@ -17,10 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from attnslim.disk_format import BASE_TYPE_KEY, COMPRESSION_JSON, MODEL_TYPE
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span
-from attnslim.io import BASE_TYPE_KEY, MODEL_TYPE
-from attnslim.outdir import MARKER
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json
 
@@ -55,17 +54,18 @@ def check_directory(directory: Path) -> list[int]:
     """The dropped layers of the attnslim output `directory`, or a refusal, read from its JSON files alone."""
     recreate = "re-create it with attnslim compress"
     config = _object(directory / "config.json", recreate)
-    if config.get("model_type") != MODEL_TYPE or not (directory / MARKER).exists():
-        raise AttnslimError(f"{directory} is not an attnslim output (no {MARKER} or config.json model_type "
+    if config.get("model_type") != MODEL_TYPE or not (directory / COMPRESSION_JSON).exists():
+        raise AttnslimError(f"{directory} is not an attnslim output (no {COMPRESSION_JSON} or config.json model_type "
                             f"{config.get('model_type')!r}); export --to deci takes the directory `attnslim compress` "
                             "wrote (a dense checkpoint is served by vLLM as it is)")
     family = config.get(BASE_TYPE_KEY)
     if family not in FAMILIES:
         raise AttnslimError(f"export --to deci supports {', '.join(FAMILIES)} models (vLLM's DeciLM layers are "
                             f"Llama's); {directory} is a {family!r} model")
-    steps = _object(directory / MARKER, recreate).get("steps")
+    record = directory / COMPRESSION_JSON
+    steps = _object(record, recreate).get("steps")
     if not isinstance(steps, list):
-        raise AttnslimError(f"{directory / MARKER} has no 'steps' list; {recreate}")
+        raise AttnslimError(f"{record} has no 'steps' list; {recreate}")
     dropped: set[int] = set()
     refused: dict[str, list[int]] = {}
     for n, step in enumerate(steps):
@@ -73,8 +73,8 @@ def check_directory(directory: Path) -> list[int]:
         plan = step.get("plan") if isinstance(step, dict) else None
         layers = plan.get("layers") if isinstance(plan, dict) else None
         if not isinstance(method, str) or not isinstance(layers, dict):
-            raise AttnslimError(f"{directory / MARKER} step {n + 1} has no method and plan layers; {recreate}")
-        indices = [layer_index(key, f"{directory / MARKER} step {n + 1} ({method})") for key in layers]
+            raise AttnslimError(f"{record} step {n + 1} has no method and plan layers; {recreate}")
+        indices = [layer_index(key, f"{record} step {n + 1} ({method})") for key in layers]
         if method == METHOD:
             dropped.update(indices)
         else:

@@ -50,13 +50,14 @@ from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
+from attnslim.disk_format import EXPORT_MARKER
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span, weight, write_weights
 from attnslim.export.deepseek_layer import MLALayer, attention_tensors, latent_scale
 from attnslim.mla_widths import AUTO, VLLM_LORA_RANKS, VLLM_ROPE, check_served_rank, check_served_rope, served_rank
 from attnslim.modules.mla import MLAAttention
 from attnslim.offload import check_free_disk
-from attnslim.outdir import EXPORT_MARKER, check_output, staged_output
+from attnslim.outdir import check_output, staged_output
 from attnslim.safe_files import read_json
 
 EPS = 1e-6  # transformers' fixed kv_a_layernorm eps, written as rms_norm_eps so that vLLM uses it too

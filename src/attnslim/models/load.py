@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ import torch
 from attnslim import _compat
 from attnslim.checksum import sha256_file
 from attnslim.config_bounds import check_config_sizes, hf_weight_files
+from attnslim.disk_format import COMPRESSION_JSON, WEIGHTS
 from attnslim.errors import AttnslimError, first_line
 from attnslim.io import load_tokenizer
 from attnslim.models.zoo import ZOO, ZooEntry, cache_root, gguf_path
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 CACHE_FORMAT = 1
-WEIGHTS = "model.safetensors"
 MANIFEST = "attnslim-cache.json"
 
 
@@ -33,20 +34,18 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
 
     offload=True keeps each decoder layer's weights in the directory's safetensors files, read while the layer
     runs on `device` (attnslim.offload.dispatch): a model larger than memory can be evaluated. Local models only."""
-    from transformers import AutoModelForCausalLM
-
     path = Path(name_or_path).expanduser()
     if not name_or_path.strip():
         raise AttnslimError(f"the model name is empty; give a name ({', '.join(sorted(ZOO))}) or a directory")
     if name_or_path in ZOO:
         directory = ensure_cached(ZOO[name_or_path])
     elif path.is_dir():
-        if (path / "compression.json").exists():
+        if (path / COMPRESSION_JSON).exists():
             from attnslim.io import load
 
             return load(path, dtype, offload, device)
         if not (path / "config.json").is_file():
-            raise AttnslimError(f"{path} is not a model directory (no config.json, no compression.json); pass a "
+            raise AttnslimError(f"{path} is not a model directory (no config.json, no {COMPRESSION_JSON}); pass a "
                                 f"Hugging Face model directory, one saved by attnslim compress, or a name "
                                 f"({', '.join(sorted(ZOO))})" + describe_copies(path))
         directory = path
@@ -63,37 +62,73 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
             "not a local directory, and not a hub id of the form org/name"
         )
     _check_tokenizer_files(directory)
+    checkpoint = read_checkpoint(directory)
     if offload:
         from attnslim.adapters import get_adapter
         from attnslim.offload.dispatch import dispatch_layers
 
-        model, tokenizer = load_skeleton(directory, dtype)
+        model = skeleton(checkpoint, dtype)
         dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device or torch.device("cpu"), dtype)
-        return model, tokenizer
-    check_directory(directory)
+        return model, checkpoint.tokenizer
+    return load_weights(checkpoint, dtype), checkpoint.tokenizer
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local Hugging Face checkpoint directory with its config.json read once (`read_checkpoint`) and its
+    tokenizer: what `skeleton`, `load_weights` and `attnslim compress` (api.compress_to) build from, so one command
+    reads the file once."""
+
+    directory: Path
+    config: PretrainedConfig
+    tokenizer: Any
+
+
+def read_checkpoint(directory: Path) -> Checkpoint:
+    """`directory`'s config and tokenizer, without its weights. config.json is read once, bounded, with its sizes
+    checked against the weights' shapes before anything is built (`check_directory`); the config is built from
+    that dict (_compat.checkpoint_config) and handed to the tokenizer, which would otherwise read the file again.
+    An unreadable directory is an AttnslimError."""
+    values = check_directory(directory)  # its own errors name the file and the fix
+    try:
+        if values is None:
+            raise AttnslimError(f"no config.json in {directory}")
+        config = _compat.checkpoint_config(values, str(directory))
+    except AttnslimError as err:
+        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model: it could not be read as a "
+                            f"config and tokenizer ({first_line(err)}); check that it holds config.json and the "
+                            "tokenizer files of one model") from err
+    return Checkpoint(directory, config, load_tokenizer(directory, config=config))
+
+
+def load_weights(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Any:
+    """The checkpoint's model in memory, in eval mode; transformers is given the config already read."""
     from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa",
-                                                     **_compat.SAFE_LOADING)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.directory, config=checkpoint.config, dtype=dtype,
+                                                     attn_implementation="sdpa", **_compat.SAFE_LOADING)
     except (OSError, ValueError, SafetensorError) as err:
         detail = first_line(err) or type(err).__name__
-        raise AttnslimError(f"{directory} could not be loaded as a Hugging Face model ({detail}); check that it "
-                            "holds config.json, the weights and the tokenizer files of one model") from err
-    return model.eval(), load_tokenizer(directory)
+        raise AttnslimError(f"{checkpoint.directory} could not be loaded as a Hugging Face model ({detail}); check "
+                            "that it holds config.json, the weights and the tokenizer files of one model") from err
+    return model.eval()
 
 
-def check_directory(directory: Path) -> None:
-    """Before anything of a Hugging Face directory is read: no device, FIFO or socket among its files, and
-    config.json's sizes backed by the weights' shapes (attnslim.config_bounds), so a hostile config cannot make
-    the model build allocate without bound. A missing directory or config.json is left to the caller's message."""
+def check_directory(directory: Path) -> dict[str, Any] | None:
+    """config.json's values (None when there is none), read before anything else of a Hugging Face directory: no
+    device, FIFO or socket among its files, and config.json's sizes backed by the weights' shapes
+    (attnslim.config_bounds), so a hostile config cannot make the model build allocate without bound. A missing
+    directory or config.json is left to the caller's message."""
     if not (directory / "config.json").exists():
-        return
+        return None
     refuse_special_files(directory)
     config = read_json(directory / "config.json", "config.json", fix="restore the model's own config.json")
     if not isinstance(config, dict):
         raise AttnslimError(f"{directory / 'config.json'} is not a JSON object; restore the model's own config.json")
     check_config_sizes(config, hf_weight_files(directory), directory / "config.json")
+    return config
 
 
 def checkpoint_directory(name_or_path: str) -> Path:
@@ -101,7 +136,7 @@ def checkpoint_directory(name_or_path: str) -> Path:
     if name_or_path in ZOO:
         return ensure_cached(ZOO[name_or_path])
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").is_file() and not (path / "compression.json").exists():
+    if path.is_dir() and (path / "config.json").is_file() and not (path / COMPRESSION_JSON).exists():
         _check_tokenizer_files(path)
         return path
     raise AttnslimError(f"--offload reads a packaged model ({', '.join(sorted(ZOO))}) or a local Hugging Face "
@@ -113,14 +148,19 @@ def load_skeleton(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[
     """(model with every parameter on the meta device, tokenizer) of a checkpoint directory: built from its
     config.json under accelerate's `init_empty_weights`, so it costs no memory; attnslim.offload fills it one
     decoder layer at a time. Buffers (rotary tables) are real, tied parameters are tied as from_pretrained ties."""
+    checkpoint = read_checkpoint(directory)
+    return skeleton(checkpoint, dtype), checkpoint.tokenizer
+
+
+def skeleton(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Any:
+    """The checkpoint's model with every parameter on the meta device (`load_skeleton`)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    config, tokenizer = _config_and_tokenizer(directory)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=dtype, attn_implementation="sdpa")
     model.tie_weights()
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:
@@ -130,30 +170,16 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
     scored for perplexity."""
     from transformers import AutoModelForCausalLM
 
-    config, tokenizer = _config_and_tokenizer(directory)
+    checkpoint = read_checkpoint(directory)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval(), tokenizer
-
-
-def _config_and_tokenizer(directory: Path) -> tuple[PretrainedConfig, Any]:
-    """A checkpoint directory's config and tokenizer, without its weights; an unreadable one is an AttnslimError."""
-    from transformers import AutoConfig
-
-    check_directory(directory)
-    try:
-        config = AutoConfig.from_pretrained(directory, **_compat.SAFE_LOADING)
-    except (OSError, ValueError) as err:
-        detail = first_line(err) or type(err).__name__
-        raise AttnslimError(f"{directory} could not be read as a config and tokenizer ({detail}); check that it "
-                            "holds config.json and the tokenizer files of one model") from err
-    return config, load_tokenizer(directory)
+    model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), checkpoint.tokenizer
 
 
 def refuse_compressed_input(name_or_path: str) -> None:
     """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
     steps, so the result could not load (and --out on the input would destroy it)."""
-    if (Path(name_or_path).expanduser() / "compression.json").is_file():
+    if (Path(name_or_path).expanduser() / COMPRESSION_JSON).is_file():
         raise AttnslimError(f"{name_or_path} is already compressed by attnslim; compress the original model with "
                             "one recipe that holds all the steps you want (a recipe may have several steps)")
 

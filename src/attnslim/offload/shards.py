@@ -16,16 +16,10 @@ from typing import Any
 import torch
 
 from attnslim.checksum import sha256_file
+from attnslim.disk_format import COMPRESSION_JSON, INDEX
 from attnslim.errors import AttnslimError
 from attnslim.safe_files import write_text_atomic
 from attnslim.verify import check_shard_names, matches_sha256, shard_file
-
-INDEX = "model.safetensors.index.json"
-
-
-def shard_name(k: int, n: int) -> str:
-    """The k-th of n shards (1-based), named as Hugging Face names them."""
-    return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -52,7 +46,7 @@ def record_shards(directory: Path, shards: list[str]) -> dict[str, dict[str, Any
 def verify_shards(directory: Path, record: dict[str, dict[str, Any]], verify: bool = False) -> None:
     """Raise naming the first missing, truncated or altered shard (names, sizes and sha256 as compression.json
     records them; attnslim.verify says when a full hash is skipped and where its stamps live)."""
-    check_shard_names(list(record), directory / "compression.json")
+    check_shard_names(list(record), directory / COMPRESSION_JSON)
     for shard, expected in sorted(record.items()):
         if not (directory / shard).exists():
             raise AttnslimError(f"shard {shard} is missing; re-create the directory with attnslim compress")

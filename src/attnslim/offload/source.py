@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 
 from attnslim.config_bounds import plain_file
+from attnslim.disk_format import INDEX, WEIGHTS
 from attnslim.errors import AttnslimError
 from attnslim.safe_files import read_json
-
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 class WeightSource:
@@ -114,7 +112,7 @@ def _shard_plan(directory: Path) -> dict[str, list[str] | None]:
             assert names is not None
             names.append(str(name))
         return plan
-    if (directory / SINGLE).is_file():
-        return {SINGLE: None}
-    raise AttnslimError(f"{directory} holds neither {SINGLE} nor {INDEX}: --offload reads safetensors checkpoints "
+    if (directory / WEIGHTS).is_file():
+        return {WEIGHTS: None}
+    raise AttnslimError(f"{directory} holds neither {WEIGHTS} nor {INDEX}: --offload reads safetensors checkpoints "
                         "(convert .bin or GGUF weights to safetensors first)")

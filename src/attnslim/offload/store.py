@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnslim.disk_format import shard_name
 from attnslim.errors import AttnslimError
-from attnslim.offload.shards import shard_name, write_index, write_shard
+from attnslim.offload.shards import write_index, write_shard
 from attnslim.offload.source import WeightSource
 
 

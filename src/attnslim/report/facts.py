@@ -10,7 +10,7 @@ import re
 from pathlib import Path, PurePath
 from typing import Any
 
-from attnslim.io import BASE_TYPE_KEY
+from attnslim.disk_format import BASE_TYPE_KEY
 from attnslim.report.text import fmt, fmt_float, layer_ranges
 from attnslim.safe_files import read_json
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnslim import deci_format
+from attnslim.disk_format import COMPRESSION_JSON
 from attnslim.errors import AttnslimError
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK, VLLM_ROPE
 from attnslim.safe_files import regular_file
 from attnslim.serving.access import KEY_ENV, Access, check_access
-from attnslim.serving.plan import COMPRESSION_JSON, MAKE_TARGET, layer_kinds, read_json
+from attnslim.serving.plan import MAKE_TARGET, layer_kinds, read_json
 
 CHECKOUT = Path(__file__).resolve().parents[3]
 VENV_ENV = "ATTNSLIM_SERVE_VENV"

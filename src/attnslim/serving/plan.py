@@ -13,15 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnslim.disk_format import BASE_TYPE_KEY, COMPRESSION_JSON, MODEL_TYPE
 from attnslim.errors import AttnslimError
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json as read_json_file
 
 ARCHITECTURE = "AttnslimForCausalLM"
-MODEL_TYPE = "attnslim"
-BASE_TYPE_KEY = "attnslim_base_model_type"
-COMPRESSION_JSON = "compression.json"
 SERVABLE_BASES = ("llama",)
 SERVABLE_METHODS = ("nbl", "drop")
 MAKE_TARGET = "make serve-setup"

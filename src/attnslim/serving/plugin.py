@@ -20,7 +20,8 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from attnslim.serving.plan import ARCHITECTURE, MODEL_TYPE
+    from attnslim.disk_format import MODEL_TYPE
+    from attnslim.serving.plan import ARCHITECTURE
     from attnslim.serving.vllm_config import AttnslimServeConfig
 
     AutoConfig.register(MODEL_TYPE, AttnslimServeConfig, exist_ok=True)

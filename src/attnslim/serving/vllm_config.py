@@ -8,7 +8,8 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-from attnslim.serving.plan import ARCHITECTURE, MODEL_TYPE
+from attnslim.disk_format import MODEL_TYPE
+from attnslim.serving.plan import ARCHITECTURE
 
 
 class AttnslimServeConfig(LlamaConfig):
