@@ -13,6 +13,7 @@ SOURCES = ("wiki", "ptb", "c4")
 RESULTS = Path(__file__).parent / "results"
 CPU_FILE = "plan-smollm2-135m"  # benchmarks/plan.py's default results file (a CPU run)
 SPEED_FILE = "plan-speed-smollm2-135m"  # plan.py --speed (a CPU run)
+LOCAL_FILE = "plan-local-smollm2-135m"  # plan.py --local (a CPU run)
 PLOT = "docs/plan.svg"  # benchmarks/make_plot.py
 
 
@@ -54,17 +55,21 @@ def _single(key: str) -> bool:
     return not key.startswith("plan")
 
 
+TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
+         "-local-heal40-all": "local fit, then heal of every parameter"}
+
+
 def verdicts(data: dict[str, Any]) -> list[str]:
     """Per budget, one-shot and healed: the plan beside the best single-method row of the same budget and heal on
     each set (lowest ratio; every single-method row measures at or under the budget), and where the plan wins."""
     variants = data["variants"]
     out = ["| KV budget | heal | plan wiki / ptb / c4 | best single method per set | plan better on |",
            "|---|---|---|---|---|"]
-    for key in sorted((k for k in variants if k.startswith("plan-kv") and "local" not in k),
-                      key=lambda k: (-_budget(k), "heal" in k)):
+    for key in sorted((k for k in variants if k.startswith("plan-kv")),
+                      key=lambda k: (-_budget(k), "local" in k, "heal" in k)):
         tail = key.removeprefix(f"plan-kv{_budget(key):g}")
         rivals = {k: v for k, v in variants.items() if _single(k) and _budget(k) == _budget(key)
-                  and k.endswith(tail) and ("heal" in k) == ("heal" in key) and "local" not in k}
+                  and k.endswith(tail) and ("heal" in k) == ("heal" in key) and ("local" in k) == ("local" in key)}
         if not rivals:
             continue
         plan = variants[key]["ppl_ratio"]
@@ -72,7 +77,7 @@ def verdicts(data: dict[str, Any]) -> list[str]:
         wins = [s for s in SOURCES if plan[s] < rivals[best[s]]["ppl_ratio"][s]]
         ours = " / ".join(f"{plan[s]:.3f}" for s in SOURCES)
         theirs = " / ".join(f"{rivals[best[s]]['ppl_ratio'][s]:.3f} ({best[s].split('-')[0]})" for s in SOURCES)
-        out.append(f"| {_budget(key):g} | {'standard' if tail else '–'} | {ours} | {theirs} | "
+        out.append(f"| {_budget(key):g} | {TAILS.get(tail, tail)} | {ours} | {theirs} | "
                    f"{', '.join(wins) or 'none'} |")
     return out
 
@@ -105,6 +110,14 @@ def plan_section(data: dict[str, Any]) -> list[str]:
         out += [f"The budgets the GPU run did not reach, on this project's 2-core CPU (`python "
                 f"{other['environment']['command']}` → `benchmarks/results/{CPU_FILE}.json`; plan s is the "
                 "planner's wall time there, the CPU target):", "", *_rows(other), "", *verdicts(other), ""]
+    local = RESULTS / f"{LOCAL_FILE}.json"
+    if local.is_file():
+        fitted = json.loads(local.read_text())
+        out += ["With recipes/mla-kv25.yaml's local fit (96 Adam steps per layer towards the dense attention's output "
+                "on calibration text, after the output refit) on every mla layer: the GPU run's plans and uniform "
+                f"`mla` with the same fit, on the 2-core CPU (`python {fitted['environment']['command']}` → "
+                f"`benchmarks/results/{LOCAL_FILE}.json`; compress s there includes the fit):", "",
+                *_rows(fitted), "", *verdicts(fitted), ""]
     speed = RESULTS / f"{SPEED_FILE}.json"
     if speed.is_file():
         timed = json.loads(speed.read_text())
@@ -143,4 +156,5 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
 # the CPU run's rows are shown inside the GPU run's section (one section for the planner)
 PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-135m-h100": plan_section,
                                                                    CPU_FILE: lambda data: [],
-                                                                   SPEED_FILE: lambda data: []}
+                                                                   SPEED_FILE: lambda data: [],
+                                                                   LOCAL_FILE: lambda data: []}
