@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnslim.api import check_recipe, compress, compress_offloaded, lean_heal, model_bytes, offload_reason
+from attnslim.api import check_recipe, compress, compress_offloaded
+from attnslim.compress_memory import lean_heal, model_bytes, offload_reason
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.offload import OffloadedLayers

@@ -331,10 +331,9 @@ def config_from_dict(model_type: str, values: dict[str, Any]) -> Any:
 
 
 def checkpoint_config(values: dict[str, Any], name_or_path: str) -> Any:
-    """The config `AutoConfig.from_pretrained(directory, trust_remote_code=False)` builds, from the config.json dict
-    attnslim has already read (bounded, its sizes checked: models/load.read_checkpoint), so the file is read once:
-    the class by `model_type` (auto_map never consulted), transformers' rule that a "mistral" config with
-    `layer_types` is a "ministral" one, and the directory recorded as the config's `name_or_path`."""
+    """`AutoConfig.from_pretrained(directory, trust_remote_code=False)`'s config from the config.json dict already
+    read (models/load.read_checkpoint): class by `model_type` (never auto_map), "mistral" with `layer_types` is
+    "ministral", `name_or_path` the directory."""
     model_type = values.get("model_type")
     if not isinstance(model_type, str):
         raise AttnslimError(f"config.json has no model_type (got {model_type!r}); restore the model's own config.json")
