@@ -154,7 +154,8 @@ def main() -> None:
         recipes, harness.data["plans"] = {}, {}
         for kv, recipe, summary in plans:
             recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers)
-            harness.data["plans"][f"plan-kv{kv:g}"] = summary  # plan seconds on this machine, unless --plans-from
+            if not args.plans_from:  # planned here: the plan seconds are this machine's
+                harness.data["plans"][f"plan-kv{kv:g}"] = summary
         speed(harness, recipes, list(recipes), [int(c) for c in args.speed.split(",")], new_tokens=32,
               repeats=args.repeats, cache_kind="dynamic")
         return
