@@ -28,6 +28,7 @@ from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
 from report_reliability import reliability_section, write_summary  # noqa: E402
 from report_scale import SPECIAL as SCALE_SPECIAL  # noqa: E402
+from report_scale_real import SCALE_REAL_SPECIAL  # noqa: E402
 from report_serve import SERVE_SPECIAL  # noqa: E402
 from report_standard import standard_section  # noqa: E402
 from report_widths import WIDTH_SPECIAL  # noqa: E402
@@ -35,7 +36,7 @@ from report_widths import WIDTH_SPECIAL  # noqa: E402
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
 ACCURACY = RESULTS / "summary_accuracy.json"  # benchmarks/summary_accuracy.py
-SPECIAL = {**SCALE_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL, **WIDTH_SPECIAL}
+SPECIAL = {**SCALE_SPECIAL, **SCALE_REAL_SPECIAL, **SERVE_SPECIAL, **GPU_SPECIAL, **PLAN_SPECIAL, **WIDTH_SPECIAL}
 SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "plan-smollm2-135m-h100": ("Planning under a budget: the planner against uniform MLA and TransMLA at the same KV "

@@ -1,0 +1,69 @@
+"""benchmarks/scale_real.py (issue 44 item 3): its rows are the packaged recipes at the issue's budgets, each a valid
+recipe; a results file scored on another item subset is refused; the report's verdicts read the rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import common  # noqa: E402
+import report_scale_real  # noqa: E402
+import scale_real  # noqa: E402
+
+from attnslim.recipe import load_recipe, recipe_from_dict  # noqa: E402
+
+
+def test_rows_are_the_issues_variants_on_one_calibration() -> None:
+    rows = scale_real.rows(windows=8)
+    for kv in (0.625, 0.5, 0.25):  # mla beside transmla at every KV point
+        assert rows[f"mla-kv{kv}"]["steps"][0]["args"]["kv_ratio"] == kv
+        assert rows[f"transmla-kv{kv}"]["steps"][0] == {"method": "transmla", "layers": "all",
+                                                          "args": {"kv_ratio": kv}}
+    assert rows["nbl-12"]["steps"][0]["args"]["m"] == 12 and rows["drop-12"]["steps"][0]["args"]["count"] == 12
+    assert rows["mla-kv0.5-heal40"]["heal"] == load_recipe("default").heal  # the standard heal, not a copy
+    assert {r["calibration"]["windows"] for r in rows.values()} == {8}
+    for key, row in rows.items():
+        recipe = recipe_from_dict(row)
+        common.resolved_fingerprint(recipe)  # every method accepts its arguments
+        packaged = {"mla": "mla", "nbl": "nbl", "drop": "drop", "latentllm": "latentllm"}.get(recipe.steps[0].method)
+        if packaged:  # the packaged recipe's arguments, but the budget
+            args = dict(load_recipe(packaged).steps[0].args)
+            for budget in ("kv_ratio", "m", "count"):
+                args.pop(budget, None)
+            assert args.items() <= dict(recipe.steps[0].args).items(), key
+
+
+def test_a_file_scored_on_another_subset_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    tasks = ["arc_easy", "piqa"]
+    h = scale_real.ScaleHarness("scale-test", "smollm2-135m", 512, 20, tasks)
+    h.save()
+    scale_real.ScaleHarness("scale-test", "smollm2-135m", 512, 20, tasks)  # the same subset: accepted
+    with pytest.raises(SystemExit, match="standard_limit"):
+        scale_real.ScaleHarness("scale-test", "smollm2-135m", 512, 50, tasks)
+
+
+def _row(ppl: float, items: list[int], kv: int = 100) -> dict[str, object]:
+    sources = ("wiki", "ptb", "c4")
+    avg = {"acc": sum(items) / len(items), "acc_stderr": 0.1}
+    return {"ppl": dict.fromkeys(sources, ppl), "ppl_ratio": dict.fromkeys(sources, ppl / 10),
+            "kv_bytes_per_token": kv, "compress_seconds": 1.0, "peak_rss_mb": 5000,
+            "standard": {"average": avg, "items": {"arc_easy": items}}}
+
+
+def test_section_states_the_verdicts_the_rows_support() -> None:
+    env = {"device": "cpu", "threads": 2, "torch": "t", "transformers": "x"}
+    data = {"model": "qwen2.5-1.5b", "environment": env, "suite": {"standard_tasks": ["arc_easy"],
+                                                                    "standard_limit": 4},
+            "eval": {"sources": ["wiki", "ptb", "c4"], "tokens": 2048},
+            "dense": _row(10.0, [1, 1, 0, 1], kv=160),
+            "variants": {"mla-kv0.625": _row(10.5, [1, 1, 0, 1]), "transmla-kv0.625": _row(12.0, [1, 0, 0, 0])}}
+    text = "\n".join(report_scale_real.scale_real_section(data))
+    assert "mla-kv0.625 beats transmla on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
+    assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
+    assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
