@@ -27,14 +27,15 @@ def standard_section(data: dict[str, dict[str, Any]]) -> list[str]:
                 "| task | split (lm-eval's) | n | acc | acc_norm | published |", "|---|---|---|---|---|---|"]
         for name, task in run["tasks"].items():
             ref = published.get(name, {})
-            ref_cell = ", ".join(f"{k} {v:.1f}" for k, v in ref.items()) or "–"
+            ref_cell = ", ".join(f"{k} {v:.1f}" for k, v in ref.items()) or "–"  # "acc?": metric not stated
             out.append(f"| {name} | {task['split']} ({task['lm_eval_split']}) | {task['n']} | {_cell(task, 'acc')} | "
                        f"{_cell(task, 'acc_norm')} | {ref_cell} |")
         avg = run["average"]
         out.append(f"| **average** ({avg['tasks']} tasks) | | | **{100 * avg['acc']:.1f} ± "
                    f"{100 * avg['acc_stderr']:.1f}** | | |")
         if published.get("source"):
-            out += ["", f"Published column: {published['source']}; lm-eval's full splits, so a sanity check of the "
-                    "scoring within the standard errors, not a target (our weights are dequantized Q4)."]
+            note = published.get("note", "lm-eval's full splits, so a sanity check of the scoring within the "
+                                 "standard errors, not a target (our weights are dequantized Q4)")
+            out += ["", f"Published column: {published['source']}; {note}."]
         out.append("")
     return out
