@@ -133,7 +133,7 @@ def plan_probe(pack_dir: Path, name: str, device: torch.device, kv: float, out: 
         warnings.simplefilter("ignore")
         result = plan_model(model, tokenizer, cfg, progress=False)
         planned = time.time()
-        compress(model, tokenizer, result.recipe, progress=False)
+        compress(model, tokenizer, result.recipe, progress=False, methods=result.methods)
     vocab = int(model.config.vocab_size)
     out.update({"kv": kv, "plan_seconds": round(planned - began, 1),
                 "compress_seconds": round(time.time() - planned, 1),

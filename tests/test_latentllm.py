@@ -14,10 +14,10 @@ from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
 from attnslim.calib.hooks import capture_sites
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.linalg.lowrank import FitOptions
+from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import QKWeights, joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.linalg.joint_ud import UD_FIT, MLPWeights, joint_ud
 from attnslim.linalg.lowrank import (
     JUNCTIONS,
@@ -20,6 +19,7 @@ from attnslim.linalg.lowrank import (
 )
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec, preconditioner
 from attnslim.linalg.rope import apply_rope
+from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import (
     JointQKFactors,
     QKWeights,

@@ -397,7 +397,7 @@ def test_global_allocation_keeps_the_kv_budget_and_moves_rank_across_layers():
 
 
 def test_global_plan_uses_the_spectra_summarized_while_each_layer_was_in_memory():
-    from attnslim.calib.stats import InputStats
+    from attnslim.linalg.stats import InputStats
     from attnslim.methods.mla import MLA
     from attnslim.methods.mla_stats import MLAStats
 

@@ -11,10 +11,10 @@ import torch
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
-from attnslim.calib import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.io import load, save
 from attnslim.linalg.ranks import rank_for_ratio
+from attnslim.linalg.stats import InputStats
 from helpers import ByteTokenizer, SavingTokenizer, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -13,8 +13,8 @@ import torch
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.calib.hooks import capture_sites
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.linalg.stats import InputStats
 from attnslim.methods import METHODS, lookup_method
 from attnslim.methods.mla_base import MLAEntry
 from attnslim.methods.mla_stats import MLAStats

@@ -43,10 +43,10 @@ def test_mixed_plan_costs_are_what_the_cache_holds_and_it_saves_and_loads(tmp_pa
     predicted = [resources(adapter, i, cand, 64) for i, cand in enumerate(choice)]  # type: ignore[arg-type]
     dense = [resources(adapter, i, c["keep"], 64) for i in range(5)]  # type: ignore[arg-type]
     dense_decode = decode_bytes_per_token(model, 64, [r.kv_bytes for r in dense])["total"]
-    recipe = plan_recipe(choice, "mixed", "", CAL)  # type: ignore[arg-type]
+    recipe, methods = plan_recipe(choice, "mixed", "", CAL)  # type: ignore[arg-type]
     assert recipe_from_dict(recipe_to_dict(recipe)) == recipe
     assert [(s.method, s.layers) for s in recipe.steps] == [("mla", (0,)), ("nbl", (3,)), ("drop", (4,)), ("ds", (2,))]
-    report = compress(model, ByteTokenizer(), recipe, progress=False)
+    report = compress(model, ByteTokenizer(), recipe, progress=False, methods=methods)
     measured = kv_bytes_per_token(model)["per_layer"]
     assert measured == [r.kv_bytes for r in predicted]
     assert report.kv_bytes_per_token_after == sum(r.kv_bytes for r in predicted)

@@ -69,8 +69,10 @@ def test_d1_a_compressed_model_is_refused_before_any_work(saved, capsys, no_mode
     assert rc == 2 and "already compressed" in err and not (out.parent / "again").exists()
     assert (out / "model.safetensors").read_bytes() == before
     loaded, _ = load(out)
-    with pytest.raises(AttnslimError, match="already holds attnslim modules .*LowRankLinear"):  # case 147
+    with pytest.raises(AttnslimError, match="already holds attnslim modules .*LowRankLinear") as refused:  # case 147
         _svd(loaded)
+    fix = "compress the original model with one recipe"  # one check, one text: the directory's and the model's
+    assert "already compressed by attnslim" in str(refused.value) and fix in str(refused.value) and fix in err
 
 
 def test_d1_out_equal_to_the_input_is_refused(tmp_path):

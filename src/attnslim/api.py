@@ -16,7 +16,7 @@ import torch
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
-from attnslim.api_checks import check_device, check_model, check_tokenizer
+from attnslim.api_checks import check_device, check_model, check_tokenizer, refuse_compressed
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.compress_memory import lean_heal, model_bytes, offload_reason
@@ -104,7 +104,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     adapter = get_adapter(model)
     residency = residency or InMemoryLayers(model, adapter.decoder_layers(),
                                             device or _compat.input_device(model))
-    _refuse_compressed(model)
+    refuse_compressed(model)
     steps = recipe.resolve(adapter.num_layers(), _methods())
     methods = check_recipe(recipe) if methods is None else _matching(recipe, methods)
     if residency.offloaded:
@@ -229,7 +229,6 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
         load_model,
         load_weights,
         read_checkpoint,
-        refuse_compressed_input,
         skeleton,
     )
     from attnslim.offload import check_free_disk
@@ -237,7 +236,7 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
     from attnslim.outdir import check_output
 
     methods = check_recipe(recipe)  # refused before seconds of loading and minutes of compressing
-    refuse_compressed_input(name_or_path)
+    refuse_compressed(name_or_path)
     check_output(out, overwrite, inputs=[Path(name_or_path)])
     compute_device, compute_dtype = resolve_device(device), parse_dtype(dtype)
     check_dtype(compute_device, compute_dtype)
@@ -303,17 +302,6 @@ def refuse_offloaded(recipe: Recipe, methods: list[Method]) -> None:
             raise AttnslimError(f"recipe {recipe.name!r} step {i} ({method.name}) cannot run with --offload: it "
                                 "trains the whole model after converting (a teacher copy and gradients through every "
                                 "layer)")
-
-
-def _refuse_compressed(model: Any) -> None:
-    """A model that already holds attnslim modules cannot be compressed again: the new report would record only the
-    new steps, so the saved result could not load."""
-    from attnslim.modules import MODULES
-
-    held = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in MODULES})
-    if held:
-        raise AttnslimError(f"the model already holds attnslim modules ({', '.join(held)}); compress the original "
-                            "model with one recipe that holds all the steps (a recipe may have several steps)")
 
 
 def _frozen_copy(model: Any, dtype: torch.dtype | None = None) -> Any:

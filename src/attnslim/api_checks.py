@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from attnslim.disk_format import COMPRESSION_JSON
 from attnslim.errors import AttnslimError
 
 
@@ -33,6 +34,24 @@ def check_tokenizer(where: str, tokenizer: object, saving: bool = False) -> None
     if tokenizer is None or not hasattr(tokenizer, need):
         raise TypeError(f"{where}: tokenizer must be the model's tokenizer (with {need}), got "
                         f"{type(tokenizer).__name__} {tokenizer!r:.80}; attnslim.load_model returns (model, tokenizer)")
+
+
+def refuse_compressed(source: str | os.PathLike[str] | torch.nn.Module) -> None:
+    """The one "already compressed?" check of every compress entry (compress, compress_to, `compress --kv`, plan,
+    demo): `source` is a model name or directory, checked before anything is loaded (its compression.json), or a
+    model in memory (the attnslim modules it holds). Compressing again would record only the new steps, so the
+    saved result could not load (and --out on the input would destroy it)."""
+    if isinstance(source, torch.nn.Module):
+        from attnslim.modules import MODULES
+
+        held = sorted({type(m).__name__ for m in source.modules() if type(m).__name__ in MODULES})
+        what, evidence = "the model", f"it already holds attnslim modules {', '.join(held)}" if held else ""
+    else:
+        found = (Path(source).expanduser() / COMPRESSION_JSON).is_file()
+        what, evidence = str(source), f"it has the {COMPRESSION_JSON} attnslim writes" if found else ""
+    if evidence:
+        raise AttnslimError(f"{what} is already compressed by attnslim ({evidence}); compress the original model "
+                            "with one recipe that holds all the steps you want (a recipe may have several steps)")
 
 
 def check_device(where: str, device: object) -> torch.device | None:

@@ -90,7 +90,7 @@ def parse_floats(flag: str, text: str) -> list[float]:
 @command("plan")
 def cmd_plan(args: argparse.Namespace) -> int:
 
-    from attnslim.models import refuse_compressed_input
+    from attnslim.api_checks import refuse_compressed
     from attnslim.models.load import load_model
     from attnslim.planner.output import check_plan_out, plan_table, write_plan
     from attnslim.planner.run import plan_model
@@ -98,7 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = plan_config(args)
     out = Path(args.out)
     check_plan_out(out)
-    refuse_compressed_input(args.model)
+    refuse_compressed(args.model)
     model, tokenizer = load_model(args.model)
     result = plan_model(model, tokenizer, cfg)
     report_path = write_plan(result, out)
@@ -113,7 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _compress_planned(args: argparse.Namespace) -> int:
     """`compress --kv F`: plan, then compress the same model with the plan (planner/output.py)."""
 
-    from attnslim.models import refuse_compressed_input
+    from attnslim.api_checks import refuse_compressed
     from attnslim.outdir import check_output
     from attnslim.planner.output import plan_and_compress, plan_table
 
@@ -124,7 +124,7 @@ def _compress_planned(args: argparse.Namespace) -> int:
         raise AttnslimError("--kv plans and compresses in memory on the CPU; for --offload or --device, write the "
                             "plan with `attnslim plan` and compress with --recipe plan.yaml")
     cfg = plan_config(args)
-    refuse_compressed_input(args.model)
+    refuse_compressed(args.model)
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
     result, report = plan_and_compress(args.model, cfg, Path(args.out), args.overwrite, args.dtype)
     print("\n".join(plan_table(result.report)))

@@ -108,15 +108,16 @@ def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: 
 def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limit: int | None = TASK_LIMIT,
              overwrite: bool = False) -> int:
     from attnslim.api import check_recipe, compress
+    from attnslim.api_checks import refuse_compressed
     from attnslim.io import load, save
-    from attnslim.models import load_model, refuse_compressed_input
+    from attnslim.models import load_model
     from attnslim.outdir import check_output
     from attnslim.recipe import load_recipe
 
     start = time.perf_counter()
     recipe = load_recipe(recipe_name)
     methods = check_recipe(recipe)
-    refuse_compressed_input(model_name)
+    refuse_compressed(model_name)
     check_output(Path(out), overwrite, inputs=[Path(model_name)])  # before minutes of measuring and compressing
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)

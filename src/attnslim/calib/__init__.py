@@ -1,7 +1,7 @@
-"""Calibration: hooks (context managers), the layer-by-layer runner, streaming statistics."""
+"""Calibration: hooks (context managers), the layer-by-layer runner. The statistics they fill (InputStats) are
+plain tensor math and live in linalg/stats.py, below calibration."""
 
 from attnslim.calib.hooks import SITES, capture_sites
 from attnslim.calib.runner import LayerRunner
-from attnslim.calib.stats import InputStats, flatten_tokens
 
-__all__ = ["SITES", "InputStats", "LayerRunner", "capture_sites", "flatten_tokens"]
+__all__ = ["SITES", "LayerRunner", "capture_sites"]

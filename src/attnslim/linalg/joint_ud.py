@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import FitOptions, LowRankFactors, factorize, rrr
 from attnslim.linalg.precond import PrecondSpec
 from attnslim.linalg.ranks import check_rank
+from attnslim.linalg.stats import InputStats
 
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,

@@ -17,10 +17,10 @@ from typing import Literal
 
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.precond import ROOTCOV, PrecondSpec, damped_eigh
 from attnslim.linalg.ranks import check_rank, factor_weights
+from attnslim.linalg.stats import InputStats
 
 Junction = Literal["left", "right", "split", "block_identity"]
 JUNCTIONS: tuple[str, ...] = ("left", "right", "split", "block_identity")

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import LowRankFactors, block_identity
 from attnslim.linalg.mla_rope import RotarySplit
 from attnslim.linalg.precond import root_pair
+from attnslim.linalg.stats import InputStats
 
 _F64 = torch.float64
 

@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.linalg.stats import InputStats
 
 PrecondKind = Literal["identity", "hessian", "l1", "l2", "cov", "rootcov"]
 PRECOND_KINDS: tuple[str, ...] = ("identity", "hessian", "l1", "l2", "cov", "rootcov")

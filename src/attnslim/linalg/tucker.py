@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import JOINT_FIT, FitOptions, block_identity, factorize
 from attnslim.linalg.precond import PrecondSpec, damped_eigh
 from attnslim.linalg.ranks import check_rank
+from attnslim.linalg.stats import InputStats
 
 _F64 = torch.float64
 

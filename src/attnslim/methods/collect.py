@@ -7,7 +7,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from attnslim.calib.stats import InputStats
+from attnslim.linalg.stats import InputStats
 
 S_co = TypeVar("S_co", covariant=True)
 

@@ -35,10 +35,10 @@ from torch import nn
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.adapters.rotary import rotary_angles
 from attnslim.calib.hooks import SITE_OF
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec
+from attnslim.linalg.stats import InputStats
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.methods.collect import Collector

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from attnslim.adapters.base import AttentionSpec
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import FitOptions, Gauge, LowRankFactors
 from attnslim.linalg.precond import PrecondSpec
+from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import QKWeights, causal_offsets, joint_qk, rope_rotations
 from attnslim.linalg.vo import VOWeights, joint_vo
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from attnslim.adapters.base import MLPSpec
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.joint_ud import MLPWeights, UDOptions, joint_ud
 from attnslim.linalg.lowrank import FitOptions, Gauge, LowRankFactors
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.latentllm_ranks import MLP
 from attnslim.methods.latentllm_stats import LayerStats
 

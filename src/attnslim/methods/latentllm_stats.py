@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.collect import Collector
 from attnslim.methods.selecting import missing_summary
 

@@ -20,11 +20,11 @@ import torch
 
 from attnslim.adapters.base import Adapter
 from attnslim.calib.hooks import SITE_OF
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import factorize
 from attnslim.linalg.precond import PrecondSpec
 from attnslim.linalg.ranks import rank_for_ratio
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, dense_linear, require
 from attnslim.methods.collect import Collector, GramCollector, NoStats
 from attnslim.modules.lowrank import LowRankLinear

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
@@ -42,6 +41,7 @@ from attnslim.linalg.mla import (
     latent_spectrum,
 )
 from attnslim.linalg.mla_rope import SELECTS, RotarySplit
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.base import NO_CONTEXT, StepContext, require
 from attnslim.methods.mla_base import MLABase, MLAEntry, balance, fit_spec, stacked_kv
 from attnslim.methods.mla_stats import MLAStats, attn_in, spectrum

@@ -13,7 +13,6 @@ from torch import nn
 
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.adapters.rotary import rotary_angles
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
 from attnslim.linalg.mla import (
     MLAFactors,
@@ -22,6 +21,7 @@ from attnslim.linalg.mla import (
     second_moment,
 )
 from attnslim.linalg.mla_rope import RotaryChoice, RotaryLayout, RotarySplit, split_rotary
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.methods.collect import Collector
 from attnslim.methods.mla_stats import MLACollector, MLAStats, attn_in

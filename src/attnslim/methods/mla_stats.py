@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnslim.calib.stats import InputStats
 from attnslim.errors import AttnslimError
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.collect import Collector, GramCollector
 from attnslim.methods.selecting import missing_summary
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from attnslim.adapters.base import AttentionSpec
-from attnslim.calib.stats import InputStats
 from attnslim.linalg.mla import (
     MLAFactors,
     assemble,
     fit_latent,
 )
 from attnslim.linalg.mla_rope import RotarySplit
+from attnslim.linalg.stats import InputStats
 from attnslim.methods.base import require
 from attnslim.methods.mla_base import MLABase, balance, stacked_kv
 from attnslim.registry import register_method

@@ -1,6 +1,6 @@
 """Named models from packaged weights, local HF directories, hub ids."""
 
-from attnslim.models.load import load_model, refuse_compressed_input
+from attnslim.models.load import load_model
 from attnslim.models.zoo import ZOO
 
-__all__ = ["ZOO", "load_model", "refuse_compressed_input"]
+__all__ = ["ZOO", "load_model"]

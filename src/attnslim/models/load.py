@@ -176,14 +176,6 @@ def load_random(directory: Path, dtype: torch.dtype = torch.float32, seed: int =
     return model.eval(), checkpoint.tokenizer
 
 
-def refuse_compressed_input(name_or_path: str) -> None:
-    """`compress` starts from an uncompressed model: re-compressing an attnslim directory would record only the new
-    steps, so the result could not load (and --out on the input would destroy it)."""
-    if (Path(name_or_path).expanduser() / COMPRESSION_JSON).is_file():
-        raise AttnslimError(f"{name_or_path} is already compressed by attnslim; compress the original model with "
-                            "one recipe that holds all the steps you want (a recipe may have several steps)")
-
-
 def _looks_local(text: str) -> bool:
     """A path rather than a hub id: starts like a path, has more than one slash, or its first part exists here."""
     first = text.split("/", 1)[0]

@@ -4,8 +4,9 @@ The recipe groups the layers that chose the same candidate into one step (`layer
 first layer so that a step's sequential fits see most of their upstream layers already converted, sharing steps
 last (a receiver reads its donor's scores inside one model forward, which the later steps' layer-by-layer
 calibration would break: modules/score_link.py); kept layers are in no step. It is validated by the recipe's own
-checks (methods and arguments, disjoint layers) before it is returned, and it is what `compress` runs: each layer
-fitted on the outputs of the layers converted before it."""
+checks (methods and arguments, disjoint layers) before it is returned, with the steps' methods that check built
+(so `compress --kv` hands them to `compress(methods=)` and builds each once), and it is what `compress` runs: each
+layer fitted on the outputs of the layers converted before it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 from attnslim.adapters.base import Adapter
 from attnslim.api import check_recipe
 from attnslim.errors import AttnslimError
-from attnslim.methods import METHODS
+from attnslim.methods import METHODS, Method
 from attnslim.planner.candidates import SHARING, Candidate
 from attnslim.planner.costs import entry_for, method_of, restored
 from attnslim.planner.measure import Bank
@@ -24,8 +25,9 @@ from attnslim.recipe import Calibration, Recipe, Step
 
 
 def plan_recipe(choice: Sequence[Candidate], name: str, description: str, calibration: Calibration,
-                heal: dict[str, Any] | None = None) -> Recipe:
-    """The recipe that applies `choice[i]` to layer i (keep: no step)."""
+                heal: dict[str, Any] | None = None) -> tuple[Recipe, list[Method]]:
+    """The recipe that applies `choice[i]` to layer i (keep: no step), and its steps' methods as
+    `check_recipe` built them."""
     groups: dict[str, tuple[Candidate, list[int]]] = {}
     for i, c in enumerate(choice):
         if c.method is not None:
@@ -37,8 +39,7 @@ def plan_recipe(choice: Sequence[Candidate], name: str, description: str, calibr
                             "smaller --kv)")
     recipe = Recipe(name, calibration, tuple(steps), description, heal)
     recipe.resolve(len(choice), dict(METHODS))
-    check_recipe(recipe)
-    return recipe
+    return recipe, check_recipe(recipe)
 
 
 @contextmanager

@@ -69,7 +69,7 @@ def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: 
 
     model, tokenizer = load_model(name_or_path, parse_dtype(dtype))
     result = plan_model(model, tokenizer, cfg, progress)
-    report = compress(model, tokenizer, result.recipe, progress)
+    report = compress(model, tokenizer, result.recipe, progress, methods=result.methods)  # built once, by the plan
     measured = report.kv_bytes_per_token_after / report.kv_bytes_per_token_before
     result.report["kv_measured"] = measured
     if measured > cfg.kv:

@@ -29,6 +29,7 @@ from attnslim.data import calib_windows
 from attnslim.data.generated import SELF
 from attnslim.data.sources import mixture
 from attnslim.errors import AttnslimError
+from attnslim.methods import Method
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
 from attnslim.planner.costs import Resources, resources
@@ -72,6 +73,7 @@ class PlanConfig:
 class PlanResult:
     recipe: Recipe
     report: dict[str, Any]
+    methods: list[Method]  # the recipe's steps as check_recipe built them: compress(methods=) builds none again
 
 
 def layer_options(adapter: Adapter, cands: Sequence[Candidate], context: int, engine: str
@@ -180,7 +182,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
     refined = refine(options, starts[best], budgets, whole, cfg.rounds, cfg.tries, progress, start_cost[best],
                      {tuple(c) for c in starts.values()})
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
-    recipe = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
+    recipe, methods = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
                          "measured KL under the budgets", cfg.calibration, cfg.heal)
     table = {i: {c.label: {"kv_bytes": r.kv_bytes, "params": r.params, "decode_bytes": r.decode_bytes,
@@ -204,7 +206,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
         "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
                     "total": prepared.seconds + time.time() - start},
     }
-    return PlanResult(recipe, report)
+    return PlanResult(recipe, report, methods)
 
 
 def standard_heal(calibration_source: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 `InputStats` accumulates, for inputs x of one site (tokens as rows): Σ x xᵀ (d, d), Σ x (d), Σ |x| (d) and the
 token count n. It is the one statistics type of a linear's input: collectors fill it during calibration, and the
 linear algebra (linalg/precond.py and every factorisation) reads its moments. `JointStats` (NBL's input/output
-pair) lives in linalg/cca.py and follows the same update/merge contract.
+pair) lives in linalg/cca.py and follows the same update/merge contract. Both are plain tensors and sums (no hooks,
+no model), so they sit in linalg, below calib/ which fills them: linalg imports nothing of calibration.
 """
 
 from __future__ import annotations
