@@ -242,3 +242,12 @@ def test_dense_attention_runs_once_per_batch_for_all_refitted_candidates(family:
     assert remembered == afresh and remembered[(1, "mla@0.5")] > 0
     # the second mla candidate's refit ran the dense attention on every batch only when it was not remembered
     assert each - once == batches
+
+
+def test_planning_a_model_attnslim_compressed_already_is_refused() -> None:
+    model = tiny_llama(num_hidden_layers=3)
+    c = _by_label(mla_args={})
+    recipe, methods = plan_recipe([c["mla@0.5"], c["keep"], c["keep"]], "once", "", CAL)  # type: ignore[arg-type]
+    compress(model, ByteTokenizer(), recipe, progress=False, methods=methods)
+    with pytest.raises(AttnslimError, match="already compressed by attnslim"):
+        plan_model(model, ByteTokenizer(), _config(kv=0.5))

@@ -24,6 +24,7 @@ import torch
 
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
+from attnslim.api_checks import refuse_compressed
 from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.data import calib_windows
 from attnslim.data.generated import SELF
@@ -219,7 +220,9 @@ def standard_heal(calibration_source: str) -> dict[str, Any]:
 
 
 def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
-    """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why."""
+    """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why. A model
+    attnslim compressed already is refused (its plan would be measured against a compressed reference)."""
+    refuse_compressed(model)
     return choose(model, prepare(model, tokenizer, cfg, progress), cfg, progress)
 
 
