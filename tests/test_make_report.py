@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_report.py"
+sys.path.insert(0, str(REPORT.parent))  # report_claims & co. import by bare name, in any test order
 
 
 def _report() -> ModuleType:
