@@ -57,7 +57,8 @@ def _row(ppl: float, items: list[int], kv: int = 100) -> dict[str, object]:
 
 
 def test_section_states_the_verdicts_the_rows_support() -> None:
-    env = {"device": "cpu", "threads": 2, "torch": "t", "transformers": "x"}
+    env = {"device": "cpu", "threads": 2, "torch": "t", "transformers": "x",
+           "command": "benchmarks/scale_real.py --limit=4 --row=mla-kv0.625"}
     data = {"model": "qwen2.5-1.5b", "environment": env, "suite": {"standard_tasks": ["arc_easy"],
                                                                     "standard_limit": 4},
             "eval": {"sources": ["wiki", "ptb", "c4"], "tokens": 2048},
@@ -67,3 +68,4 @@ def test_section_states_the_verdicts_the_rows_support() -> None:
     assert "mla-kv0.625 beats transmla on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
     assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
     assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
+    assert "`OMP_NUM_THREADS=2 .venv/bin/python benchmarks/scale_real.py --limit=4`" in text  # the parent's call
