@@ -125,3 +125,25 @@ def test_offload_is_refused_for_split_projections(tmp_path):
     with pytest.raises(AttnslimError, match="--offload does not support Phi-3") as err:
         load_model(str(tmp_path / "dense"), offload=True)
     assert "without --offload" in str(err.value)
+
+
+def test_mla_at_full_rank_is_exact_on_phi3_with_partial_rotary():
+    """Phi-4-mini's partial rotary (here half of each head rotates): mla keeping every rotary component at full
+    rank reproduces the dense logits, so the adapter's rotary width and the split q/k/v are what the model uses."""
+    from attnslim.modules.mla import MLAAttention
+
+    model = tiny_phi3(partial_rotary_factor=0.5)
+    spec = get_adapter(model).attention_spec(0)
+    assert spec.rope is not None and spec.rope.rotary_dims == 8
+    rope = spec.n_kv_heads * spec.rope.rotary_dims
+    with torch.no_grad():
+        ref = model(IDS).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compress(model, ByteTokenizer(), one_step("mla", {"kv_ratio": None, "rope_dims": rope,
+                                                          "rank": 2 * spec.n_kv_heads * spec.head_dim - rope}),
+                 progress=False)
+    assert all(isinstance(get_adapter(model).attention(i), MLAAttention) for i in range(4))
+    with torch.no_grad():
+        err = float((model(IDS).logits - ref).abs().max())
+    assert err < 1e-4, err
