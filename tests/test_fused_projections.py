@@ -143,7 +143,22 @@ def test_mla_at_full_rank_is_exact_on_phi3_with_partial_rotary():
         compress(model, ByteTokenizer(), one_step("mla", {"kv_ratio": None, "rope_dims": rope,
                                                           "rank": 2 * spec.n_kv_heads * spec.head_dim - rope}),
                  progress=False)
-    assert all(isinstance(get_adapter(model).attention(i), MLAAttention) for i in range(4))
+    adapter = get_adapter(model)
+    assert all(isinstance(adapter.attention(i), MLAAttention) for i in range(4))
+    assert adapter.linear(0, "q") is adapter.attention(0).q_proj  # a replaced attention: the module's own q
     with torch.no_grad():
         err = float((model(IDS).logits - ref).abs().max())
     assert err < 1e-4, err
+
+
+def test_a_split_model_is_not_compressed_but_a_compressed_one_is_refused():
+    """SplitLinear computes what the fused linear did: compress takes a split model, and refuses a compressed one
+    naming the method's modules only."""
+    model = tiny_phi3()
+    get_adapter(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compress(model, ByteTokenizer(), one_step("nbl", {"m": 1}), progress=False)
+        with pytest.raises(AttnslimError, match=r"already compressed by attnslim \(it already holds attnslim "
+                                                r"modules LinearizedAttention\)"):
+            compress(model, ByteTokenizer(), one_step("nbl", {"m": 1}), progress=False)
