@@ -162,3 +162,12 @@ def test_a_split_model_is_not_compressed_but_a_compressed_one_is_refused():
         with pytest.raises(AttnslimError, match=r"already compressed by attnslim \(it already holds attnslim "
                                                 r"modules LinearizedAttention\)"):
             compress(model, ByteTokenizer(), one_step("nbl", {"m": 1}), progress=False)
+
+
+def test_a_fused_linear_that_does_not_match_the_config_is_refused():
+    """A qkv_proj whose rows are not the config's q + k + v widths is named, not split at a wrong row."""
+    model = tiny_phi3()
+    model.model.layers[2].self_attn.qkv_proj = torch.nn.Linear(64, 96, bias=False)  # 4 + 2 + 2 heads need 128
+    with pytest.raises(AttnslimError, match=r"fused linear has 96 rows .* does not match its config"):
+        get_adapter(model)
+    assert not any(isinstance(m, SplitLinear) for m in model.modules())  # no layer split before the refusal

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnslim.errors import AttnslimError
 from attnslim.registry import register_module
 
 _FUSED_KEYS = ("weight", "bias")
@@ -42,8 +43,7 @@ class SplitLinear(nn.Module):
     def of(cls, fused: nn.Linear, widths: dict[str, int]) -> SplitLinear:
         """`fused` (out = sum(widths), in) split by rows into one nn.Linear per name, in the order of `widths`.
         Copies: the parts own their storage (safetensors refuses tensors that share it), on fused's device/dtype."""
-        if sum(widths.values()) != fused.out_features:
-            raise ValueError(f"widths {widths} do not add up to the fused linear's {fused.out_features} rows")
+        cls.check(fused, widths)
         parts: dict[str, nn.Module] = {}
         start = 0
         for name, width in widths.items():
@@ -56,6 +56,13 @@ class SplitLinear(nn.Module):
             parts[name] = part
             start += width
         return cls(parts)
+
+    @staticmethod
+    def check(fused: nn.Linear, widths: dict[str, int]) -> None:
+        """Refuse a fused linear whose rows are not the parts' widths (from the config) before anything is split."""
+        if sum(widths.values()) != fused.out_features:
+            raise AttnslimError(f"the fused linear has {fused.out_features} rows but config.json's sizes give {widths} "
+                                f"(sum {sum(widths.values())}); the checkpoint does not match its config")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.children()], dim=-1)  # (..., sum of the parts' widths)

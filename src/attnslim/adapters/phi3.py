@@ -75,18 +75,26 @@ class Phi3Adapter(LlamaAdapter):
         )
 
     def _split_fused(self) -> None:
-        """Every layer's unsplit `qkv_proj`/`gate_up_proj` replaced by its SplitLinear (idempotent)."""
+        """Every layer's unsplit `qkv_proj`/`gate_up_proj` replaced by its SplitLinear (idempotent). Every shape is
+        checked before any is split (a fused linear that does not match the config leaves the model as it was), and
+        the split goes one linear at a time (the copies never hold more than one fused linear twice)."""
         heads = self.attention_heads(0)
         qkv = {"q": heads.n_heads * heads.head_dim, "k": heads.n_kv_heads * heads.head_dim,
                "v": heads.n_kv_heads * heads.head_dim}
         inter = int(self.config.intermediate_size)
+        splits: list[tuple[nn.Module, str, nn.Linear, dict[str, int]]] = []
         for layer in self.decoder_layers():
             for path, widths in ((_QKV, qkv), (_GATE_UP, {"gate": inter, "up": inter})):
                 owner_path, _, attr = path.rpartition(".")
                 owner = _child(layer, owner_path)
                 fused = getattr(owner, attr, None) if owner is not None else None
                 if isinstance(fused, nn.Linear):  # unsplit (a SplitLinear is no nn.Linear)
-                    setattr(owner, attr, SplitLinear.of(fused, widths))
+                    SplitLinear.check(fused, widths)
+                    splits.append((owner, attr, fused, widths))
+        splits.reverse()
+        while splits:  # popped, so a replaced fused linear is freed before the next is copied
+            owner, attr, fused, widths = splits.pop()
+            setattr(owner, attr, SplitLinear.of(fused, widths))
 
     def linear_paths(self) -> dict[str, str]:
         return dict(_PATHS)
