@@ -127,14 +127,18 @@ def test_offload_is_refused_for_split_projections(tmp_path):
     assert "without --offload" in str(err.value)
 
 
-def test_mla_at_full_rank_is_exact_on_phi3_with_partial_rotary():
-    """Phi-4-mini's partial rotary (here half of each head rotates): mla keeping every rotary component at full
-    rank reproduces the dense logits, so the adapter's rotary width and the split q/k/v are what the model uses."""
+@pytest.mark.parametrize("overrides", [{"partial_rotary_factor": 0.5}, {"sliding_window": 4}],
+                         ids=["partial-rotary", "sliding"])
+def test_mla_at_full_rank_is_exact_on_phi3_variants(overrides):
+    """Phi-4-mini's partial rotary (here half of each head rotates) and Phi-3-mini-4k's sliding window (in every
+    layer): mla keeping every rotary component at full rank reproduces the dense logits, so the adapter's rotary
+    width, window and split q/k/v are what the model uses."""
     from attnslim.modules.mla import MLAAttention
 
-    model = tiny_phi3(partial_rotary_factor=0.5)
+    model = tiny_phi3(**overrides)
     spec = get_adapter(model).attention_spec(0)
-    assert spec.rope is not None and spec.rope.rotary_dims == 8
+    assert spec.rope is not None and spec.rope.rotary_dims == 16 * overrides.get("partial_rotary_factor", 1)
+    assert spec.sliding_window == overrides.get("sliding_window")
     rope = spec.n_kv_heads * spec.rope.rotary_dims
     with torch.no_grad():
         ref = model(IDS).logits
