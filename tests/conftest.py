@@ -130,6 +130,18 @@ def tiny_llama3(**overrides):
     return tiny_llama(**{"rope_parameters": LLAMA3_ROPE, **overrides})
 
 
+def tiny_phi3(**overrides):
+    """Phi-3: fused qkv_proj (q, k, v rows) and gate_up_proj (gate, up rows), GQA, untied head, full attention;
+    the adapter splits the fused linears into canonical ones (adapters/phi3.py)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    base = dict(
+        _COMMON, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return _tiny(Phi3Config, Phi3ForCausalLM, base, overrides)
+
+
 def tiny_opt(**overrides):
     """OPT: MHA with q/k/v/out biases, learned positions, ReLU fc1/fc2 MLP, pre-norm."""
     from transformers import OPTConfig, OPTForCausalLM
@@ -150,6 +162,7 @@ TINY_BUILDERS = {
     "opt": tiny_opt,
     "qwen3": tiny_qwen3,
     "llama3": tiny_llama3,
+    "phi3": tiny_phi3,
 }
 
 

@@ -105,23 +105,24 @@ def test_latentllm_rope_aware_fit_uses_the_models_scaled_frequencies(monkeypatch
 
 
 def test_an_unsupported_fused_family_is_refused_with_the_supported_ones_and_the_checklist():
-    """Phi-3 fuses q/k/v (qkv_proj) and gate/up (gate_up_proj): compress refuses it before any calibration, naming
-    the fused linears, every registered family and where the add-a-family checklist is."""
-    from transformers import Phi3Config, Phi3ForCausalLM
+    """GPT-NeoX fuses q/k/v into one linear (query_key_value) and has no adapter: compress refuses it before any
+    calibration, naming the fused linear, every registered family and where the add-a-family checklist is."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from attnslim.errors import AttnslimError
     from attnslim.registry import ADAPTERS
 
     torch.manual_seed(0)
-    model = Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             max_position_embeddings=256)).eval()
     before = {name: p.clone() for name, p in model.named_parameters()}
-    with pytest.raises(AttnslimError, match=r"unsupported model_type 'phi3' \(Phi3ForCausalLM\)") as err:
+    with pytest.raises(AttnslimError, match=r"unsupported model_type 'gpt_neox' \(GPTNeoXForCausalLM\)") as err:
         _compress(model, "svd", {"ratio": 0.5})
     message = str(err.value)
-    assert "(gate_up_proj, qkv_proj)" in message and "docs/DESIGN.md, 'Checklist: add a model family'" in message
-    assert all(model_type in message for model_type in ADAPTERS) and {"qwen3", "llama"} <= set(ADAPTERS)
+    assert "(query_key_value)" in message and "docs/DESIGN.md, 'Checklist: add a model family'" in message
+    assert "adapters/phi3.py" in message  # the example of a family whose adapter splits its fused linears
+    assert all(model_type in message for model_type in ADAPTERS) and {"qwen3", "llama", "phi3"} <= set(ADAPTERS)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the model is untouched
     design = (Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()
     assert "\n## Checklist: add a model family\n" in design  # the pointer leads somewhere

@@ -52,6 +52,14 @@ MATRIX = [  # (family, method, args)
     ("llama3", "mla", {"kv_ratio": 0.5}),  # the decoupled rotary key on the model's scaled frequencies
     ("llama3", "latentllm", {"ratio": 0.7, "rope_window": 4}),  # the RoPE-aware fit on the scaled frequencies
     ("llama3", "lisa", {}),
+    # fused qkv_proj / gate_up_proj split by the adapter: every part factored (saved split), the MLP's gate/up
+    # compressed jointly, whole-attention replacements beside a split MLP that saves fused
+    ("phi3", "svd", {"ratio": 0.5}),
+    ("phi3", "latentllm", {"ratio": 0.7, "mlp": "joint_ud"}),
+    ("phi3", "mla", {"kv_ratio": 0.5}),
+    ("phi3", "nbl", {"m": 1}),
+    ("phi3", "lisa", {}),
+    ("phi3", "ds", {}),
 ]
 ROWS = {(family, method) for family, method, _ in MATRIX}
 # every (family, method) pair without a row, with the reason; a new method or family fails

@@ -47,14 +47,15 @@ def _exact_args(family: str) -> dict:
     return {"kv_ratio": None, "rank": min(2 * full - rope, spec.hidden_size), "rope_dims": rope}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3", "phi3"])
 @pytest.mark.parametrize("method,args", [("mla", {}), ("mla", {"rope_select": "pca"}),
                                          ("mla", {"kv_weight": "rootcov"}), ("mla", {"kv_weight": "svd"}),
                                          ("transmla", {"freq_fold": 1})])
 def test_full_rank_with_every_rotary_dim_reproduces_dense_logits(family, method, args):
     """qwen2: q/k/v biases and sliding layers; mistral: sliding window everywhere; opt: no RoPE (d_rope = 0),
     biases everywhere; gemma3: QK-norm (the cached key scales rebuild the key norm exactly), MQA, sliding layers;
-    qwen3: QK-norm with a plain gain; llama3: llama3-scaled RoPE (the rotary key on the model's own tables)."""
+    qwen3: QK-norm with a plain gain; llama3: llama3-scaled RoPE (the rotary key on the model's own tables); phi3:
+    q/k/v read from the split qkv_proj."""
     model = TINY_BUILDERS[family]()
     ref = model(input_ids=IDS).logits
     _compress(model, method, {**_exact_args(family), **args})
@@ -317,7 +318,7 @@ def test_split_decode_kernel_generates_what_the_grouped_one_does(family, monkeyp
         model.generate(IDS, max_new_tokens=2, do_sample=False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gemma3", "qwen3", "llama3", "phi3"])
 def test_cache_holds_latent_and_rotary_key_and_cached_equals_uncached(family):
     """gemma3 / qwen3: each row also holds each KV head's key scale (QK-norm), inside the same half of the dense
     cache."""

@@ -202,8 +202,9 @@ def _compress_offloaded(checkpoint: Checkpoint, model: Any, methods: list[Method
     tokenizer = tokenizer if tokenizer is not None else checkpoint.tokenizer  # the directory's, unless one is given
     source = WeightSource(checkpoint.directory)  # a missing or truncated shard is named here, before any work
     check_free_disk(out, model_bytes(model))
+    adapter = get_adapter(model)
+    adapter.refuse_offload()
     with staged_output(out, overwrite) as tmp:
-        adapter = get_adapter(model)
         residency = OffloadedLayers(model, adapter.decoder_layers(), source, tmp, device,
                                     skip=(model.get_output_embeddings(),))
         report = compress(model, tokenizer, recipe, progress, residency, methods=methods)

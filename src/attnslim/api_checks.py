@@ -44,7 +44,10 @@ def refuse_compressed(source: str | os.PathLike[str] | torch.nn.Module) -> None:
     if isinstance(source, torch.nn.Module):
         from attnslim.modules import MODULES
 
-        held = sorted({type(m).__name__ for m in source.modules() if type(m).__name__ in MODULES})
+        # an adapter's own modules (adapters/fused.py's SplitLinear: a fused linear held as its parts) compute what
+        # the original did, so they are no compression
+        held = sorted({type(m).__name__ for m in source.modules() if type(m).__name__ in MODULES
+                       and not type(m).__module__.startswith("attnslim.adapters.")})
         what, evidence = "the model", f"it already holds attnslim modules {', '.join(held)}" if held else ""
     else:
         found = (Path(source).expanduser() / COMPRESSION_JSON).is_file()

@@ -185,7 +185,9 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bo
         from attnslim.adapters import get_adapter
         from attnslim.offload.dispatch import dispatch_layers
 
-        dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device, dtype)
+        adapter = get_adapter(model)
+        adapter.refuse_offload()  # a family whose module names are not its checkpoint's
+        dispatch_layers(model, adapter.decoder_layers(), directory, device, dtype)
     elif info["format_version"] >= SHARDED_VERSION:
         _load_shards(model, directory, sorted(info["weights_shards"]))
     else:

@@ -184,6 +184,10 @@ class Adapter:
             f"layer in {type(self).__name__}; override replace_attention_norm for this family"
         )
 
+    def refuse_offload(self) -> None:
+        """Raise an AttnslimError naming the reason and the fix if weights on disk (`--offload`, offload/) cannot
+        serve this family's layers; nothing for the families whose module names are their checkpoint's names."""
+
     def linear(self, i: int, name: str) -> nn.Module:
         """The module behind a canonical linear name (q, k, v, o, gate, up, down) of layer i."""
         return self.decoder_layers()[self._check_layer(i)].get_submodule(self._linear_path(i, name))

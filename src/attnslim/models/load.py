@@ -68,7 +68,9 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, offload: b
         from attnslim.offload.dispatch import dispatch_layers
 
         model = skeleton(checkpoint, dtype)
-        dispatch_layers(model, get_adapter(model).decoder_layers(), directory, device or torch.device("cpu"), dtype)
+        adapter = get_adapter(model)
+        adapter.refuse_offload()  # a family whose module names are not its checkpoint's
+        dispatch_layers(model, adapter.decoder_layers(), directory, device or torch.device("cpu"), dtype)
         return model, checkpoint.tokenizer
     return load_weights(checkpoint, dtype), checkpoint.tokenizer
 
