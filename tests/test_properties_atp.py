@@ -225,7 +225,7 @@ def test_taylor_kernel_is_first_order_attention_over_the_tokens_at_the_input_ran
     assert (module.principal_attention(x, u3, xp3, valid3, None) - ref).abs().max() > 1e-6
 
 
-def test_taylor_kernel_is_refused_for_the_serving_form_and_described():
+def test_taylor_kernel_refuses_the_serving_form_and_value_scale_and_is_described():
     from attnslim.errors import AttnslimError
     from attnslim.methods.atp import Atp
 
@@ -235,3 +235,46 @@ def test_taylor_kernel_is_refused_for_the_serving_form_and_described():
         Atp(kernel="exp")
     module = _layer0(convert_atp(tiny_llama(), rank=0.5, form="paper", kernel="taylor"))
     assert module.kernel == "taylor" and module.describe()["kernel"] == "taylor"
+    with pytest.raises(AttnslimError, match="value_scale"):
+        Atp(kernel="taylor", value_scale="inv_sqrt_len")
+    spec = get_adapter(tiny_llama()).attention_spec(0)
+    with pytest.raises(AttnslimError, match="value_scale='none'"):
+        PrincipalKeyAttention(spec, 0.5, kernel="taylor", value_scale="inv_sqrt_len")
+
+
+def _softmax_over_tokens(x: torch.Tensor, w: dict, hd: int) -> torch.Tensor:
+    """Non-causal softmax attention over all L tokens (biases included): the layer ATP approximates."""
+    def lin(name, t):
+        return t @ w[name][0].T + w[name][1]
+
+    q, k, v = (_heads(lin(n, x), hd) for n in ("q_proj", "k_proj", "v_proj"))  # (b, H, L, hd)
+    out = torch.softmax(q @ k.transpose(-1, -2) * hd**-0.5, dim=-1) @ v  # (b, H, L, hd)
+    return lin("out_proj", out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def test_taylor_kernel_reaches_softmax_attention_for_small_logits_where_the_softmax_form_does_not():
+    """Notes §3.3 / G3: at r = rank(X), Eq. 8's first-order form is softmax attention over the tokens up to
+    O(s²): scaling the logits by ε (here W_q by ε) shrinks its error ≈ ε², to below 1e-5 of the output at ε = 0.01.
+    The softmax form (variant A) does not converge: at s = 0 it averages the r principal values Σ_i v′_i / r, not
+    the L token values, so its error stays that of the ε = 0 limit. Both kernels share the decomposition."""
+    model = tiny_opt().double()
+    hf = model.model.decoder.layers[0].self_attn
+    x = _rank_k(5) * 0.2 + 0.5  # rank 6 with the all-ones direction: biased keys/values lie in U's span
+    module = _layer0(convert_atp(model, rank=6, form="paper", kernel="taylor"))
+    u, xp, valid = module.decompose(x, ALL)
+    errors: dict[str, list[float]] = {"taylor": [], "softmax": []}
+    for eps in (0.1, 0.01):
+        with torch.no_grad():
+            module.q_proj.weight.copy_(hf.q_proj.weight * eps)
+            module.q_proj.bias.copy_(hf.q_proj.bias * eps)
+        w = {n: (getattr(hf, n).weight.detach().clone(), getattr(hf, n).bias.detach().clone())
+             for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+        w["q_proj"] = (w["q_proj"][0] * eps, w["q_proj"][1] * eps)
+        ref = _softmax_over_tokens(x, w, hf.head_dim)
+        for kernel in errors:
+            module.kernel = kernel
+            with torch.no_grad():
+                got = module.principal_attention(x, u, xp, valid, None)
+            errors[kernel].append(float((got - ref).abs().max() / ref.abs().max()))
+    assert errors["taylor"][1] < 1e-5 and errors["taylor"][1] < errors["taylor"][0] / 30  # ≈ ε²: 100× per 10× ε
+    assert errors["softmax"][1] > 1e-2 and errors["softmax"][1] > 0.5 * errors["softmax"][0]  # no convergence

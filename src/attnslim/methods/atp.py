@@ -78,6 +78,8 @@ class Atp(Method[AtpEntry, None]):
         require(self.kernel in KERNELS, name, "kernel", self.kernel, " | ".join(KERNELS))
         require(self.form == "paper" or self.kernel == "softmax", name, "kernel", self.kernel,
                 "softmax with form serving (its prefill is exact attention)")
+        require(self.kernel == "softmax" or self.value_scale == "none", name, "value_scale", self.value_scale,
+                "none with kernel taylor (its L + s·(1U)ᵀ denominator already normalises; V′/√L would rescale it)")
         require(isinstance(self.window, int) and self.window >= 0, name, "window", self.window, "an int >= 0")
         require(self.compress in COMPRESSORS, name, "compress", self.compress, " | ".join(COMPRESSORS))
         require(isinstance(self.sinks, int) and self.sinks >= 0, name, "sinks", self.sinks, "an int >= 0")

@@ -158,6 +158,11 @@ class PrincipalKeyAttention(SpecAttention):
                 f"{'|'.join(QUERY_MODES)}, key_path {'|'.join(KEY_PATHS)}, iters ≥ 1, value_scale "
                 f"{'|'.join(VALUE_SCALES)}, kernel {'|'.join(KERNELS)}"
             )
+        if kernel == "taylor" and value_scale != "none":
+            raise AttnslimError(
+                f"layer {spec.layer}: kernel='taylor' with value_scale={value_scale!r}: the first-order form is "
+                "normalised by L + s·(1U)ᵀ, and V′/√L would shrink its output by √L; use value_scale='none'"
+            )
         super().__init__(spec, dtype)
         self.rank, self.svd, self.iters, self.query, self.key_path = rank, svd, iters, query, key_path
         self.value_scale, self.kernel = value_scale, kernel
