@@ -309,6 +309,25 @@ def test_extend_components_equals_a_fresh_decomposition_of_the_extended_sequence
     assert component_mask(xp_ext).sum() == rank  # the null components stay zero rows
 
 
+def test_extend_components_absorbing_one_token_per_step_tracks_the_fresh_decomposition() -> None:
+    """Notes G2 D2 (per-step Brand absorption): eight rank-1 updates in a row, each fed the previous update's
+    output, equal a fresh decomposition of all 32 tokens for X of rank ≤ r (no drift across the chain), with the
+    token count and the RoPE-rotated keys advancing each step."""
+    g = torch.Generator().manual_seed(5)
+    start, steps, d, r = 24, 8, 12, 5
+    x = torch.randn(start + steps, 4, generator=g, dtype=torch.float64) @ torch.randn(
+        4, d, generator=g, dtype=torch.float64)  # rank 4 ≤ r
+    keys = _rotate(x @ torch.randn(d, 8, generator=g, dtype=torch.float64), 0)  # (32, 8) rotated at their positions
+    u, xp = principal_components(x[:start], r)
+    col, kp = u.sum(0), u.mT @ keys[:start]
+    for t in range(start, start + steps):
+        xp, col, (kp,) = extend_components(xp, col, x[t:t + 1], t, ((kp, keys[t:t + 1]),))
+    u_f, xp_f = principal_components(x, r)
+    assert torch.allclose(xp, xp_f, atol=1e-9) and torch.allclose(col, u_f.sum(0), atol=1e-9)
+    assert torch.allclose(kp, u_f.mT @ keys, atol=1e-9)
+    assert not torch.allclose(xp, principal_components(x[:start], r)[1], atol=1e-3)  # the chain did move it
+
+
 def test_extend_components_is_an_approximation_below_the_rank() -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(30, 10, generator=g, dtype=torch.float64)  # full rank 10 > r
