@@ -29,6 +29,10 @@ MATRIX = [  # (family, method, args)
     # one slot a latent, the other per KV head (keys latent, values dense; keys dense, values latent)
     ("llama", "latentllm", {"ratio": None, "ranks": {"q": 64, "k": 16, "v": 32, "o": 64}}),
     ("llama", "latentllm", {"ratio": None, "ranks": {"q": 64, "k": 32, "v": 16, "o": 64}, "cache": "values"}),
+    # the r²-saving junctions that structure B (LatentAttention decompresses keys and values through them)
+    ("llama", "latentllm", {"ratio": 0.7, "junction": "lu", "mlp": "local"}),
+    ("opt", "latentllm", {"ratio": 0.7, "junction": "left_block_identity", "vo": "joint"}),
+    ("gemma3", "latentllm", {"ratio": None, "ranks": GEMMA_RANKS, "junction": "lu", "cache": "values"}),
     ("qwen2", "mla", {"kv_ratio": 0.5}),
     ("llama", "transmla", {"kv_ratio": 0.5}),
     ("opt", "mla", {"kv_ratio": 0.5, "rope_dims": 0}),

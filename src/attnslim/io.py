@@ -86,12 +86,14 @@ def _deduplicated_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each tied tensor stored once, under its first name in sorted order.
 
     safetensors' `save_model` does the same but records the dropped names in metadata in set order, so two identical
-    runs could write different bytes; `load_model` re-ties them from the model either way."""
+    runs could write different bytes; `load_model` re-ties them from the model either way. Zero-element tensors (a
+    LowRankLinear whose B is all structure: the left-block or LU junction at r = d_out) share no data, and
+    safetensors expects each of them by name, so they are never deduplicated (they all report data_ptr 0)."""
     kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     out = {}
     for name, tensor in sorted(model.state_dict().items()):
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        if key in kept:
+        if tensor.numel() and key in kept:
             continue
         kept[key] = name
         out[name] = tensor.detach().contiguous()

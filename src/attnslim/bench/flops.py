@@ -27,7 +27,7 @@ def _linear_weights(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.weight.numel()
     if isinstance(module, LowRankLinear):
-        return module.a.numel() + module.b.numel()
+        return module.factor_weights()
     if isinstance(module, LinearizedAttention):  # the NBL map W (d, d)
         return module.weight.numel()
     return sum(_linear_weights(child) for child in module.children())

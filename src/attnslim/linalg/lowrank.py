@@ -4,7 +4,8 @@ Paper: Koike-Akino et al., "LatentLLM: Attention-Aware Joint Tensor Compression"
 Approximated: y = W x + b by y ≈ B (A x) + b̂, B (d_out, r), A (r, d_in), minimising E‖(W − BA)x‖²
 (exact optimum for precond "rootcov"; the other pre-conditioners are the paper's baselines).
 Statistics: InputStats of the layer input (Σxxᵀ, Σx, Σ|x|, n); `rrr` also needs Σ t sᵀ and Σ t.
-Cost (weights only): r (d_out + d_in), or r (d_out + d_in) − r² with the block-identity junction (linalg/ranks.py).
+Cost (weights only): r (d_out + d_in), or r (d_out + d_in) − r² with the block-identity, left-block-identity and
+LU-like junctions (linalg/ranks.py; the gauges themselves: linalg/junctions.py).
 Deviations: Eq. 42's double-counted S is corrected (A = J⁻¹ V P⁻¹, B = U S J); the pivot columns are
 chosen by QR column pivoting followed by maxvol swaps so |A2| ≤ 1.01 (the paper does not say how).
 """
@@ -12,18 +13,19 @@ chosen by QR column pivoting followed by maxvol swaps so |A2| ≤ 1.01 (the pape
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
 from attnslim.errors import AttnslimError
+from attnslim.linalg.junctions import block_identity, left_block_identity, lu_junction
 from attnslim.linalg.precond import ROOTCOV, PrecondSpec, damped_eigh
 from attnslim.linalg.ranks import check_rank, factor_weights
 from attnslim.linalg.stats import InputStats
 
-Junction = Literal["left", "right", "split", "block_identity"]
-JUNCTIONS: tuple[str, ...] = ("left", "right", "split", "block_identity")
+Junction = Literal["left", "right", "split", "block_identity", "left_block_identity", "lu"]
+JUNCTIONS: tuple[str, ...] = ("left", "right", "split", "block_identity", "left_block_identity", "lu")
 _F64 = torch.float64
 
 
@@ -49,15 +51,26 @@ JOINT_FIT = FitOptions()
 class LowRankFactors:
     """W ≈ B A with bias b̂ (float64).
 
-    B: (d_out, r);  A: (r, d_in);  bias: (d_out,) or None;  perm: (d_in,) long or None.
-    With the block-identity junction A[:, perm[:r]] is exactly I_r, so inference needs only
-    `a2` = A[:, perm[r:]] (r, d_in − r) and A x = x[perm[:r]] + a2 @ x[perm[r:]].
+    B: (d_out, r);  A: (r, d_in);  bias: (d_out,) or None;  perm: (d_in,) long or None;  out_perm: (d_out,) or None.
+    The junction's form follows from which permutations are set (`form`):
+      perm only       block identity: A[:, perm[:r]] = I_r exactly, so inference needs only `a2` = A[:, perm[r:]]
+                      (r, d_in − r) and A x = x[perm[:r]] + a2 @ x[perm[r:]];
+      out_perm only   left block identity: B[out_perm[:r]] = I_r, inference needs `b2` = B[out_perm[r:]];
+      both            LU-like: A[:, perm[:r]] upper-triangular, B[out_perm[:r]] unit lower-triangular.
     """
 
     B: torch.Tensor
     A: torch.Tensor
     bias: torch.Tensor | None
     perm: torch.Tensor | None
+    out_perm: torch.Tensor | None = None
+
+    @property
+    def form(self) -> str:
+        """"dense" | "block_identity" | "left_block_identity" | "lu": which blocks are structural."""
+        if self.out_perm is None:
+            return "dense" if self.perm is None else "block_identity"
+        return "left_block_identity" if self.perm is None else "lu"
 
     @property
     def rank(self) -> int:
@@ -65,10 +78,17 @@ class LowRankFactors:
 
     @property
     def a2(self) -> torch.Tensor:
-        """(r, d_in − r) non-identity block of A (block-identity junction only)."""
+        """(r, d_in − r) A outside its pivot columns (block-identity and LU-like forms)."""
         if self.perm is None:
-            raise AttnslimError("a2 exists only for junction='block_identity' (perm is None)")
+            raise AttnslimError("a2 exists only for junction 'block_identity' or 'lu' (perm is None)")
         return self.A[:, self.perm[self.rank :]]
+
+    @property
+    def b2(self) -> torch.Tensor:
+        """(d_out − r, r) B outside its pivot rows (left-block-identity and LU-like forms)."""
+        if self.out_perm is None:
+            raise AttnslimError("b2 exists only for junction 'left_block_identity' or 'lu' (out_perm is None)")
+        return self.B[self.out_perm[self.rank :]]
 
     def weight(self) -> torch.Tensor:
         """(d_out, d_in) Ŵ = B A."""
@@ -76,7 +96,7 @@ class LowRankFactors:
 
     def param_count(self) -> int:
         d_out, d_in = int(self.B.shape[0]), int(self.A.shape[1])
-        return param_count(d_out, d_in, self.rank, "block_identity" if self.perm is not None else "left")
+        return param_count(d_out, d_in, self.rank, "left" if self.form == "dense" else self.form)
 
 
 Gauge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], LowRankFactors]  # (B, A, bias) -> a factor
@@ -91,65 +111,35 @@ def param_count(d_out: int, d_in: int, r: int, junction: str = "block_identity")
     return factor_weights(d_out, d_in, r, junction)
 
 
-def pivot_columns(m: torch.Tensor, max_swaps: int | None = None, tol: float = 1.01) -> torch.Tensor:
-    """Column permutation (d,) whose first r columns of m (r, d) form a well-conditioned block.
-
-    QR column pivoting (Businger-Golub) picks r columns greedily; maxvol swaps then exchange a pivot
-    column for any column whose coefficient |(J⁻¹ m)_ij| exceeds `tol` (each swap grows |det J|,
-    so it terminates), which bounds the entries of A2 = J⁻¹ m[:, rest] by `tol`.
-    """
-    r, d = m.shape
-    res = m.to(_F64).clone()  # (r, d) residual of the columns after projecting out chosen ones
-    chosen: list[int] = []
-    taken = torch.zeros(d, dtype=torch.bool, device=m.device)
-    for _ in range(r):
-        norms = (res * res).sum(0).masked_fill(taken, -1.0)  # (d,)
-        j = int(norms.argmax())
-        chosen.append(j)
-        taken[j] = True
-        qv = res[:, j] / norms[j].sqrt()  # (r,)
-        res -= torch.outer(qv, qv @ res)
-    piv = torch.tensor(chosen, dtype=torch.long, device=m.device)
-    coef = torch.linalg.solve(m[:, piv].to(_F64), m.to(_F64))  # (r, d), identity at piv
-    for _ in range(10 * r if max_swaps is None else max_swaps):
-        flat = int(coef.abs().argmax())
-        i, c = divmod(flat, d)
-        if abs(float(coef[i, c])) <= tol:
-            break
-        row = coef[i] / coef[i, c]  # (d,)
-        coef = coef - torch.outer(coef[:, c], row)
-        coef[i] = row
-        piv[i] = c
-    rest = torch.ones(d, dtype=torch.bool, device=m.device)
-    rest[piv] = False
-    return torch.cat([piv, torch.nonzero(rest).flatten()])
-
-
-def block_identity(b: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Re-gauge b (d_out, r) @ m (r, d) so the right factor holds an exact I_r (Remark 4, Eq. 8-9).
-
-    Returns (B = b J, A = J⁻¹ m with A[:, perm[:r]] = I_r exactly, perm (d,)), J = m[:, perm[:r]].
-    """
-    r = m.shape[0]
-    perm = pivot_columns(m)
-    j = m[:, perm[:r]].to(_F64)  # (r, r)
-    a = torch.linalg.solve(j, m.to(_F64))  # (r, d)
-    a[:, perm[:r]] = torch.eye(r, dtype=_F64, device=m.device)
-    return b.to(_F64) @ j, a, perm
-
-
-def _apply_junction(
-    u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, junction: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """u (d_out, r), s (r,), m = V P⁻¹ (r, d_in) -> (B, A, perm) with B A = u diag(s) m."""
-    if junction == "left":
-        return u * s, m, None
+def _apply_junction(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, junction: str) -> LowRankFactors:
+    """u (d_out, r), s (r,), m = V P⁻¹ (r, d_in) -> factors (bias None) with B A = u diag(s) m."""
     if junction == "right":
-        return u, s[:, None] * m, None
+        return LowRankFactors(u, s[:, None] * m, None, None)
     if junction == "split":
         root = s.sqrt()
-        return u * root, root[:, None] * m, None
-    return block_identity(u * s, m)
+        return LowRankFactors(u * root, root[:, None] * m, None, None)
+    return regauge(u * s, m, None, junction)
+
+
+def regauge(b: torch.Tensor, a: torch.Tensor, bias: torch.Tensor | None, junction: str) -> LowRankFactors:
+    """Any factor pair b (d_out, r) @ a (r, d_in) in a junction's form (same product): "left" / "none" keep it
+    dense, the three r²-saving junctions re-gauge it (linalg/junctions.py). "right" and "split" need the
+    singular values, which a bare pair does not carry: refused."""
+    if junction in ("left", "none"):
+        return LowRankFactors(b, a, bias, None)
+    if junction == "block_identity":
+        big_b, big_a, perm = block_identity(b, a)
+        return LowRankFactors(big_b, big_a, bias, perm)
+    if junction == "left_block_identity":
+        big_b, big_a, out_perm = left_block_identity(b, a)
+        return LowRankFactors(big_b, big_a, bias, None, out_perm)
+    if junction == "lu":
+        big_b, big_a, perm, out_perm = lu_junction(b, a)
+        return LowRankFactors(big_b, big_a, bias, perm, out_perm)
+    raise AttnslimError(
+        f"junction {junction!r} cannot re-gauge a factor pair without its singular values; valid here: "
+        "left, block_identity, left_block_identity, lu"
+    )
 
 
 def factorize(
@@ -190,11 +180,11 @@ def factorize(
     pc = precond.build(stats, center=center, label=label)
     u, s, vh = torch.linalg.svd(pc.right(w64), full_matrices=False)  # (d_out, k) (k,) (k, d_in)
     u, s, vh = u[:, :rank], s[:rank], vh[:rank]
-    big_b, a, perm = _apply_junction(u, s, pc.right_inv(vh), junction)
+    f = _apply_junction(u, s, pc.right_inv(vh), junction)
     bias = None if b is None else b.to(dev, _F64)
     if update_bias and bias is not None:
-        bias = bias + (w64 - big_b @ a) @ stats.mean
-    return LowRankFactors(big_b, a, bias, perm)
+        bias = bias + (w64 - f.B @ f.A) @ stats.mean
+    return replace(f, bias=bias)
 
 
 def rrr(
@@ -234,9 +224,8 @@ def rrr(
     c_isqrt = (q * e.rsqrt()) @ q.T  # (n_in, n_in) C0^{-1/2}
     u, sv, vh = torch.linalg.svd(k @ c_isqrt, full_matrices=False)
     u, sv, vh = u[:, :rank], sv[:rank], vh[:rank]
-    big_b, a, perm = _apply_junction(u, sv, vh @ c_isqrt, junction)
-    bias = mu_t - big_b @ (a @ mu_s) if fit_bias else None
-    return LowRankFactors(big_b, a, bias, perm)
+    f = _apply_junction(u, sv, vh @ c_isqrt, junction)
+    return replace(f, bias=mu_t - f.B @ (f.A @ mu_s) if fit_bias else None)
 
 
 def rrr_tokens(

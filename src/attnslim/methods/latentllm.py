@@ -8,9 +8,9 @@ or jointly (`vo=joint`, App. G); optionally the MLP (`mlp=local`, or `mlp=joint_
 up/down fit, §4.3 and App. H).
 Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the inputs of the compressed linears, collected sequentially
 (layer i sees the compressed layers < i); joint_ud fits on a seeded reservoir sample of MLP-input tokens.
-Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block-identity junction
-(default), r(d_out + d_in) with dense factors. KV per token and layer: r_k + r_v (`cache=latent`) instead of
-2·n_kv·d_h; `cache=values` n_kv·d_h + r_v (rotated keys, value latents); `cache=dense` 2·n_kv·d_h.
+Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block_identity (default),
+left_block_identity or lu junction, r(d_out + d_in) with dense factors. KV per token and layer: r_k + r_v instead of
+2·n_kv·d_h (`cache=latent`); `cache=values` n_kv·d_h + r_v (rotated keys, value latents); `cache=dense` 2·n_kv·d_h.
 Ranks: `ratio` (kept fraction of each layer's attention weights), `total_ratio` (of all parameters), `kv_ratio`
 (of the dense KV cache) or explicit `ranks`; `alloc=spectrum` (default) moves rank between a layer's matrices by
 whitened spectrum energy, `alloc=uniform` is the paper's rule, `alloc=global` allocates across layers.
@@ -36,8 +36,9 @@ from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.adapters.rotary import rotary_angles
 from attnslim.calib.hooks import SITE_OF
 from attnslim.errors import AttnslimError
-from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, block_identity, factorize
+from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, factorize, regauge
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec
+from attnslim.linalg.ranks import saves_square
 from attnslim.linalg.stats import InputStats
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
@@ -144,6 +145,11 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
     @property
     def block_identity(self) -> bool:
         return self.junction == "block_identity"
+
+    @property
+    def form(self) -> str:
+        """The installed LowRankLinear form (modules/lowrank.FORMS): the junction when it saves r², else dense."""
+        return self.junction if saves_square(self.junction) else "dense"
 
     # --- statistics and plan ----------------------------------------------------------------------
     def collector(self, adapter: Adapter, layer: int) -> Collector[LayerStats]:
@@ -274,9 +280,12 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
             fq = self._local(spec.q, spec.q_bias, st, ranks["q"], f"layer {layer} q")
             return fq, self._local(spec.k, spec.k_bias, st, ranks["k"], f"layer {layer} k"), {}
         angles = rotary_angles(adapter, spec.rope.layer_type) if spec.rope is not None else None
-        return fit_joint_qk(spec, st, ranks, layer, precond=self.precond_spec, rope_window=self.rope_window,
-                            n_iter=self.qk_iter, block_identity=self.block_identity,
-                            rope_freqs=None if angles is None else angles[0])
+        fq, fk, info = fit_joint_qk(spec, st, ranks, layer, precond=self.precond_spec, rope_window=self.rope_window,
+                                    n_iter=self.qk_iter, block_identity=self.block_identity,
+                                    rope_freqs=None if angles is None else angles[0])
+        if self.form in ("left_block_identity", "lu"):  # the shared latents' J_q, J_k: B's rows hold the structure
+            fq, fk = self._gauge(fq.B, fq.A, fq.bias), self._gauge(fk.B, fk.A, fk.bias)
+        return fq, fk, info
 
     def _vo(self, adapter: Adapter, spec: AttentionSpec, stats: LayerStats, ranks: dict[str, int], layer: int
             ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
@@ -303,11 +312,9 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         return PrecondSpec(self.precond, self.damp, self.alpha)
 
     def _gauge(self, b: torch.Tensor, a: torch.Tensor, bias: torch.Tensor | None) -> LowRankFactors:
-        """Joint V/O factors in the module's form: the identity block (if any) in A's columns."""
-        if not self.block_identity:
-            return LowRankFactors(b, a, bias, None)
-        b2, a2, perm = block_identity(b, a)
-        return LowRankFactors(b2, a2, bias, perm)
+        """Joint factors (V/O, U/D, the LU-like or left-block Q/K) in the module's form: this step's junction when
+        it saves r², else dense."""
+        return regauge(b, a, bias, self.form if self.form != "dense" else "left")
 
     def _mlp(self, adapter: Adapter, layer: int, stats: LayerStats, ranks: dict[str, int]) -> dict[str, Any]:
         """Fit (latentllm_mlp) and install the MLP's factors; returns the fit diagnostics."""
@@ -318,8 +325,8 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         else:
             factors, info = fit_joint_ud(
                 spec, stats, ranks, layer, n_iter=self.ud_iter, damp=self.damp,
-                junction="left" if self.block_identity else self.junction, keep_best=self.ud_keep_best,
-                gauge=self._gauge if self.block_identity else None)
+                junction="left" if self.form != "dense" else self.junction, keep_best=self.ud_keep_best,
+                gauge=self._gauge if self.form != "dense" else None)
         for n, f in factors.items():
             adapter.replace_linear(layer, n, compact_linear(f, spec.up.dtype).to(spec.up.device))
         return info
@@ -341,10 +348,12 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
 
         def empty(name: str, w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
             d_out, d_in = w.shape
-            return empty_compact_linear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype)
+            return empty_compact_linear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype,
+                                        self.form)
 
         d_k = spec.k.shape
-        k = LowRankLinear(d_k[1], d_k[0], ranks["k"], spec.k_bias is not None, self.block_identity, dtype)
+        k = LowRankLinear(d_k[1], d_k[0], ranks["k"], spec.k_bias is not None, self.block_identity, dtype,
+                          form=self.form)
         q = empty("q", spec.q, spec.q_bias)
         if self.vo == "none":
             v, o = adapter.linear(layer, "v"), adapter.linear(layer, "o")

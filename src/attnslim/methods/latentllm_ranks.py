@@ -25,8 +25,7 @@ Shapes = Mapping[str, tuple[int, int]]  # linear name -> (d_out, d_in)
 
 def uniform_ranks(shapes: Shapes, kappa: Mapping[str, float], junction: str) -> dict[str, int]:
     """Per-linear ranks keeping kappa[name] of each matrix's weights."""
-    bi = "block_identity" if junction == "block_identity" else "left"
-    return {n: rank_for_ratio(d_out, d_in, kappa[n], bi) for n, (d_out, d_in) in shapes.items()}
+    return {n: rank_for_ratio(d_out, d_in, kappa[n], junction) for n, (d_out, d_in) in shapes.items()}
 
 
 def dense_weights(shapes: Shapes) -> int:

@@ -95,7 +95,7 @@ class LatentAttention(ReplacementAttention):
     # --- projections ------------------------------------------------------------------------------
     def _keys(self, c_k: torch.Tensor, start: int) -> torch.Tensor:
         """Key latents (b, T, r_k) -> rotated keys (b, n_kv, T, d_h) at positions start.. ."""
-        k = heads(F.linear(c_k, self.k_proj.b, self.k_proj.bias), self.head_dim)
+        k = heads(F.linear(c_k, self.k_proj.decompression(), self.k_proj.bias), self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return self._rope(k, start)
@@ -154,7 +154,7 @@ class LatentAttention(ReplacementAttention):
         keep = attention_keep(attention_mask, t, kv, x.device, self.sliding_window, self.softcap)
         key_path, value_path = self._paths(t, kv)
         if key_path == "absorb":  # (b, h, t, r_k) queries against (b, 1, kv, r_k) latents
-            bk = self.k_proj.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
+            bk = self.k_proj.decompression().view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_k)
             q = (q.view(b, n_kv, h // n_kv, t, self.head_dim) @ bk[:, None]).reshape(b, h, t, -1)
             k = k_store.expand(b, n_kv, kv, k_store.shape[-1])
         elif key_path == "decompress":
@@ -181,11 +181,11 @@ class LatentAttention(ReplacementAttention):
         n_kv, g = self.n_kv_heads, self.n_heads // self.n_kv_heads
         lv = self._latent_v()
         if lv is not None and path == "decompress":
-            v_store = heads(F.linear(v_store[:, 0], lv.b, lv.bias), self.head_dim)  # (b, n_kv, kv, d_h)
+            v_store = heads(F.linear(v_store[:, 0], lv.decompression(), lv.bias), self.head_dim)  # (b, n_kv, kv, d_h)
         out = self._core(q, k, v_store, keep)  # (b, h, t, d_h | r_v)
         if lv is None or path != "absorb":
             return out
-        bv = lv.b.view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_v)
+        bv = lv.decompression().view(n_kv, self.head_dim, -1)  # (n_kv, d_h, r_v)
         out = (out.view(b, n_kv, g, t, -1) @ bv[:, None].transpose(-1, -2)).reshape(b, h, t, self.head_dim)
         if lv.bias is not None:  # softmax rows sum to one: the value bias passes through unchanged
             out = out + heads(lv.bias.expand(1, 1, -1), self.head_dim).repeat_interleave(g, 1)

@@ -1,7 +1,13 @@
-"""`LowRankLinear`: y = B (A x) + b, optionally with a block-identity A stored as an index + A2.
+"""`LowRankLinear`: y = B (A x) + b, dense factors or one of three junction forms that store r(d_out + d_in) − r².
 
-Block identity (LatentLLM §3.3): A[:, perm[:r]] = I_r, so A x = x[perm[:r]] + A2 x[perm[r:]] and the
-layer stores r(d_out + d_in) − r² weights — the identity block is neither stored nor multiplied.
+  block_identity       (LatentLLM §3.3) A[:, perm[:r]] = I_r: A x = x[perm[:r]] + A2 x[perm[r:]]; the identity
+                       block is neither stored nor multiplied.
+  left_block_identity  (Remark 5-i) B[out_perm[:r]] = I_r: y[out_perm[:r]] = z, y[out_perm[r:]] = B2 z (z = A x).
+  lu                   (Remark 5-ii) A[:, perm[:r]] = U upper-, B[out_perm[:r]] = L unit lower-triangular, packed
+                       in one (r, r) `lu` (U on and above the diagonal, L below; L's unit diagonal implicit), as
+                       LAPACK packs an LU; the triangles are applied as masked dense matmuls (the weights are
+                       stored once; the MAC saving of the triangles is not realised by torch's kernels).
+`out_index` (d_out,) is the inverse of out_perm, so y = cat([top, B2 z])[out_index] is one gather.
 """
 
 from __future__ import annotations
@@ -15,56 +21,94 @@ from attnslim.errors import AttnslimError
 from attnslim.modules.cpu_linear import linear
 from attnslim.registry import register_module
 
+FORMS = ("dense", "block_identity", "left_block_identity", "lu")
+
 
 @register_module
 class LowRankLinear(nn.Module):
-    perm: torch.Tensor  # (d_in,) long; only meaningful with block_identity
+    perm: torch.Tensor  # (d_in,) long; forms block_identity and lu
+    out_index: torch.Tensor  # (d_out,) long, inverse of out_perm; forms left_block_identity and lu
     linear_kernel = "torch"  # or "onednn": modules/cpu_linear.set_cpu_linear
 
     def __init__(
         self, in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, *, form: str | None = None,
     ) -> None:
+        """form (FORMS) overrides block_identity when given: "dense" | "block_identity" | "left_block_identity" |
+        "lu"."""
         super().__init__()
+        form = form if form is not None else ("block_identity" if block_identity else "dense")
+        if form not in FORMS:
+            raise AttnslimError(f"LowRankLinear form={form!r} is invalid; valid: {FORMS}")
         if not 0 < rank <= min(in_features, out_features):
             raise AttnslimError(
                 f"rank={rank} out of range for a {out_features}x{in_features} linear; "
                 f"use 1..{min(in_features, out_features)}"
             )
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.block_identity = block_identity
-        a_cols = in_features - rank if block_identity else in_features
-        self.a = nn.Parameter(torch.zeros(rank, a_cols, dtype=dtype))  # (r, d_in [- r])
-        self.b = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype))  # (d_out, r)
+        self.form, self.block_identity = form, form == "block_identity"
+        pivot_a, pivot_b = form in ("block_identity", "lu"), form in ("left_block_identity", "lu")
+        self.a = nn.Parameter(torch.zeros(rank, in_features - rank * pivot_a, dtype=dtype))  # (r, d_in [- r])
+        self.b = nn.Parameter(torch.zeros(out_features - rank * pivot_b, rank, dtype=dtype))  # (d_out [- r], r)
+        self.lu = nn.Parameter(torch.zeros(rank, rank, dtype=dtype)) if form == "lu" else None  # packed U and L
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        # perm[:r] = identity columns, perm[r:] = columns multiplied by A2 (stored, not trained)
-        self.register_buffer("perm", torch.arange(in_features) if block_identity else None)
+        # perm[:r] = structural columns of A, perm[r:] = columns multiplied by A2 (stored, not trained)
+        self.register_buffer("perm", torch.arange(in_features) if pivot_a else None)
+        self.register_buffer("out_index", torch.arange(out_features) if pivot_b else None)
 
     @classmethod
     def from_factors(cls, factors: Any, dtype: torch.dtype) -> LowRankLinear:
         """Build from `attnslim.linalg.lowrank.LowRankFactors` (B, A, bias, perm)."""
         d_out, r = factors.B.shape
         d_in = factors.A.shape[1]
-        mod = cls(d_in, d_out, r, factors.bias is not None, factors.perm is not None, dtype)
+        form = factors.form
+        mod = cls(d_in, d_out, r, factors.bias is not None, form == "block_identity", dtype, form=form)
         with torch.no_grad():
-            mod.b.copy_(factors.B)
+            mod.b.copy_(factors.b2 if factors.out_perm is not None else factors.B)
             mod.a.copy_(factors.a2 if factors.perm is not None else factors.A)
             if factors.bias is not None and mod.bias is not None:
                 mod.bias.copy_(factors.bias)
             if factors.perm is not None:
                 mod.perm.copy_(factors.perm)
+            if factors.out_perm is not None:
+                mod.out_index.copy_(torch.argsort(factors.out_perm))
+            if mod.lu is not None:  # U on and above the diagonal, L strictly below
+                assert factors.perm is not None and factors.out_perm is not None
+                upper = factors.A[:, factors.perm[:r]].triu()
+                mod.lu.copy_(upper + factors.B[factors.out_perm[:r]].tril(-1))
         return mod
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., r) = A x."""
-        if not self.block_identity:
+        if self.perm is None:
             return linear(x, self.a, None, self.linear_kernel)
         r = self.rank
-        return x.index_select(-1, self.perm[:r]) + linear(x.index_select(-1, self.perm[r:]), self.a, None,
-                                                          self.linear_kernel)
+        rest = linear(x.index_select(-1, self.perm[r:]), self.a, None, self.linear_kernel)
+        head = x.index_select(-1, self.perm[:r])
+        return head + rest if self.lu is None else linear(head, self.lu.triu(), None, self.linear_kernel) + rest
+
+    def decompress(self, z: torch.Tensor) -> torch.Tensor:
+        """(..., r) latents -> (..., d_out) = B z + b."""
+        if self.out_index is None:
+            return linear(z, self.b, self.bias, self.linear_kernel)
+        top = z if self.lu is None else z + linear(z, self.lu.tril(-1), None, self.linear_kernel)  # L z
+        y = torch.cat([top, linear(z, self.b, None, self.linear_kernel)], -1).index_select(-1, self.out_index)
+        return y if self.bias is None else y + self.bias
+
+    def decompression(self) -> torch.Tensor:
+        """(d_out, r) B as one matrix: the parameter itself for dense B, else the structure written out (for code
+        that multiplies by B per head: LatentAttention's key and value paths)."""
+        if self.out_index is None:
+            return self.b
+        eye = torch.eye(self.rank, dtype=self.b.dtype, device=self.b.device)
+        return (self.decompress(eye) - (0 if self.bias is None else self.bias)).T
+
+    def factor_weights(self) -> int:
+        """Weights stored (= MACs per token; biases and indices not counted): r(d_out + d_in) [− r²]."""
+        return self.a.numel() + self.b.numel() + (0 if self.lu is None else self.lu.numel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.latent(x), self.b, self.bias, self.linear_kernel)
+        return self.decompress(self.latent(x))
 
     def dense_latent(self) -> torch.Tensor:
         """(r, d_in) A as one matrix, the block identity written out."""
@@ -76,7 +120,7 @@ class LowRankLinear(nn.Module):
         return self.forward(eye).T - (0 if self.bias is None else self.bias[:, None])
 
     def extra_repr(self) -> str:
-        kind = "block-identity" if self.block_identity else "dense factors"
+        kind = "dense factors" if self.form == "dense" else self.form.replace("_", "-")
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, {kind}"
 
 
@@ -101,8 +145,8 @@ def compact_linear(factors: Any, dtype: torch.dtype) -> nn.Module:
 
 
 def empty_compact_linear(in_features: int, out_features: int, rank: int, bias: bool, block_identity: bool,
-                         dtype: torch.dtype) -> nn.Module:
-    """The empty module `compact_linear` builds for this shape and rank (for loading)."""
+                         dtype: torch.dtype, form: str | None = None) -> nn.Module:
+    """The empty module `compact_linear` builds for this shape and rank (for loading); form as LowRankLinear's."""
     if is_full_rank(rank, out_features, in_features):
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-    return LowRankLinear(in_features, out_features, rank, bias, block_identity, dtype)
+    return LowRankLinear(in_features, out_features, rank, bias, block_identity, dtype, form=form)
