@@ -8,12 +8,14 @@ are captured once (`layer_io`), so each test costs its own linear algebra only (
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
+from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.calib.hooks import capture_sites
 from attnslim.data import calib_windows
@@ -24,6 +26,11 @@ from attnslim.linalg.pca import energy_kept, principal_components, svd_entropy_r
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec, preconditioner
 from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import QKWeights, joint_qk, qk_logit_loss, split_qk
+from attnslim.methods.lisa import Ds, Lisa
+from attnslim.methods.lisa_memory import prefill_break_even, saved_kv_per_token, score_bytes, shared_layers
+from attnslim.modules.score_link import ScoreLink
+from attnslim.modules.shared import DonorAttention, SharedAttention
+from helpers import install_sharing
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
 
@@ -239,3 +246,74 @@ def test_real_cca_ranking_is_stable_across_calibration_seeds(smol) -> None:
         return set(sorted(range(len(bounds)), key=bounds.__getitem__)[:3])
 
     assert len(lowest(first) & lowest(second)) >= 2, (first, second)
+
+
+# ------------------------------------------------------------------ LISA (notes §7)
+
+
+def test_real_direct_sharing_chain_reuses_the_donor_scores_bit_for_bit(smol) -> None:
+    """#2: a DS chain 21..23 on SmolLM2 hands every layer exactly layer 20's pre-softmax scores; with the causal
+    mask they are the dense layer 20's attention probabilities, which the dense layers 21..23 do not share."""
+    model, tokenizer = smol
+    ids = calib_windows("wiki", tokenizer, 1, 48, seed=1).ids  # (1, 48)
+    dense = copy.deepcopy(model)
+    dense.set_attn_implementation("eager")
+    with torch.no_grad():
+        probs = dense(input_ids=ids, output_attentions=True).attentions  # per layer (1, 9, 48, 48)
+    del dense
+    assert all(not torch.allclose(probs[i], probs[20], atol=1e-2) for i in (21, 22, 23))
+    shared = copy.deepcopy(model)
+    adapter = install_sharing(shared, Ds(), [21, 22, 23])
+    donor = adapter.attention(20)
+    assert isinstance(donor, DonorAttention)
+    seen: dict[int, torch.Tensor] = {}
+    put = donor.export.put
+    donor.export.put = lambda t: (seen.__setitem__(20, t), put(t))[1]  # type: ignore[method-assign]
+    for i in (21, 22, 23):
+        receiver = adapter.attention(i)
+        assert isinstance(receiver, SharedAttention) and receiver.kind() == "ds"
+        receiver.score_sink = lambda j, t: seen.__setitem__(j, t)
+    with torch.no_grad():
+        shared(input_ids=ids)
+    assert sorted(seen) == [20, 21, 22, 23]
+    for i in (21, 22, 23):
+        assert torch.equal(seen[i], seen[20]), i
+    causal = torch.ones(48, 48, dtype=torch.bool).tril()
+    p20 = torch.softmax(seen[20].masked_fill(~causal, float("-inf")), dim=-1)
+    torch.testing.assert_close(p20, probs[20], atol=1e-5, rtol=0)
+
+
+def test_real_lisa_memory_formula_and_break_even_length(smol, monkeypatch) -> None:
+    """#10: LISA on layer 20 and DS on layer 22 of SmolLM2: the K-cache bytes saved in a real prefill equal the
+    formula l · Σ g(d_k − r) · size, the score tensor handed over is h · l · l · size, and prefill saves memory
+    exactly below the break-even length l* = Σ g(d_k − r) / h, costs more above it (the paper's N(d_k − r))."""
+    model, tokenizer = smol
+    converted = copy.deepcopy(model)
+    install_sharing(converted, Lisa(), [20])
+    install_sharing(converted, Ds(), [22])
+    layers = shared_layers(converted)
+    assert [s.keys for s in layers] == [10, 1]  # K_LR of LISA's default rank 10; the DS position marker
+    size = next(converted.parameters()).element_size()
+    l_star = prefill_break_even(layers)
+    assert l_star == (3 * (64 - 10) + 3 * (64 - 1)) / 9  # = 39 tokens
+    largest = [0]
+    put = ScoreLink.put
+
+    def spy(link: ScoreLink, scores: torch.Tensor) -> None:
+        largest[0] = max(largest[0], scores.numel() * scores.element_size())
+        put(link, scores)
+
+    monkeypatch.setattr(ScoreLink, "put", spy)
+    text = calib_windows("wiki", tokenizer, 1, 4 * int(l_star) + 8, seed=2).ids
+    lengths = (max(2, int(l_star) // 2), int(l_star) + 1, 4 * int(l_star))  # below, just above, far above l*
+    for length in lengths:
+        largest[0] = 0
+        cache = _compat.new_cache(converted.config)
+        with torch.no_grad():
+            converted(input_ids=text[:, :length], past_key_values=cache, use_cache=True)
+        keys = sum(layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+        dense_keys = 30 * 3 * 64 * size * length  # 30 layers × g × d_k per token
+        saved = dense_keys - keys
+        assert saved == saved_kv_per_token(layers, size) * length
+        assert largest[0] == score_bytes(9, length, length, size)
+        assert (saved > largest[0]) == (length < l_star), (length, l_star, saved, largest[0])
