@@ -22,15 +22,16 @@ from attnslim.data import calib_windows
 from attnslim.linalg.cca import JointStats, cca_bound
 from attnslim.linalg.joint_ud import UD_FIT, MLPWeights, joint_ud
 from attnslim.linalg.lowrank import JUNCTIONS, FitOptions, factorize, param_count
-from attnslim.linalg.pca import energy_kept, principal_components, svd_entropy_rank
+from attnslim.linalg.pca import canonical_signs, energy_kept, principal_components, svd_entropy_rank
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec, preconditioner
 from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import QKWeights, joint_qk, qk_logit_loss, split_qk
 from attnslim.methods.lisa import Ds, Lisa
 from attnslim.methods.lisa_memory import prefill_break_even, saved_kv_per_token, score_bytes, shared_layers
+from attnslim.modules.principal import PrincipalKeyAttention
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import DonorAttention, SharedAttention
-from helpers import install_sharing
+from helpers import convert_atp, install_sharing
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
 
@@ -199,6 +200,49 @@ def test_real_inputs_are_low_rank_by_entropy_and_energy(layer_io: LayerIO) -> No
         energies = [energy_kept(x, f) for f in (1 / 8, 1 / 4, 1 / 2, 1.0)]
         assert energies == sorted(energies) and energies[-1] == pytest.approx(1.0)
         assert energies[1] >= 0.9 > noise_energy, energies
+
+
+@pytest.fixture(scope="module")
+def atp_paper(smol):
+    """A float64 copy of SmolLM2 with ATP's paper form (r = L/2, non-causal prefill) in all 30 layers. float64:
+    in float32 the truncated SVDs of 30 real layers amplify rounding, and a padded row's logits differ from the row
+    run alone by more than 1e-4 of their scale, which would hide what the padding mask itself does."""
+    return convert_atp(copy.deepcopy(smol[0]).double(), rank=0.5, form="paper")
+
+
+def test_real_sign_canonicalisation_makes_the_output_flip_invariant(atp_paper, layer_io: LayerIO) -> None:
+    """#7: layer 10's ATP attention on two real windows (128 tokens, r = 64): flipping the signs of columns of U
+    (and rows of X′) changes the output, canonical_signs restores it to 1e-10."""
+    module = atp_paper.model.layers[LAYER].self_attn
+    assert isinstance(module, PrincipalKeyAttention)
+    x = layer_io.attn_in[:2, :128]  # (2, 128, 576)
+    pos = torch.arange(128)[None].expand(2, -1)
+    cos_sin = tuple(t.double() for t in atp_paper.model.rotary_emb(x, pos))
+    u, xp, valid = module.decompose(x, torch.ones(2, 128, dtype=torch.bool))
+    ref = module.principal_attention(x, u, xp, valid, cos_sin)
+    flips = torch.where(torch.rand(2, u.shape[-1], generator=torch.Generator().manual_seed(3)) < 0.5, -1.0, 1.0)
+    u_f, xp_f = u * flips.double()[:, None, :], xp * flips.double()[:, :, None]
+    assert (module.principal_attention(x, u_f, xp_f, valid, cos_sin) - ref).abs().max() > 1e-4 * ref.abs().max()
+    u_c, xp_c = canonical_signs(u_f, xp_f)
+    torch.testing.assert_close(module.principal_attention(x, u_c, xp_c, valid, cos_sin), ref, atol=1e-10, rtol=0)
+
+
+def test_real_atp_padding_and_batch_invariance(atp_paper, smol) -> None:
+    """#9: SmolLM2 with ATP in every layer, a batch of two calibration windows, the second right-padded after 32
+    of 48 tokens (the padded positions hold real text, so a leak into U would show): each row's logits at its real
+    positions equal the row run alone; without the mask the non-causal layers read those tokens and differ."""
+    ids = calib_windows("wiki", smol[1], 2, 48, seed=3).ids  # (2, 48)
+    mask = torch.ones(2, 48, dtype=torch.long)
+    mask[1, 32:] = 0
+    with torch.no_grad():
+        batch = atp_paper(input_ids=ids, attention_mask=mask).logits
+        first, second = atp_paper(input_ids=ids[:1]).logits[0], atp_paper(input_ids=ids[1:, :32]).logits[0]
+        unmasked = atp_paper(input_ids=ids).logits
+    assert bool(torch.isfinite(batch).all())
+    scale = float(second.abs().max())
+    torch.testing.assert_close(batch[0], first, atol=1e-9 * scale, rtol=0)
+    torch.testing.assert_close(batch[1, :32], second, atol=1e-9 * scale, rtol=0)
+    assert float((unmasked[1, :32] - second).abs().max()) > 1e-2 * scale
 
 
 # ------------------------------------------------------------------ NBL ("Properties")
