@@ -327,14 +327,48 @@ def test_real_direct_sharing_chain_reuses_the_donor_scores_bit_for_bit(smol) -> 
     torch.testing.assert_close(p20, probs[20], atol=1e-5, rtol=0)
 
 
+def _lisa20_ds22(model):
+    """A copy of `model` with LISA (default rank 10, starting at direct sharing) on layer 20 and DS on 22."""
+    converted = copy.deepcopy(model)
+    install_sharing(converted, Lisa(), [20])
+    install_sharing(converted, Ds(), [22])
+    return converted
+
+
+def test_real_lisa_and_ds_stay_causal_and_finite_with_padding(smol) -> None:
+    """#3, #4: SmolLM2 with LISA on layer 20 (aligner and compensator randomised, so the low-rank scores count) and
+    DS on 22: changing tokens 32.. of a calibration window leaves the logits of positions 0..31 unchanged and
+    changes the later ones; a left-padded batch gives finite logits."""
+    model, tokenizer = smol
+    converted = _lisa20_ds22(model)
+    receiver = converted.model.layers[20].self_attn
+    assert isinstance(receiver, SharedAttention) and receiver.kind() == "lisa"
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in receiver.trainable():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    ids = calib_windows("wiki", tokenizer, 2, 48, seed=4).ids  # (2, 48)
+    changed = ids.clone()
+    changed[:, 32:] = ids.flip(0)[:, 32:]  # the other window's continuation
+    mask = torch.ones(2, 48, dtype=torch.long)
+    mask[0, :7] = 0  # left padding
+    with torch.no_grad():
+        a, b = converted(input_ids=ids).logits, converted(input_ids=changed).logits
+        padded = converted(input_ids=ids, attention_mask=mask).logits
+        dense = model(input_ids=ids).logits
+    scale = float(a.abs().max())
+    torch.testing.assert_close(a[:, :32], b[:, :32], atol=1e-5 * scale, rtol=0)
+    assert float((a[:, 32:] - b[:, 32:]).abs().max()) > 1e-2 * scale
+    assert float((a - dense).abs().max()) > 1e-3 * scale  # the randomised LISA layer does change the model
+    assert bool(torch.isfinite(padded).all())
+
+
 def test_real_lisa_memory_formula_and_break_even_length(smol, monkeypatch) -> None:
     """#10: LISA on layer 20 and DS on layer 22 of SmolLM2: the K-cache bytes saved in a real prefill equal the
     formula l · Σ g(d_k − r) · size, the score tensor handed over is h · l · l · size, and prefill saves memory
     exactly below the break-even length l* = Σ g(d_k − r) / h, costs more above it (the paper's N(d_k − r))."""
     model, tokenizer = smol
-    converted = copy.deepcopy(model)
-    install_sharing(converted, Lisa(), [20])
-    install_sharing(converted, Ds(), [22])
+    converted = _lisa20_ds22(model)
     layers = shared_layers(converted)
     assert [s.keys for s in layers] == [10, 1]  # K_LR of LISA's default rank 10; the DS position marker
     size = next(converted.parameters()).element_size()
