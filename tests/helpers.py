@@ -71,6 +71,17 @@ def reloaded_with_both_loaders(model: Any, report: dict[str, Any], directory: An
     return loaded
 
 
+def install_sharing(model: Any, method: Any, layers: list[int]) -> Any:
+    """Plan + convert a lisa or ds `method` on `layers` in place (neither needs calibration statistics: lisa starts
+    from direct sharing with a compensator initialised from the weights); returns the model's adapter."""
+    from attnslim.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    for i, entry in method.plan(adapter, layers, {}).layers.items():
+        method.convert(adapter, i, entry, None)
+    return adapter
+
+
 def convert_atp(model: Any, **args: Any) -> Any:
     """Install atp on every full-attention layer (no calibration pass needed: atp has no statistics)."""
     from attnslim.adapters import get_adapter

@@ -11,17 +11,9 @@ from attnslim.adapters import get_adapter
 from attnslim.methods.lisa import Ds, Lisa
 from attnslim.modules.shared import DonorAttention, SharedAttention
 from conftest import tiny_llama
-from helpers import ByteTokenizer
+from helpers import ByteTokenizer, install_sharing
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-
-
-def _install(model, method, layers):
-    """Plan + convert `method` on `layers` directly (ds/lisa need no calibration statistics)."""
-    adapter = get_adapter(model)
-    for i, entry in method.plan(adapter, layers, {}).layers.items():
-        method.convert(adapter, i, entry, None)
-    return adapter
 
 
 def _weights(modules) -> int:
@@ -38,7 +30,7 @@ def test_direct_sharing_chain_reuses_layer0_scores_bit_for_bit():
     probs = original(input_ids=IDS, output_attentions=True).attentions  # per layer (b, h, l, l)
     assert not torch.allclose(probs[1], probs[0], atol=1e-3)  # without sharing, layers attend differently
     model = tiny_llama()
-    adapter = _install(model, Ds(), [1, 2, 3])
+    adapter = install_sharing(model, Ds(), [1, 2, 3])
     donor, receivers = adapter.attention(0), {i: adapter.attention(i) for i in (1, 2, 3)}
     assert isinstance(donor, DonorAttention)
     assert all(isinstance(m, SharedAttention) and m.kind() == "ds" and not m.trainable() for m in receivers.values())
