@@ -26,8 +26,10 @@ def _diff(row: dict[str, Any], ref: dict[str, Any]) -> str:
 
 def _verdicts(dense: dict[str, Any], rows: dict[str, dict[str, Any]], sources: list[str]) -> list[str]:
     out = []
-    for key, row in rows.items():
-        base = rows.get(key.replace("mla-", "transmla-", 1)) if key.startswith("mla-kv") else None
+    for key, row in rows.items():  # each method against its baseline row: mla / transmla, nbl / drop (same layers)
+        rival = ("transmla-" + key[4:] if key.startswith("mla-kv") else "drop-" + key[4:] if key.startswith("nbl-")
+                 else "")
+        base = rows.get(rival)
         if base is None or "heal" in key:
             continue
         ppl = [s for s in sources if row["ppl"][s] < base["ppl"][s]]
@@ -35,7 +37,7 @@ def _verdicts(dense: dict[str, Any], rows: dict[str, dict[str, Any]], sources: l
         if "standard" in row and "standard" in base:
             diff, se = paired_difference(row["standard"]["items"], base["standard"]["items"])
             acc = f"; average accuracy {100 * diff:+.1f} ± {100 * se:.1f} points against it (paired)"
-        out.append(f"- {key} beats transmla on {len(ppl)} of {len(sources)} sources"
+        out.append(f"- {key} beats {rival} on {len(ppl)} of {len(sources)} sources"
                    f"{' (' + ', '.join(ppl) + ')' if ppl else ''}{acc}.")
     target = rows.get("mla-kv0.625")
     if target is not None:

@@ -65,7 +65,7 @@ def test_section_states_the_verdicts_the_rows_support() -> None:
             "dense": _row(10.0, [1, 1, 0, 1], kv=160),
             "variants": {"mla-kv0.625": _row(10.5, [1, 1, 0, 1]), "transmla-kv0.625": _row(12.0, [1, 0, 0, 0])}}
     text = "\n".join(report_scale_real.scale_real_section(data))
-    assert "mla-kv0.625 beats transmla on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
+    assert "mla-kv0.625 beats transmla-kv0.625 on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
     assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
     assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
     assert "`OMP_NUM_THREADS=2 .venv/bin/python benchmarks/scale_real.py --limit=4`" in text  # the parent's call
