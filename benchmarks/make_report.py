@@ -142,7 +142,8 @@ def device_details(env: dict[str, Any]) -> str:
 
 
 # sections in this order (by method), then any other result file in name order
-ORDER = ("scale-real-qwen2.5-1.5b", "baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole",
+ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
+         "baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole",
          "latentllm-small",
          "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
          "mla-gemma3", "mla-gemma3-calib", "mla-gemma3-nobos", "mla-gemma3-small",

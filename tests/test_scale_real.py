@@ -69,3 +69,26 @@ def test_section_states_the_verdicts_the_rows_support() -> None:
     assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
     assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
     assert "`OMP_NUM_THREADS=2 .venv/bin/python benchmarks/scale_real.py --limit=4`" in text  # the parent's call
+
+
+def test_gpu_section_sets_its_rows_against_the_cpu_run_and_the_published_scores() -> None:
+    env = {"device": "cuda", "gpu": "NVIDIA H200", "threads": 16, "torch": "t", "transformers": "x",
+           "command": "benchmarks/scale_real.py --limit 4 --row=mla-kv0.625"}
+    dense = _row(10.0, [1, 1, 0, 1], kv=160)
+    dense["standard"]["tasks"] = {"winogrande": {"acc": 0.57}, "hellaswag": {"acc": 0.455, "acc_norm": 0.56}}
+    dense["standard"]["eval_seconds"] = 30.0
+    gpu_row = {**_row(10.5, [1, 1, 0, 1]), "ppl_ratio": dict.fromkeys(("wiki", "ptb", "c4"), 1.05)}
+    gpu_row["standard"]["eval_seconds"] = 31.0
+    cpu = {"mla-kv0.625": {"ppl_ratio": dict.fromkeys(("wiki", "ptb", "c4"), 1.05 * (1 + 2e-5))},
+           "nbl-6": {"ppl_ratio": dict.fromkeys(("wiki", "ptb", "c4"), 1.2)}}
+    data = {"model": "qwen2.5-1.5b", "environment": env, "suite": {"standard_tasks": ["arc_easy"],
+                                                                    "standard_limit": 4},
+            "eval": {"sources": ["wiki", "ptb", "c4"], "tokens": 2048}, "dense": dense,
+            "variants": {"mla-kv0.625": gpu_row}}
+    text = "\n".join(report_scale_real.scale_real_section(data, report_scale_real.GPU_STEM, cpu))
+    assert text.startswith(f"## {report_scale_real.GPU_TITLE}") and "Device NVIDIA H200" in text
+    assert "30.0–31.0 s per row for the suite" in text
+    assert "differ from these by at most 2.0e-05 (relative), over all 1 rows" in text
+    assert "Rows of the CPU run not measured in this one: nbl-6." in text
+    assert "winogrande: published 60.7 (acc), ours acc 57.0" in text
+    assert "hellaswag: published 61.8 (metric not stated), ours acc 45.5 / acc_norm 56.0" in text
