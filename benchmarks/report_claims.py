@@ -35,7 +35,8 @@ class Measurement:
     """One number and its rule. `value`/`baseline` are JSON paths in results/<file>.json (`baseline_file` if the
     baseline lives elsewhere); a "*" step averages over every child. q = value/baseline (`compare: ratio`, the
     default), value − baseline (`difference`), or value alone; the cell holds when `holds_if` holds for q.
-    `accuracy` = (run, variant, baseline) of summary_accuracy.json instead of paths: q = the paired difference."""
+    `accuracy` = (run, variant, baseline) of summary_accuracy.json instead of paths (of a harness file, whose rows
+    carry their own suite, run is "standard"): q = the paired difference."""
 
     label: str
     file: str
@@ -143,7 +144,12 @@ def _accuracy(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:
     """(text, verdict) of an accuracy measurement: paired difference in points ± its paired standard error."""
     assert m.accuracy is not None
     run_key, key, base = m.accuracy
-    models = results.get(m.file, {}).get(run_key, {}).get("models", {})
+    data = results.get(m.file, {})
+    if "variants" in data:  # a harness file (benchmarks/common.py): each row's suite under "standard"
+        models = {k: r["standard"] for k, r in {"dense": data.get("dense", {}), **data["variants"]}.items()
+                  if "standard" in r}
+    else:
+        models = data.get(run_key, {}).get("models", {})
     absent = [k for k in (key, base) if k not in models]
     if absent:
         why = m.pending or f"no `{'`, `'.join(absent)}` in {m.file}.json run {run_key}"

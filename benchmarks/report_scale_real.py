@@ -92,7 +92,8 @@ def scale_real_section(data: dict[str, Any], stem: str = CPU_STEM, cpu: dict[str
     limit = suite.get("standard_limit")
     command = " ".join(a for a in env["command"].split() if not a.startswith("--row="))  # the parent's call
     gpu = env["device"] == "cuda"
-    seconds = sorted(r["standard"]["eval_seconds"] for r in [dense, *rows.values()] if "standard" in r)
+    seconds = sorted(r["standard"]["eval_seconds"] for r in [dense, *rows.values()]
+                     if "eval_seconds" in r.get("standard", {}))
     how = (f"`benchmarks/gpu_scale_real.sh rows KEY...` (the model's parts carried to the GPU machine, see its "
            f"header), i.e. `ATTNSLIM_BENCH_DEVICE=cuda python3 {command}` per row" if gpu else
            f"`OMP_NUM_THREADS={env['threads']} .venv/bin/python {command}` (each row in its own process; "
