@@ -52,17 +52,20 @@ def qwen15_section(folder: Path) -> list[str]:
             "| run | wall | CPU s | peak RSS GB |", "|---|---|---|---|", *rows, ""]
 
 
-def heal_memory_section(data: dict[str, Any]) -> list[str]:
-    out = ["## The heal's memory: a bfloat16 teacher and activation checkpointing", "",
-           f"Command: `OMP_NUM_THREADS=1 .venv/bin/python {data['command']}` → `benchmarks/results/heal-memory.json`. "
+def heal_memory_section(data: dict[str, Any], stem: str = "heal-memory") -> list[str]:
+    """One heal-memory results file (benchmarks/heal_memory.py): peak RSS per memory setting, and against the
+    float32 row where the run has one (at 1.5B it has not: two float32 copies and their activations exceed 24 GB)."""
+    base = next((r["peak_rss_mb"] for r in data["rows"] if r["setting"] == "float32"), None)
+    out = [f"## The heal's memory on {data['model']}: a bfloat16 teacher and activation checkpointing", "",
+           f"Command: `OMP_NUM_THREADS=1 .venv/bin/python {data['command']}` → `benchmarks/results/{stem}.json`. "
            f"Model `{data['model']}`, the default recipe with a {data['steps']}-step heal of 4 × 256 tokens, each "
            "setting in its own process (peak RSS of the whole compress). Checkpointing gives the float32 losses "
            "exactly; the bfloat16 teacher moves them by about 0.5%. `compress` switches a default heal to both when "
            "two float32 copies of the model do not fit in free memory but 1.5 do. Heal seconds are not comparable "
-           "(the machine's load changed between runs).", "",
-           "| setting | peak RSS MB | ×float32 | losses |", "|---|---|---|---|"]
-    base = data["rows"][0]["peak_rss_mb"]
+           "between runs (the machine's load changed).", "",
+           "| setting | peak RSS MB | ×float32 | heal s per step | losses |", "|---|---|---|---|---|"]
     for row in data["rows"]:
-        out.append(f"| {row['setting']} | {row['peak_rss_mb']:,} | {row['peak_rss_mb'] / base:.2f} | "
-                   f"{', '.join(f'{v:.4f}' for v in row['history'])} |")
+        ratio = f"{row['peak_rss_mb'] / base:.2f}" if base else "no float32 row"
+        out.append(f"| {row['setting']} | {row['peak_rss_mb']:,} | {ratio} | "
+                   f"{row['heal_seconds'] / data['steps']:.0f} | {', '.join(f'{v:.4f}' for v in row['history'])} |")
     return out + [""]
