@@ -60,7 +60,7 @@ from attnslim.user_cache import cache_root
 cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2)
 model = transformers.LlamaForCausalLM(cfg).cuda().eval()
-tok = transformers.PreTrainedTokenizerFast(tokenizer_file='$SITE/probe_tokenizer.json')
+tok = transformers.PreTrainedTokenizerFast(tokenizer_file='$SITE/probe_tokenizer.json', eos_token='<|endoftext|>')
 r = evaluate_standard(model, tok, list(SUITES['standard']), materialise(cache_root()), limit=2, batch_size=8)
 print('probe ok', r['average'])" ;;
 convert)
