@@ -108,6 +108,9 @@ def test_engine_that_serves_no_candidate_names_the_layer() -> None:
     (["plan", "--kv", "0.5", "--candidates", "mla,lora", "--out", "{tmp}/p.yaml"], "unknown ['lora']"),
     (["plan", "--kv", "0.5", "--out", "{tmp}/p.txt"], "must end in .yaml"),
     (["compress", "--kv", "0.5", "--recipe", "mla", "--out", "{tmp}/o"], "drop --recipe/--set"),
+    (["compress", "--kv", "0.5", "--offload", "--out", "{tmp}/o"], "the planner does not offload"),
+    (["plan", "--kv", "0.5", "--device", "tpu", "--out", "{tmp}/p.yaml"], "is not a device"),
+    (["plan", "--kv", "0.5", "--dtype", "float8", "--out", "{tmp}/p.yaml"], "--dtype 'float8' is not supported"),
 ])
 def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys: pytest.CaptureFixture[str],
                                                       argv: list[str], message: str) -> None:
@@ -140,6 +143,34 @@ def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
     assert info["planner"]["budgets"] == {"kv": 0.6} and info["planner"]["kv_measured"] <= 0.6
     assert info["kv_bytes_per_token_after"] / info["kv_bytes_per_token_before"] == info["planner"]["kv_measured"]
     load(tmp_path / "out")
+
+
+def test_plan_and_compress_kv_in_bfloat16_choose_and_save_in_that_dtype(tmp_path: Path) -> None:
+    """`--dtype bfloat16` (how a 7B-8B model plans on one GPU): the planner measures the bfloat16 model, the plan
+    holds the budget, and `compress --kv` saves bfloat16 weights with the compute recorded."""
+    import json
+
+    from safetensors import safe_open
+
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    options = ["--kv", "0.6", "--candidates", "keep,mla,nbl,drop", "--ladder", "0.5", "--calib-source", "tiny",
+               "--calib-windows", "4", "--score-windows", "2", "--rounds", "1", "--dtype", "bfloat16"]
+    assert cli_main(["plan", str(ckpt), *options, "--out", str(tmp_path / "plan.yaml")]) == 0
+    report = json.loads((tmp_path / "plan.report.json").read_text())
+    assert report["used"]["kv"] <= 0.6 and any(r["kl"] > 0 for r in report["layers"])
+    assert cli_main(["compress", str(ckpt), *options, "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "compression.json").read_text())
+    assert info["compute"] == {"device": "cpu", "dtype": "bfloat16", "offload": False}
+    assert info["planner"]["kv_measured"] <= 0.6
+    shard = next((tmp_path / "out").glob("*.safetensors"))
+    with safe_open(str(shard), framework="pt") as f:
+        floats = {t.dtype for t in (f.get_tensor(k) for k in f.keys()) if t.is_floating_point()}  # noqa: SIM118
+    assert floats == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -91,15 +91,14 @@ def parse_floats(flag: str, text: str) -> list[float]:
 def cmd_plan(args: argparse.Namespace) -> int:
 
     from attnslim.api_checks import refuse_compressed
-    from attnslim.models.load import load_model
-    from attnslim.planner.output import check_plan_out, plan_table, write_plan
+    from attnslim.planner.output import check_plan_out, load_planned, plan_table, write_plan
     from attnslim.planner.run import plan_model
 
     cfg = plan_config(args)
     out = Path(args.out)
     check_plan_out(out)
     refuse_compressed(args.model)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_planned(args.model, args.dtype, args.device)
     result = plan_model(model, tokenizer, cfg)
     report_path = write_plan(result, out)
     print("\n".join(plan_table(result.report)))
@@ -120,13 +119,15 @@ def _compress_planned(args: argparse.Namespace) -> int:
     if args.recipe is not None or args.set:
         raise AttnslimError("--kv plans the recipe itself; drop --recipe/--set, or write the plan with `attnslim plan "
                             "... --out plan.yaml`, edit it, and compress with --recipe plan.yaml")
-    if args.offload or args.device != "cpu":
-        raise AttnslimError("--kv plans and compresses in memory on the CPU; for --offload or --device, write the "
-                            "plan with `attnslim plan` and compress with --recipe plan.yaml")
+    if args.offload:
+        raise AttnslimError("--kv plans and compresses with the whole model in memory on --device (the planner does "
+                            "not offload); drop --offload, or plan on a larger device with `attnslim plan --device "
+                            "cuda --out plan.yaml` and compress here with --recipe plan.yaml --offload")
     cfg = plan_config(args)
     refuse_compressed(args.model)
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])
-    result, report = plan_and_compress(args.model, cfg, Path(args.out), args.overwrite, args.dtype)
+    result, report = plan_and_compress(args.model, cfg, Path(args.out), args.overwrite, args.dtype,
+                                       device=args.device)
     print("\n".join(plan_table(result.report)))
     _print_compressed(report, args)
     return 0

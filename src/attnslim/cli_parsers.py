@@ -101,6 +101,12 @@ def add_plan_options(p: Any) -> None:
     p.add_argument("--rounds", type=int, default=4, help="refinement rounds on the whole plan's cost (0: none)")
 
 
+def add_compute(p: Any, where: str, dtype_note: str) -> None:
+    """--device / --dtype of the commands that build a model (compress, plan)."""
+    p.add_argument("--device", default="cpu", help=f"where {where}: cpu | cuda | cuda:N (statistics stay float64)")
+    p.add_argument("--dtype", default="float32", help=f"compute dtype: float32 | bfloat16 | float16 ({dtype_note})")
+
+
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity and/or zero-shot tasks (and params / KV bytes) of a model")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help(compressed=True))
@@ -144,10 +150,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--offload", action="store_true", help="keep the weights on disk and compress one decoder layer "
                    "at a time, writing the output shard by shard (chosen automatically when the model does not fit)")
-    p.add_argument("--device", default="cpu", help="where each layer is calibrated and converted: cpu | cuda | "
-                   "cuda:N (statistics stay float64)")
-    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16 (also the saved "
-                   "weights' dtype)")
+    add_compute(p, "each layer is calibrated and converted", "also the saved weights' dtype")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("plan", help="choose per layer among keep, MLA widths, NBL, drop and sharing under budgets; "
@@ -157,6 +160,8 @@ def add_parsers(sub: Any) -> None:
     add_plan_options(p)
     p.add_argument("--out", required=True, help="the plan's recipe (.yaml); its report is written beside it "
                    "(.report.json)")
+    add_compute(p, "the model is held and every candidate measured (the whole model moves there)",
+                "a 7B-8B model plans in bfloat16 on one GPU")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")

@@ -59,15 +59,26 @@ def write_plan(result: PlanResult, out: Path) -> Path:
     return report_path
 
 
+def load_planned(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+    """The model the planner measures, whole on `device` in `dtype` (checked before loading: the device exists and
+    computes in the dtype). The planner runs the whole model where it is: a 7B-8B model plans on one GPU in
+    bfloat16; a model larger than the device has no plan path yet (the planner does not offload)."""
+    from attnslim.models.load import load_model
+    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
+
+    placed, torch_dtype = resolve_device(device), parse_dtype(dtype)
+    check_dtype(placed, torch_dtype)
+    model, tokenizer = load_model(name_or_path, torch_dtype)
+    return model.to(placed), tokenizer
+
+
 def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: bool = False,
-                      dtype: str = "float32", progress: bool = True) -> tuple[PlanResult, Any]:
-    """Plan `name_or_path` under `cfg`, compress it with the plan in memory and save it to `out`."""
+                      dtype: str = "float32", progress: bool = True, device: str = "cpu") -> tuple[PlanResult, Any]:
+    """Plan `name_or_path` under `cfg`, compress it with the plan in memory on `device` and save it to `out`."""
     from attnslim.api import compress
     from attnslim.io import save
-    from attnslim.models.load import load_model
-    from attnslim.offload.compute import parse_dtype
 
-    model, tokenizer = load_model(name_or_path, parse_dtype(dtype))
+    model, tokenizer = load_planned(name_or_path, dtype, device)
     result = plan_model(model, tokenizer, cfg, progress)
     report = compress(model, tokenizer, result.recipe, progress, methods=result.methods)  # built once, by the plan
     measured = report.kv_bytes_per_token_after / report.kv_bytes_per_token_before
@@ -76,7 +87,7 @@ def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: 
         raise AttnslimError(f"internal: the planned model caches {measured:.4f} of the dense KV bytes, above the "
                             f"budget {cfg.kv:g}; nothing was saved. Please report this with the plan: "
                             f"{result.report['layers']}")
-    extra = {"base_model": name_or_path, "compute": {"device": "cpu", "dtype": dtype, "offload": False},
+    extra = {"base_model": name_or_path, "compute": {"device": str(model.device), "dtype": dtype, "offload": False},
              "planner": result.report}
-    save(model, tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
+    save(model.to("cpu"), tokenizer, out, {**report.to_json(), **extra}, overwrite=overwrite)
     return result, report
