@@ -11,16 +11,16 @@ layer fitted on the outputs of the layers converted before it."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from attnslim.adapters.base import Adapter
 from attnslim.api import check_recipe
 from attnslim.errors import AttnslimError
 from attnslim.methods import METHODS, Method
+from attnslim.planner.bank import Bank
 from attnslim.planner.candidates import SHARING, Candidate
 from attnslim.planner.costs import entry_for, method_of, restored
-from attnslim.planner.measure import Bank
 from attnslim.recipe import Calibration, Recipe, Step
 
 
@@ -45,13 +45,12 @@ def plan_recipe(choice: Sequence[Candidate], name: str, description: str, calibr
 @contextmanager
 def installed(model: Any, adapter: Adapter, choice: Sequence[Candidate], bank: Bank) -> Iterator[None]:
     """The whole plan installed from the bank's fitted modules (drop and sharing rebuilt), undone on exit."""
-    with restored(adapter, list(range(adapter.num_layers()))):
+    with restored(adapter, list(range(adapter.num_layers()))), ExitStack() as held:
         for i, c in enumerate(choice):
             if c.method is None:
                 continue
-            kept = bank.modules.get((i, c.label))
-            if kept is not None:
-                attention, norm = kept
+            if (i, c.label) in bank:
+                attention, norm = held.enter_context(bank.loaded((i, c.label)))
                 adapter.replace_attention(i, attention)
                 if adapter.attention_norm(i) is not norm:
                     adapter.replace_attention_norm(i, norm)

@@ -6,8 +6,8 @@ candidate is converted exactly as its recipe step would convert it (the method's
 and local fit: pipeline.convert_and_fit), the KL to the dense model is measured on separate scoring windows from
 layer i on (score.kl_from), and the layer is restored. A candidate whose conversion the method refuses at a layer
 (e.g. a fit on a degenerate covariance) is not offered there; the refusal is recorded. The fitted modules of `mla`
-and `nbl` are kept (`Bank`), so a whole plan can be assembled and scored without fitting again (refine.py); `drop`
-and `ds` are rebuilt."""
+and `nbl` are kept (`Bank`, planner/bank.py: their weights on disk while banked), so a whole plan can be assembled
+and scored without fitting again (refine.py); `drop` and `ds` are rebuilt."""
 
 from __future__ import annotations
 
@@ -26,18 +26,12 @@ from attnslim.errors import AttnslimError
 from attnslim.methods import Method
 from attnslim.methods.collect import Collector
 from attnslim.pipeline import convert_and_fit
+from attnslim.planner.bank import Bank
 from attnslim.planner.candidates import Candidate
 from attnslim.planner.costs import entry_for, method_of, restored, touched
 from attnslim.planner.score import ScoreSet, kl_from
 
 KEPT_KINDS = ("mla", "nbl")  # fitted modules worth keeping for whole-plan scoring; the others rebuild for free
-
-
-@dataclass
-class Bank:
-    """Fitted (attention, pre-attention norm) per (layer, candidate label) for the kinds in KEPT_KINDS."""
-
-    modules: dict[tuple[int, str], tuple[nn.Module, nn.Module]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +111,7 @@ def measure(model: Any, adapter: Adapter, options: Mapping[int, list[Candidate]]
         methods = {c.label: method_of(c) for c in todo}
         stats = _statistics(runner, adapter, i, methods)
         dense = _Remembered(adapter.attention(i))
+        shared = {id(p) for p in adapter.decoder_layers()[i].parameters()}  # the dense layer's: never spilled
         for c in options.get(i, []):
             if c.method is None:
                 quality[(i, c.label)] = 0.0
@@ -133,7 +128,7 @@ def measure(model: Any, adapter: Adapter, options: Mapping[int, list[Candidate]]
                 first = min(group)
                 quality[(i, c.label)] = kl_from(model, adapter, scores, first, inputs[first])
                 if c.kind in KEPT_KINDS:
-                    bank.modules[(i, c.label)] = (adapter.attention(i), adapter.attention_norm(i))
+                    bank.put((i, c.label), adapter.attention(i), adapter.attention_norm(i), shared)
         runner.run_layer(i)
         scored.run_layer(i)
     return Measured(quality, bank, time.time() - start, refused)

@@ -202,7 +202,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                      "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
                      "measured": refined.measured,
                      "measured_over_additive_first": start_cost["additive"] / max(first.quality, 1e-12)},
-        "refine": refined.history, "windows": prepared.windows,
+        "refine": refined.history, "windows": prepared.windows, "bank_mb": measured.bank.disk_bytes() / 2**20,
         "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
         "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
                     "total": prepared.seconds + time.time() - start},

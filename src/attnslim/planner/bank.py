@@ -1,0 +1,96 @@
+"""The fitted modules the planner keeps between measuring a candidate and scoring whole plans, their weights on disk.
+
+Measuring fits every `mla` width and `nbl` at every layer (measure.py); a whole plan is then scored with those same
+modules installed (assemble.installed), without fitting again. Held in memory, the bank of a model would be about one
+copy of its attention weights per ladder width on top of the model (six by default): the planner of an 8B model
+would need several times its memory. So each module's own parameters go to one safetensors file in a private
+temporary directory as soon as it is banked, and come back only while a whole plan that uses it is scored: the
+planner holds the model, one layer's candidates, and at most one plan's modules.
+
+Only a module's own parameters are spilled: a parameter it shares with the dense layer (the layer's own norm, which
+`mla` keeps) stays where it is. Buffers stay in memory (rotary tables, key scales: small), and derived weights (MLA's
+fused decode maps) are released, to be rebuilt from the parameters when used.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from attnslim.errors import AttnslimError
+from attnslim.offload.store import release_derived
+
+Key = tuple[int, str]  # (layer, candidate label)
+
+
+class Bank:
+    """Fitted (attention, pre-attention norm) per (layer, candidate label), weights spilled to disk while banked."""
+
+    def __init__(self) -> None:
+        try:
+            self._dir = tempfile.TemporaryDirectory(prefix="attnslim-plan-")
+        except OSError as err:
+            raise AttnslimError(f"the planner keeps its fitted candidates in a temporary directory and cannot create "
+                                f"one ({err}); set TMPDIR to a writable directory with free space") from err
+        self._modules: dict[Key, tuple[nn.Module, nn.Module]] = {}
+        self._spilled: dict[Key, list[tuple[str, nn.Parameter]]] = {}  # (file name, parameter) per entry
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def put(self, key: Key, attention: nn.Module, norm: nn.Module, shared: set[int]) -> None:
+        """Bank the installed candidate of `key` and spill its parameters; `shared`: ids of the dense layer's
+        parameters, which stay in memory (the candidate may hold some of them, e.g. the layer's own norm)."""
+        pair = nn.ModuleDict({"attention": attention, "norm": norm})
+        own = [(name, p) for name, p in pair.named_parameters() if id(p) not in shared]
+        path = self._path(key)
+        try:
+            save_file({name: p.detach().to("cpu").contiguous() for name, p in own}, str(path))
+        except OSError as err:
+            raise AttnslimError(f"the planner could not write its fitted candidate {key[1]} of layer {key[0]} to "
+                                f"{path.parent} ({err}); set TMPDIR to a directory with more free space") from err
+        self._modules[key] = (attention, norm)
+        self._spilled[key] = own
+        _empty(attention, own)
+
+    @contextmanager
+    def loaded(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
+        """The banked modules of `key` with their weights read back; spilled again on exit (unchanged on disk)."""
+        attention, norm = self._modules[key]
+        own = self._spilled[key]
+        values = load_file(str(self._path(key)))
+        for name, p in own:
+            p.data = values[name].to(p.device, p.dtype)
+        try:
+            yield attention, norm
+        finally:
+            _empty(attention, own)
+
+    def disk_bytes(self) -> int:
+        """Bytes the banked weights take on disk: what the bank would hold in memory otherwise."""
+        return sum(self._path(key).stat().st_size for key in self._modules)
+
+    def close(self) -> None:
+        """Remove the files (also done when the bank is garbage-collected)."""
+        self._dir.cleanup()
+
+    def _path(self, key: Key) -> Path:
+        layer, label = key
+        safe = "".join(ch if ch.isalnum() or ch in ".-" else "_" for ch in label)
+        return Path(self._dir.name) / f"{layer}-{safe}.safetensors"
+
+
+def _empty(attention: nn.Module, own: list[tuple[str, nn.Parameter]]) -> None:
+    """Each parameter's storage freed (shape-less, same dtype and device, the same Parameter object)."""
+    release_derived(attention)
+    for _, p in own:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
