@@ -109,6 +109,9 @@ def test_engine_that_serves_no_candidate_names_the_layer() -> None:
     (["plan", "--kv", "0.5", "--out", "{tmp}/p.txt"], "must end in .yaml"),
     (["compress", "--kv", "0.5", "--recipe", "mla", "--out", "{tmp}/o"], "drop --recipe/--set"),
     (["compress", "--kv", "0.5", "--offload", "--out", "{tmp}/o"], "the planner does not offload"),
+    (["compress", "--ladder", "0.5", "--heal", "--out", "{tmp}/o"], "--ladder, --heal configure the planner, which "
+     "runs only with --kv"),
+    (["plan", "--kv", "0.5", "--local-steps", "-1", "--out", "{tmp}/p.yaml"], "--local-steps -1: give an integer"),
     (["plan", "--kv", "0.5", "--device", "tpu", "--out", "{tmp}/p.yaml"], "is not a device"),
     (["plan", "--kv", "0.5", "--dtype", "float8", "--out", "{tmp}/p.yaml"], "--dtype 'float8' is not supported"),
 ])
@@ -171,6 +174,37 @@ def test_plan_and_compress_kv_in_bfloat16_choose_and_save_in_that_dtype(tmp_path
     with safe_open(str(shard), framework="pt") as f:
         floats = {t.dtype for t in (f.get_tensor(k) for k in f.keys()) if t.is_floating_point()}  # noqa: SIM118
     assert floats == {torch.bfloat16}
+
+
+def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--local-steps N`: each mla candidate is measured after recipes/mla-kv25.yaml's local fit (one fit per layer
+    and width, none without the option), and the plan's mla steps carry the fit."""
+    from attnslim.pipeline import run as pipeline_run
+    from attnslim.recipe import load_recipe
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    fits: list[int] = []
+    real = pipeline_run.fit_locally
+
+    def counted(runner: object, adapter: object, layer: int, *args: object) -> object:
+        fits.append(layer)
+        return real(runner, adapter, layer, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline_run, "fit_locally", counted)
+    options = ["--kv", "0.6", "--candidates", "keep,mla", "--ladder", "0.25,0.5", "--calib-source", "tiny",
+               "--calib-windows", "8", "--score-windows", "2", "--rounds", "0"]  # the fit holds out a batch of 4
+    for steps in (0, 3):
+        fits.clear()
+        out = tmp_path / f"plan{steps}.yaml"
+        assert cli_main(["plan", str(ckpt), *options, "--local-steps", str(steps), "--out", str(out)]) == 0
+        assert sorted(fits) == ([0, 0, 1, 1, 2, 2, 3, 3] if steps else [])  # two widths at each of the 4 layers
+        mla_steps = [s for s in load_recipe(out).steps if s.method == "mla"]
+        assert mla_steps and all(s.args.get("local_steps", 0) == steps for s in mla_steps)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -35,11 +35,25 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     if args.kv is not None:
         return _compress_planned(args)
+    _refuse_plan_options(args)
     recipe = apply_overrides(load_recipe(args.recipe or "default"), args.set)
     # compress_to checks the recipe, the input and --out before it loads anything
     report = compress_to(args.model, recipe, Path(args.out), args.overwrite, args.offload, args.device, args.dtype)
     _print_compressed(report, args)
     return 0
+
+
+def _refuse_plan_options(args: argparse.Namespace) -> None:
+    """A planner option given without --kv would be ignored: refuse it instead, naming it."""
+    from attnslim.cli_parsers import add_plan_options
+
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_plan_options(defaults)
+    given = [a.option_strings[0] for a in defaults._actions if getattr(args, a.dest) != a.default]
+    if given:
+        verb = "configures" if len(given) == 1 else "configure"
+        raise AttnslimError(f"{', '.join(given)} {verb} the planner, which runs only with --kv; add --kv F (the "
+                            "kept fraction of the KV cache), or drop them to compress with the recipe")
 
 
 def _print_compressed(report: Any, args: argparse.Namespace) -> None:
@@ -58,7 +72,7 @@ def _print_compressed(report: Any, args: argparse.Namespace) -> None:
 
 def plan_config(args: argparse.Namespace) -> Any:
     """The planner's settings from `plan`/`compress --kv` arguments, checked before any model is loaded."""
-    from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, candidate_set
+    from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS, candidate_set
     from attnslim.planner.run import PlanConfig, standard_heal
     from attnslim.planner.solve import Budget
     from attnslim.recipe import Calibration
@@ -67,16 +81,18 @@ def plan_config(args: argparse.Namespace) -> Any:
         if value is not None:
             Budget({"--kv": "kv", "--params": "params", "--decode-bytes": "decode"}[flag], value, 1.0)
     for flag, value, low in (("--decode-at", args.decode_at, 1), ("--calib-windows", args.calib_windows, 1),
-                             ("--score-windows", args.score_windows, 1), ("--rounds", args.rounds, 0)):
+                             ("--score-windows", args.score_windows, 1), ("--rounds", args.rounds, 0),
+                             ("--local-steps", args.local_steps, 0)):
         if value < low:
             raise AttnslimError(f"{flag} {value}: give an integer >= {low}")
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
     ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
     candidate_set(kinds, ladder, args.engine)  # unknown kinds or ladder values are refused here
     calibration = Calibration(source=args.calib_source, windows=args.calib_windows, seq_len=512)
+    mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
     return PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
                       engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
-                      refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration,
+                      refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration, mla_args=mla_args,
                       heal=standard_heal(calibration.source) if args.heal else None)
 
 

@@ -99,6 +99,9 @@ def add_plan_options(p: Any) -> None:
     p.add_argument("--score-windows", type=int, default=4, help="windows of 256 tokens each layer's cost is "
                    "measured on, and the whole plan's (held out)")
     p.add_argument("--rounds", type=int, default=4, help="refinement rounds on the whole plan's cost (0: none)")
+    p.add_argument("--local-steps", type=int, default=0, help="train each mla candidate's attention this many steps "
+                   "towards the dense attention's output, as recipes/mla-kv25.yaml does (96 there), when it is "
+                   "measured and in the plan's mla steps (0: off; several times slower: docs/planning.md)")
 
 
 def add_compute(p: Any, where: str, dtype_note: str) -> None:
