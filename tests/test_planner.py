@@ -213,7 +213,7 @@ def test_scoring_from_a_layer_equals_the_whole_forward(family: str) -> None:
     the KL of the whole model's forward."""
     from attnslim.calib.runner import LayerRunner
     from attnslim.modules.dropped import DroppedAttention
-    from attnslim.planner.score import kl, kl_from, score_set
+    from attnslim.planner.score import kl, kl_from, log_probs, score_set
     from conftest import TINY_BUILDERS
 
     model = TINY_BUILDERS[family]()
@@ -226,6 +226,9 @@ def test_scoring_from_a_layer_equals_the_whole_forward(family: str) -> None:
     whole = kl(model, scores)
     assert whole > 1e-4
     assert kl_from(model, adapter, scores, 2, runner.hidden[0]) == pytest.approx(whole, rel=1e-4, abs=1e-7)
+    got = log_probs(model, scores.ids, scores.positions)  # the definition, KL(dense ‖ model) per scored token
+    want = float(torch.nn.functional.kl_div(got, scores.reference, log_target=True, reduction="sum")) / scores.tokens
+    assert whole == pytest.approx(want, rel=1e-6)
 
 
 def test_params_and_decode_budgets_hold_on_the_compressed_model() -> None:

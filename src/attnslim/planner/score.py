@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnslim import _compat
@@ -29,12 +28,17 @@ from attnslim.errors import AttnslimError
 
 @dataclass(frozen=True)
 class ScoreSet:
-    """Windows (n, t), the positions scored in each, and the dense model's log-probabilities there (n, p, vocab)."""
+    """Windows (n, t), the positions scored in each, and the dense model's log-probabilities there (n, p, vocab)
+    with their probabilities (exp'd once: every candidate's KL reads them)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     reference: torch.Tensor
     description: str
+    probs: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "probs", self.reference.exp())
 
     @property
     def tokens(self) -> int:
@@ -60,7 +64,7 @@ def log_probs(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.T
 def kl(model: Any, scores: ScoreSet) -> float:
     """Mean KL(dense ‖ model) per scored token, the model as it is now."""
     got = log_probs(model, scores.ids, scores.positions)
-    return float(F.kl_div(got, scores.reference, log_target=True, reduction="sum")) / scores.tokens
+    return float((scores.reference - got).mul_(scores.probs).sum()) / scores.tokens  # Σ p (log p − log q)
 
 
 class _Aside(nn.Module):
