@@ -108,7 +108,9 @@ def test_engine_that_serves_no_candidate_names_the_layer() -> None:
     (["plan", "--kv", "0.5", "--candidates", "mla,lora", "--out", "{tmp}/p.yaml"], "unknown ['lora']"),
     (["plan", "--kv", "0.5", "--out", "{tmp}/p.txt"], "must end in .yaml"),
     (["compress", "--kv", "0.5", "--recipe", "mla", "--out", "{tmp}/o"], "drop --recipe/--set"),
-    (["compress", "--kv", "0.5", "--offload", "--out", "{tmp}/o"], "the planner does not offload"),
+    (["compress", "--kv", "0.5", "--offload", "--out", "{tmp}/o"], "plan with `attnslim plan MODEL --kv F --offload"),
+    (["plan", "--kv", "0.5", "--offload", "--candidates", "keep,ds", "--out", "{tmp}/p.yaml"], "not offered with "
+     "--offload"),
     (["compress", "--ladder", "0.5", "--heal", "--out", "{tmp}/o"], "--ladder, --heal configure the planner, which "
      "runs only with --kv"),
     (["plan", "--kv", "0.5", "--local-steps", "-1", "--out", "{tmp}/p.yaml"], "--local-steps -1: give an integer"),

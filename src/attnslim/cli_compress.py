@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +108,24 @@ def parse_floats(flag: str, text: str) -> list[float]:
 def cmd_plan(args: argparse.Namespace) -> int:
 
     from attnslim.api_checks import refuse_compressed
-    from attnslim.planner.output import check_plan_out, load_planned, plan_table, write_plan
-    from attnslim.planner.run import plan_model
+    from attnslim.planner.candidates import SHARING
+    from attnslim.planner.output import check_plan_out, load_planned, offloaded_for_plan, plan_table, write_plan
+    from attnslim.planner.run import plan_model, refuse_offloaded_plan
 
     cfg = plan_config(args)
     out = Path(args.out)
     check_plan_out(out)
     refuse_compressed(args.model)
-    model, tokenizer = load_planned(args.model, args.dtype, args.device)
-    result = plan_model(model, tokenizer, cfg)
+    if args.offload:
+        if args.candidates is None:  # the default set without sharing, which an offloaded plan cannot measure
+            cfg = replace(cfg, kinds=tuple(k for k in cfg.kinds if k not in SHARING))
+            print(f"attnslim: --offload: candidates {','.join(cfg.kinds)} (sharing needs two layers in memory)")
+        refuse_offloaded_plan(cfg)  # before the checkpoint is read
+        with offloaded_for_plan(args.model, args.dtype, args.device) as (model, tokenizer, residency):
+            result = plan_model(model, tokenizer, cfg, residency=residency)
+    else:
+        model, tokenizer = load_planned(args.model, args.dtype, args.device)
+        result = plan_model(model, tokenizer, cfg)
     report_path = write_plan(result, out)
     print("\n".join(plan_table(result.report)))
     print(f"plan written to {out} (report: {report_path}); {result.report['seconds']['total']:.0f} s")
@@ -136,9 +146,9 @@ def _compress_planned(args: argparse.Namespace) -> int:
         raise AttnslimError("--kv plans the recipe itself; drop --recipe/--set, or write the plan with `attnslim plan "
                             "... --out plan.yaml`, edit it, and compress with --recipe plan.yaml")
     if args.offload:
-        raise AttnslimError("--kv plans and compresses with the whole model in memory on --device (the planner does "
-                            "not offload); drop --offload, or plan on a larger device with `attnslim plan --device "
-                            "cuda --out plan.yaml` and compress here with --recipe plan.yaml --offload")
+        raise AttnslimError("--kv plans and compresses with the whole model in memory on --device; for a model "
+                            "larger than memory, plan with `attnslim plan MODEL --kv F --offload --out plan.yaml`, "
+                            "then compress with --recipe plan.yaml --offload")
     cfg = plan_config(args)
     refuse_compressed(args.model)
     check_output(Path(args.out), args.overwrite, inputs=[Path(args.model)])

@@ -165,6 +165,9 @@ def add_parsers(sub: Any) -> None:
                    "(.report.json)")
     add_compute(p, "the model is held and every candidate measured (the whole model moves there)",
                 "a 7B-8B model plans in bfloat16 on one GPU")
+    p.add_argument("--offload", action="store_true", help="keep the weights on disk and read one decoder layer at a "
+                   "time (local safetensors directories): plan a model larger than memory; sharing (ds) is not "
+                   "offered")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")

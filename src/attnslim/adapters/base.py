@@ -346,6 +346,9 @@ class Adapter:
 
 def _on_device_of(module: nn.Module, old: nn.Module) -> nn.Module:
     """`module` moved (in place) to the device of the module it replaces, so a conversion of a model on a GPU
-    never leaves new parameters on the CPU; dtypes are left as the module chose them."""
+    never leaves new parameters on the CPU; dtypes are left as the module chose them. A module on the meta device
+    (an offloaded layer's own, put back after a trial) stays there: its weights are read in when it runs."""
     param = next(old.parameters(), None)
-    return module if param is None or param.is_meta else module.to(param.device)
+    if param is None or param.is_meta or any(p.is_meta for p in module.parameters()):
+        return module
+    return module.to(param.device)

@@ -35,7 +35,7 @@ class Residency(Protocol):
 
     def converted(self, i: int) -> None: ...
 
-    def streamed(self) -> AbstractContextManager[None]: ...
+    def streamed(self, keep: frozenset[int] = frozenset()) -> AbstractContextManager[None]: ...
 
     def layer_in_stream(self, i: int) -> AbstractContextManager[None]: ...
 
@@ -75,9 +75,10 @@ class InMemoryLayers:
         """Nothing to do: the converted modules are already in the model."""
 
     @contextmanager
-    def streamed(self) -> Iterator[None]:
+    def streamed(self, keep: frozenset[int] = frozenset()) -> Iterator[None]:
         """A whole-model forward on `device`: the model moves there for the duration (in place, ties kept). A model
-        that fits in CPU memory but not on the device needs --offload."""
+        that fits in CPU memory but not on the device needs --offload. (`keep`: layers being worked on, in memory
+        already, that an offloaded residency leaves there; nothing to do here.)"""
         if not self._moves:
             yield
             return

@@ -76,10 +76,16 @@ class OffloadedLayers:
         self.dirty.add(i)
 
     @contextmanager
-    def streamed(self) -> Iterator[None]:
+    def streamed(self, keep: frozenset[int] = frozenset()) -> Iterator[None]:
+        """`keep`: layers being worked on inside `layer(i)` (the planner scoring a candidate of layer i from layer
+        i on), which the forward uses as they are and leaves in memory."""
+        if missing := sorted(set(keep) - self.resident):
+            raise AttnslimError(f"internal: streamed(keep={sorted(keep)}) but layers {missing} are not in memory")
         self._fill(self.outside)
         handles = []
         for i, block in enumerate(self.layers):
+            if i in keep:
+                continue
             handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self._load_layer(i)))
             handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._release_layer(i)))
         try:
@@ -87,7 +93,7 @@ class OffloadedLayers:
         finally:
             for h in handles:
                 h.remove()
-            for i in sorted(self.resident):
+            for i in sorted(self.resident - set(keep)):
                 self._release_layer(i)
             for group in self.outside:
                 self._assign(group, _meta_like(self.model.get_parameter(group[0])))

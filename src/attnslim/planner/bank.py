@@ -38,46 +38,46 @@ class Bank:
         except OSError as err:
             raise AttnslimError(f"the planner keeps its fitted candidates in a temporary directory and cannot create "
                                 f"one ({err}); set TMPDIR to a writable directory with free space") from err
-        self._modules: dict[Key, tuple[nn.Module, nn.Module]] = {}
-        self._spilled: dict[Key, list[tuple[str, nn.Parameter]]] = {}  # (file name, parameter) per entry
+        self._pairs: dict[Key, nn.ModuleDict] = {}  # {"attention": ..., "norm": ...}
+        self._spilled: dict[Key, dict[str, tuple[torch.dtype, torch.device]]] = {}  # parameter name -> where
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._modules
+        return key in self._pairs
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self._pairs)
 
     def put(self, key: Key, attention: nn.Module, norm: nn.Module, shared: set[int]) -> None:
         """Bank the installed candidate of `key` and spill its parameters; `shared`: ids of the dense layer's
         parameters, which stay in memory (the candidate may hold some of them, e.g. the layer's own norm)."""
         pair = nn.ModuleDict({"attention": attention, "norm": norm})
-        own = [(name, p) for name, p in pair.named_parameters() if id(p) not in shared]
+        own = {name: p for name, p in pair.named_parameters() if id(p) not in shared}
         path = self._path(key)
         try:
-            save_file({name: p.detach().to("cpu").contiguous() for name, p in own}, str(path))
+            save_file({name: p.detach().to("cpu").contiguous() for name, p in own.items()}, str(path))
         except OSError as err:
             raise AttnslimError(f"the planner could not write its fitted candidate {key[1]} of layer {key[0]} to "
                                 f"{path.parent} ({err}); set TMPDIR to a directory with more free space") from err
-        self._modules[key] = (attention, norm)
-        self._spilled[key] = own
-        _empty(attention, own)
+        self._pairs[key] = pair
+        self._spilled[key] = {name: (p.dtype, p.device) for name, p in own.items()}
+        self._set(key, {name: torch.empty(0, dtype=d, device=dev) for name, (d, dev) in self._spilled[key].items()})
 
     @contextmanager
     def loaded(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
-        """The banked modules of `key` with their weights read back; spilled again on exit (unchanged on disk)."""
-        attention, norm = self._modules[key]
-        own = self._spilled[key]
+        """The banked modules of `key` with their weights read back; spilled again on exit (unchanged on disk).
+        Parameters are put back by name, so whatever replaced one meanwhile (an offloaded forward puts a layer's
+        checkpoint-named parameters back on the meta device) is replaced in turn."""
+        pair, where = self._pairs[key], self._spilled[key]
         values = load_file(str(self._path(key)))
-        for name, p in own:
-            p.data = values[name].to(p.device, p.dtype)
+        self._set(key, {name: values[name].to(dev, dtype) for name, (dtype, dev) in where.items()})
         try:
-            yield attention, norm
+            yield pair["attention"], pair["norm"]
         finally:
-            _empty(attention, own)
+            self._set(key, {name: torch.empty(0, dtype=d, device=dev) for name, (d, dev) in where.items()})
 
     def disk_bytes(self) -> int:
         """Bytes the banked weights take on disk: what the bank would hold in memory otherwise."""
-        return sum(self._path(key).stat().st_size for key in self._modules)
+        return sum(self._path(key).stat().st_size for key in self._pairs)
 
     def close(self) -> None:
         """Remove the files (also done when the bank is garbage-collected)."""
@@ -88,9 +88,11 @@ class Bank:
         safe = "".join(ch if ch.isalnum() or ch in ".-" else "_" for ch in label)
         return Path(self._dir.name) / f"{layer}-{safe}.safetensors"
 
-
-def _empty(attention: nn.Module, own: list[tuple[str, nn.Parameter]]) -> None:
-    """Each parameter's storage freed (shape-less, same dtype and device, the same Parameter object)."""
-    release_derived(attention)
-    for _, p in own:
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    def _set(self, key: Key, values: dict[str, torch.Tensor]) -> None:
+        """Each named parameter of the entry becomes a new Parameter holding `values[name]` (an empty one frees
+        its storage); derived weights (MLA's fused decode maps) are released with the old ones."""
+        pair = self._pairs[key]
+        release_derived(pair["attention"])
+        for name, value in values.items():
+            owner, _, leaf = name.rpartition(".")
+            pair.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)

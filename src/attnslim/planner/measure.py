@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from attnslim.adapters.base import Adapter
+from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.calib.runner import LayerRunner
 from attnslim.errors import AttnslimError
 from attnslim.methods import Method
@@ -94,41 +95,53 @@ def _statistics(runner: LayerRunner, adapter: Adapter, layer: int,
 
 @torch.no_grad()
 def measure(model: Any, adapter: Adapter, options: Mapping[int, list[Candidate]], fit_ids: torch.Tensor,
-            scores: ScoreSet, batch_size: int, progress: bool = True) -> Measured:
-    """KL of each (layer, candidate) in `options` converted alone; `keep` costs 0 by definition."""
+            scores: ScoreSet, batch_size: int, progress: bool = True, residency: Residency | None = None
+            ) -> Measured:
+    """KL of each (layer, candidate) in `options` converted alone; `keep` costs 0 by definition. `residency`:
+    where the weights are (offload.OffloadedLayers: on disk, layer i read in while its candidates are measured, the
+    layers above it streamed through each candidate's score); the model in memory by default."""
     start = time.time()
-    runner = LayerRunner(model, adapter, fit_ids, batch_size)
-    scored = LayerRunner(model, adapter, scores.ids, scores.ids.shape[0])  # one batch: the dense inputs per layer
-    quality: dict[tuple[int, str], float] = {}
-    refused: dict[tuple[int, str], str] = {}
-    bank = Bank()
+    res = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
+    runner = LayerRunner(model, adapter, fit_ids, batch_size, res)
+    scored = LayerRunner(model, adapter, scores.ids, scores.ids.shape[0], res)  # one batch: dense inputs per layer
+    out = Measured({}, Bank(), 0.0)
     inputs: dict[int, torch.Tensor] = {}
     for i in tqdm(range(adapter.num_layers()), desc="planner: candidates per layer", disable=not progress,
                   leave=False):
         inputs[i] = scored.hidden[0]
         inputs.pop(i - 2, None)
-        todo = [c for c in options.get(i, []) if c.method is not None]
-        methods = {c.label: method_of(c) for c in todo}
-        stats = _statistics(runner, adapter, i, methods)
-        dense = _Remembered(adapter.attention(i))
-        shared = {id(p) for p in adapter.decoder_layers()[i].parameters()}  # the dense layer's: never spilled
-        for c in options.get(i, []):
-            if c.method is None:
-                quality[(i, c.label)] = 0.0
+        with res.layer(i):
+            _measure_layer(model, adapter, i, options.get(i, []), runner, scores, inputs, res, out)
+            runner.run_layer(i)
+            scored.run_layer(i)
+    out.seconds = time.time() - start
+    return out
+
+
+def _measure_layer(model: Any, adapter: Adapter, i: int, options: list[Candidate], runner: LayerRunner,
+                   scores: ScoreSet, inputs: dict[int, torch.Tensor], res: Residency, out: Measured) -> None:
+    """Every candidate of layer i (in memory) converted, fitted, scored from its first touched layer up, banked."""
+    methods = {c.label: method_of(c) for c in options if c.method is not None}
+    stats = _statistics(runner, adapter, i, methods)
+    dense = _Remembered(adapter.attention(i))
+    shared = {id(p) for p in adapter.decoder_layers()[i].parameters()}  # the dense layer's: never spilled
+    for c in options:
+        if c.method is None:
+            out.quality[(i, c.label)] = 0.0
+            continue
+        method = methods[c.label]
+        group = touched(method, i)
+        if res.offloaded and group != [i]:
+            raise AttnslimError(f"internal: {c.label} at layer {i} changes layers {group[1:]} too, which the "
+                                "offloaded planner does not read in (sharing is not offered with --offload)")
+        with restored(adapter, group):
+            try:
+                convert_and_fit(runner, method, adapter, i, entry_for(method, adapter, i), stats[c.label], dense)
+            except AttnslimError as err:  # this layer cannot take it (e.g. a fit on a degenerate layer)
+                out.refused[(i, c.label)] = str(err)
                 continue
-            method = methods[c.label]
-            group = touched(method, i)
-            with restored(adapter, group):
-                try:
-                    convert_and_fit(runner, method, adapter, i, entry_for(method, adapter, i), stats[c.label],
-                                    dense)
-                except AttnslimError as err:  # this layer cannot take it (e.g. a fit on a degenerate layer)
-                    refused[(i, c.label)] = str(err)
-                    continue
-                first = min(group)
-                quality[(i, c.label)] = kl_from(model, adapter, scores, first, inputs[first])
-                if c.kind in KEPT_KINDS:
-                    bank.put((i, c.label), adapter.attention(i), adapter.attention_norm(i), shared)
-        runner.run_layer(i)
-        scored.run_layer(i)
-    return Measured(quality, bank, time.time() - start, refused)
+            first = min(group)
+            with res.streamed(keep=frozenset(group)):
+                out.quality[(i, c.label)] = kl_from(model, adapter, scores, first, inputs[first])
+            if c.kind in KEPT_KINDS:
+                out.bank.put((i, c.label), adapter.attention(i), adapter.attention_norm(i), shared)

@@ -5,11 +5,16 @@ model in memory and record the plan, its costs and the budgets in compression.js
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from attnslim.calib.residency import Residency
 from attnslim.errors import AttnslimError
 from attnslim.planner.run import PlanConfig, PlanResult, plan_model
 from attnslim.recipe import recipe_to_dict
@@ -61,15 +66,41 @@ def write_plan(result: PlanResult, out: Path) -> Path:
 
 def load_planned(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
     """The model the planner measures, whole on `device` in `dtype` (checked before loading: the device exists and
-    computes in the dtype). The planner runs the whole model where it is: a 7B-8B model plans on one GPU in
-    bfloat16; a model larger than the device has no plan path yet (the planner does not offload)."""
+    computes in the dtype): a 7B-8B model plans on one GPU in bfloat16 (a larger one: `offloaded_for_plan`)."""
     from attnslim.models.load import load_model
+
+    placed, torch_dtype = _compute(device, dtype)
+    model, tokenizer = load_model(name_or_path, torch_dtype)
+    return model.to(placed), tokenizer
+
+
+@contextmanager
+def offloaded_for_plan(name_or_path: str, dtype: str = "float32", device: str = "cpu"
+                       ) -> Iterator[tuple[Any, Any, Residency]]:
+    """(skeleton, tokenizer, residency) of a local checkpoint whose weights stay on disk while it is planned
+    (`plan --offload`): one decoder layer in memory at a time on `device`, plus the embeddings, final norm and
+    head during the forwards that score candidates and plans. The residency would write converted layers to a
+    scratch directory; the planner converts none for keeps, and the directory goes on exit."""
+    from attnslim.adapters import get_adapter
+    from attnslim.models.load import checkpoint_directory, read_checkpoint, skeleton
+    from attnslim.offload import OffloadedLayers, WeightSource
+
+    placed, torch_dtype = _compute(device, dtype)
+    checkpoint = read_checkpoint(checkpoint_directory(name_or_path))
+    model = skeleton(checkpoint, torch_dtype)
+    adapter = get_adapter(model)
+    adapter.refuse_offload()
+    with tempfile.TemporaryDirectory(prefix="attnslim-plan-layers-") as scratch:
+        yield model, checkpoint.tokenizer, OffloadedLayers(model, adapter.decoder_layers(),
+                                                           WeightSource(checkpoint.directory), Path(scratch), placed)
+
+
+def _compute(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
 
     placed, torch_dtype = resolve_device(device), parse_dtype(dtype)
     check_dtype(placed, torch_dtype)
-    model, tokenizer = load_model(name_or_path, torch_dtype)
-    return model.to(placed), tokenizer
+    return placed, torch_dtype
 
 
 def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: bool = False,

@@ -26,6 +26,7 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.api_checks import refuse_compressed
 from attnslim.bench.flops import decode_bytes_per_token
+from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows
 from attnslim.data.generated import SELF
 from attnslim.data.sources import mixture
@@ -131,13 +132,20 @@ class Prepared:
     held_out: ScoreSet
     windows: dict[str, Any]
     seconds: float
+    residency: Residency  # where the weights are while plans are scored (the model in memory, or on disk)
 
 
 @torch.no_grad()
-def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> Prepared:
-    """Candidates and exact costs per layer, `cfg`'s budgets checked against them, then every candidate measured."""
+def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
+            residency: Residency | None = None) -> Prepared:
+    """Candidates and exact costs per layer, `cfg`'s budgets checked against them, then every candidate measured.
+    `residency`: offload.OffloadedLayers plans a skeleton whose weights stay on disk (one decoder layer in memory
+    at a time, the layers above it streamed through each score); the model in memory by default."""
     start = time.time()
     adapter = get_adapter(model)
+    res = residency or InMemoryLayers(model, adapter.decoder_layers(), next(model.parameters()).device)
+    if res.offloaded:
+        refuse_offloaded_plan(cfg)
     rope = adapter.attention_spec(0).rope
     cands = candidate_set(cfg.kinds, cfg.ladder, cfg.engine, cfg.mla_args, cfg.nbl_args,
                           None if rope is None else rope.rotary_dims)
@@ -147,10 +155,11 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
     solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
     cal = cfg.calibration
     fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed, model=model)
-    scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
-    held_out = score_set(model, tokenizer, cal.source, cfg.refine_windows, cfg.score_seq_len, cal.seed + 2)
+    with res.streamed():  # the dense model's reference log-probabilities
+        scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
+        held_out = score_set(model, tokenizer, cal.source, cfg.refine_windows, cfg.score_seq_len, cal.seed + 2)
     measured = measure(model, adapter, {i: [c for c, _ in row] for i, row in enumerate(rows)}, fit.ids, scores,
-                       cal.batch_size, progress)
+                       cal.batch_size, progress, res)
     for (i, label), why in measured.refused.items():
         refused.setdefault(str(i), {})[label] = why
     kept = {c.label for i, row in enumerate(rows) for c, _ in row if (i, c.label) not in measured.refused}
@@ -160,7 +169,18 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) 
     rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
     windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
                "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
-    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start)
+    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start, res)
+
+
+def refuse_offloaded_plan(cfg: PlanConfig) -> None:
+    """What an offloaded plan cannot do, before any work: sharing reads the previous layer's weights while layer i
+    is converted (one layer is in memory), and `self` calibration samples the whole dense model."""
+    if shared := [k for k in cfg.kinds if k in SHARING]:
+        raise AttnslimError(f"candidates {shared} (sharing) are not offered with --offload: converting a receiver "
+                            "reads its donor's weights too; leave them out of --candidates")
+    if SELF in mixture(cfg.calibration.source):
+        raise AttnslimError("calibration source 'self' samples the dense model, which --offload keeps on disk; plan "
+                            "without --offload, or calibrate on a text source (wiki, c4, file:PATH)")
 
 
 @torch.no_grad()
@@ -174,7 +194,8 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
     first = solve(options, budgets)
 
     def whole(choice: list[int]) -> float:
-        with installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank):
+        with (installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank),
+              prepared.residency.streamed()):
             return kl(model, prepared.held_out)
 
     starts = start_plans(options, [[c.kind for c, _ in row] for row in rows], budgets, first.choice)
@@ -219,11 +240,13 @@ def standard_heal(calibration_source: str) -> dict[str, Any]:
     return heal
 
 
-def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True) -> PlanResult:
+def plan_model(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
+               residency: Residency | None = None) -> PlanResult:
     """The recipe meeting `cfg`'s budgets with the least measured divergence, and the report of why. A model
-    attnslim compressed already is refused (its plan would be measured against a compressed reference)."""
+    attnslim compressed already is refused (its plan would be measured against a compressed reference).
+    `residency`: as in `prepare` (offloaded weights)."""
     refuse_compressed(model)
-    return choose(model, prepare(model, tokenizer, cfg, progress), cfg, progress)
+    return choose(model, prepare(model, tokenizer, cfg, progress, residency), cfg, progress)
 
 
 def _additive(options: list[list[Option]], choice: list[int]) -> float:
