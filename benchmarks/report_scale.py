@@ -36,6 +36,18 @@ def scale_section(data: dict[str, Any]) -> list[str]:
                    f"{anon} | "
                    f"{r['calibration_s_per_layer']} | {r['conversion_s_per_converted_layer']} | {r['seconds']} | "
                    f"{r['checkpoint_bytes'] / 1e9:.2f} | {r['output_bytes'] / 1e9:.2f} |")
+    plans = [r for r in data["runs"] if r["method"] == "plan"]
+    if plans:
+        c = plans[0]["plan_config"]
+        out += ["", f"`plan` rows: `attnslim plan --offload --kv 0.5` (the API call, scale.py's `plan_child`), the "
+                "weights on disk as in `compress --offload`: candidates "
+                f"{', '.join(c['kinds'])} (mla at KV {', '.join(map(str, c['ladder']))} per layer, without its "
+                "output refit, whose token rule asks ~98k calibration tokens at hidden 4096; nbl's map needs as "
+                "many), 2 scoring windows of 256 tokens, one refinement round; "converted" counts the layers the "
+                "plan changes, conversion s is the mla conversions' time, and the output is the recipe only. The "
+                "fitted candidates wait on disk (planner/bank.py): "
+                + "; ".join(f"{r['layers']} layers: {r['bank_mb']:,.0f} MB spilled, plan "
+                            f"{' · '.join(r['plan'])}" for r in plans) + "."]
     out += ["", "Extrapolation to 70B shapes (hidden 8192, FFN 28672, 80 layers) from the deepest run, under the "
             "stated assumptions (not measured):", ""]
     for method, e in data["extrapolation_70b"].items():

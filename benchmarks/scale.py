@@ -1,4 +1,5 @@
-"""Offloaded compression at Llama-3-8B shapes: peak RSS, seconds per layer, output size (issue 22, item 4).
+"""Offloaded compression at Llama-3-8B shapes: peak RSS, seconds per layer, output size (issue 22, item 4); and
+`plan --offload` (method `plan`: issue 45's bounded-memory target).
 
 Writes random-weight bf16 checkpoints with Llama-3-8B shapes (hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab
 128256) and `--depths` decoder layers (the full model has 32), then compresses each with `compress --offload
@@ -108,6 +109,56 @@ class RssSampler:
                 "peak_file_rss_mb": round(self.peak["RssFile"] / 1024, 1)}
 
 
+# `plan`: `attnslim plan --offload --kv 0.5` (the API call) with the candidates that fit the calibration a
+# random-weight run can afford at these shapes: mla at two widths without its output refit (the refit's token rule
+# asks ~24 tokens per input dimension, 98k at hidden 4096), drop and keep; nbl's 4096 x 4096 map needs as many
+# calibration tokens (a 100 s layer forward each here), so it is left out of this memory run.
+PLAN_KINDS, PLAN_LADDER = ("keep", "mla", "drop"), (0.25, 0.5)
+PLAN_MLA: dict[str, Any] = {"refit_o": False, "rope_select": "query", "kv_weight": "attention"}
+
+
+def plan_child(src: Path, windows: int, seq_len: int) -> dict[str, Any]:
+    """`plan --offload` in this process: peak memory, seconds, what the bank spilled to disk."""
+    from attnslim.calib.runner import LayerRunner
+    from attnslim.methods import lookup_method
+    from attnslim.planner.output import offloaded_for_plan
+    from attnslim.planner.run import PlanConfig, plan_model
+    from attnslim.recipe import Calibration
+
+    spent = {"calibration": 0.0, "conversion": 0.0}
+    LayerRunner.run_layer = _timed(LayerRunner.run_layer, spent, "calibration")  # type: ignore[method-assign]
+    cls = lookup_method("mla")
+    cls.convert = _timed(cls.convert, spent, "conversion")  # type: ignore[method-assign]
+    cfg = PlanConfig(kv=0.5, kinds=PLAN_KINDS, ladder=PLAN_LADDER, mla_args=PLAN_MLA, score_windows=2,
+                     refine_windows=2, rounds=1,
+                     calibration=Calibration(source="wiki", windows=windows, seq_len=seq_len, batch_size=2))
+    sampler = RssSampler()
+    start = time.perf_counter()
+    with offloaded_for_plan(str(src), "bfloat16") as (model, tokenizer, residency):
+        result = plan_model(model, tokenizer, cfg, progress=False, residency=residency)
+    seconds = time.perf_counter() - start
+    rss = sampler.stop()
+    report = result.report
+    return {"seconds": round(seconds, 1), "calibration_s": round(spent["calibration"], 1),
+            "conversion_s": round(spent["conversion"], 1),
+            "converted_layers": [r["layer"] for r in report["layers"] if r["choice"] != "keep"],
+            "mla_candidates": len(PLAN_LADDER) * len(report["layers"]),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), **rss,
+            "output_bytes": 0, "bank_mb": round(report["bank_mb"], 1), "plan": [r["choice"] for r in report["layers"]],
+            "plan_seconds": report["seconds"],
+            "plan_config": {"kinds": list(PLAN_KINDS), "ladder": list(PLAN_LADDER), "mla_args": PLAN_MLA}}
+
+
+def _timed(fn: Any, spent: dict[str, float], key: str) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - start
+    return wrapper
+
+
 def child(src: Path, out: Path, method: str, windows: int, seq_len: int, m: int) -> dict[str, Any]:
     """One offloaded compression in this process, with calibration (layer forwards) and conversion timed apart."""
     from attnslim.api import compress_offloaded
@@ -116,19 +167,9 @@ def child(src: Path, out: Path, method: str, windows: int, seq_len: int, m: int)
     from attnslim.recipe import recipe_from_dict
 
     spent = {"calibration": 0.0, "conversion": 0.0}
-
-    def timed(fn: Any, key: str) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - start
-        return wrapper
-
     cls = lookup_method(method)
-    LayerRunner.run_layer = timed(LayerRunner.run_layer, "calibration")  # type: ignore[method-assign]
-    cls.convert = timed(cls.convert, "conversion")  # type: ignore[method-assign]
+    LayerRunner.run_layer = _timed(LayerRunner.run_layer, spent, "calibration")  # type: ignore[method-assign]
+    cls.convert = _timed(cls.convert, spent, "conversion")  # type: ignore[method-assign]
     args = dict(RECIPES[method], **({"m": m} if method == "nbl" else {}))
     recipe = recipe_from_dict({"name": f"scale-{method}",
                                "calibration": {"source": "wiki", "windows": windows, "seq_len": seq_len, "seed": 0,
@@ -158,7 +199,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         src, out, method, m, _ = a.child
-        print(json.dumps(child(Path(src), Path(out), method, a.windows, a.seq_len, int(m))))
+        run = (plan_child(Path(src), a.windows, a.seq_len) if method == "plan"
+               else child(Path(src), Path(out), method, a.windows, a.seq_len, int(m)))
+        print(json.dumps(run))
         return
     free = shutil.disk_usage(a.work.parent if not a.work.exists() else a.work).free
     path = RESULTS / "scale.json"
