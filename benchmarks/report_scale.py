@@ -43,7 +43,7 @@ def scale_section(data: dict[str, Any]) -> list[str]:
                 "weights on disk as in `compress --offload`: candidates "
                 f"{', '.join(c['kinds'])} (mla at KV {', '.join(map(str, c['ladder']))} per layer, without its "
                 "output refit, whose token rule asks ~98k calibration tokens at hidden 4096; nbl's map needs as "
-                "many), 2 scoring windows of 256 tokens, one refinement round; "converted" counts the layers the "
+                "many), 2 scoring windows of 256 tokens, one refinement round; `converted` counts the layers the "
                 "plan changes, conversion s is the mla conversions' time, and the output is the recipe only. The "
                 "fitted candidates wait on disk (planner/bank.py): "
                 + "; ".join(f"{r['layers']} layers: {r['bank_mb']:,.0f} MB spilled, plan "
