@@ -41,6 +41,10 @@ def test_banked_candidate_is_spilled_and_comes_back_bit_for_bit(method: str, arg
     assert all(p.numel() == 0 for p in attention.parameters())  # spilled again after use
     with bank.loaded((layer, "x")), torch.no_grad():  # the file is read again, unchanged
         assert torch.equal(model(input_ids=IDS).logits, want)
+    with bank.on_call((layer, "x")), torch.no_grad():  # read in for each call only
+        assert all(p.numel() == 0 for p in attention.parameters())
+        assert torch.equal(model(input_ids=IDS).logits, want)
+        assert all(p.numel() == 0 for p in attention.parameters())
     bank.close()
 
 

@@ -44,13 +44,14 @@ def plan_recipe(choice: Sequence[Candidate], name: str, description: str, calibr
 
 @contextmanager
 def installed(model: Any, adapter: Adapter, choice: Sequence[Candidate], bank: Bank) -> Iterator[None]:
-    """The whole plan installed from the bank's fitted modules (drop and sharing rebuilt), undone on exit."""
+    """The whole plan installed from the bank's fitted modules, their weights read in while each runs (drop and
+    sharing rebuilt), undone on exit."""
     with restored(adapter, list(range(adapter.num_layers()))), ExitStack() as held:
         for i, c in enumerate(choice):
             if c.method is None:
                 continue
             if (i, c.label) in bank:
-                attention, norm = held.enter_context(bank.loaded((i, c.label)))
+                attention, norm = held.enter_context(bank.on_call((i, c.label)))
                 adapter.replace_attention(i, attention)
                 if adapter.attention_norm(i) is not norm:
                     adapter.replace_attention_norm(i, norm)

@@ -4,8 +4,8 @@ Measuring fits every `mla` width and `nbl` at every layer (measure.py); a whole 
 modules installed (assemble.installed), without fitting again. Held in memory, the bank of a model would be about one
 copy of its attention weights per ladder width on top of the model (six by default): the planner of an 8B model
 would need several times its memory. So each module's own parameters go to one safetensors file in a private
-temporary directory as soon as it is banked, and come back only while a whole plan that uses it is scored: the
-planner holds the model, one layer's candidates, and at most one plan's modules.
+temporary directory as soon as it is banked, and come back only while a whole plan that uses it runs that layer
+(`on_call`): the planner holds the model, and one layer's candidates at a time.
 
 Only a module's own parameters are spilled: a parameter it shares with the dense layer (the layer's own norm, which
 `mla` keeps) stays where it is. Buffers stay in memory (rotary tables, key scales: small), and derived weights (MLA's
@@ -40,6 +40,7 @@ class Bank:
                                 f"one ({err}); set TMPDIR to a writable directory with free space") from err
         self._pairs: dict[Key, nn.ModuleDict] = {}  # {"attention": ..., "norm": ...}
         self._spilled: dict[Key, dict[str, tuple[torch.dtype, torch.device]]] = {}  # parameter name -> where
+        self._filled: set[Key] = set()  # entries whose weights are in memory now
 
     def __contains__(self, key: Key) -> bool:
         return key in self._pairs
@@ -60,20 +61,45 @@ class Bank:
                                 f"{path.parent} ({err}); set TMPDIR to a directory with more free space") from err
         self._pairs[key] = pair
         self._spilled[key] = {name: (p.dtype, p.device) for name, p in own.items()}
-        self._set(key, {name: torch.empty(0, dtype=d, device=dev) for name, (d, dev) in self._spilled[key].items()})
+        self._spill(key)
 
     @contextmanager
     def loaded(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
         """The banked modules of `key` with their weights read back; spilled again on exit (unchanged on disk).
         Parameters are put back by name, so whatever replaced one meanwhile (an offloaded forward puts a layer's
         checkpoint-named parameters back on the meta device) is replaced in turn."""
-        pair, where = self._pairs[key], self._spilled[key]
-        values = load_file(str(self._path(key)))
-        self._set(key, {name: values[name].to(dev, dtype) for name, (dtype, dev) in where.items()})
+        self._fill(key)
+        try:
+            yield self._pairs[key]["attention"], self._pairs[key]["norm"]
+        finally:
+            self._spill(key)
+
+    @contextmanager
+    def on_call(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
+        """The banked modules of `key`, their weights read in only for each call: from the norm's call (it runs
+        first in a pre-norm layer) to the end of the attention's. A whole plan installed this way holds one layer's
+        candidate weights at a time, whatever the depth."""
+        pair = self._pairs[key]
+        hooks = [pair["norm"].register_forward_pre_hook(lambda *_: self._fill(key)),
+                 pair["attention"].register_forward_pre_hook(lambda *_: self._fill(key)),
+                 pair["attention"].register_forward_hook(lambda *_: self._spill(key))]
         try:
             yield pair["attention"], pair["norm"]
         finally:
-            self._set(key, {name: torch.empty(0, dtype=d, device=dev) for name, (d, dev) in where.items()})
+            for h in hooks:
+                h.remove()
+            self._spill(key)
+
+    def _fill(self, key: Key) -> None:
+        if key in self._filled:
+            return
+        values = load_file(str(self._path(key)))
+        self._set(key, {name: values[name].to(dev, dtype) for name, (dtype, dev) in self._spilled[key].items()})
+        self._filled.add(key)
+
+    def _spill(self, key: Key) -> None:
+        self._set(key, {name: torch.empty(0, dtype=d, device=dev) for name, (d, dev) in self._spilled[key].items()})
+        self._filled.discard(key)
 
     def disk_bytes(self) -> int:
         """Bytes the banked weights take on disk: what the bank would hold in memory otherwise."""
