@@ -8,7 +8,8 @@ the new weights' init), the same --steps x --batch x --seq-len wiki calibration 
 text, the first --windows x --eval-seq-len tokens of wiki's evaluation split (never drawn for training): the score
 Huber error (distill's KD term: mean over the LISA layers of Huber(delta 1) between the student's integrated
 scores and the dense teacher's, attended entries only) and the LM loss (perplexity = its exp), also before training.
-Budget: 4 trainings of 100 steps x 2 x 128 tokens, about 4 minutes each on one thread (~2.1 s a step), ~17 min.
+Budget: 4 trainings of 100 steps x 2 x 128 tokens, ~2.1 s a step alone on one thread (~17 min in all); the recorded
+run took 33 minutes on a loaded 2-core machine (results JSON: `seconds`).
 """
 
 from __future__ import annotations
