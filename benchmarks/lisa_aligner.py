@@ -30,6 +30,7 @@ from attnslim.adapters import get_adapter
 from attnslim.analysis.aligner import head_mass, permutation_likeness
 from attnslim.analysis.similarity import similarity_report
 from attnslim.models import load_model
+from attnslim.modules.aligner import Aligner
 from attnslim.train.distill import DistillConfig
 
 OUT = RESULTS / "lisa-aligner-smollm2-135m.json"
@@ -38,9 +39,16 @@ OUT = RESULTS / "lisa-aligner-smollm2-135m.json"
 def likeness(model: Any, layers: list[int], matching: list[list[int]]) -> dict[str, Any]:
     """Per receiver n: permutation_likeness of its aligner against the global matching of pair (n-1, n)."""
     adapter = get_adapter(model)
-    per = {str(n): asdict(permutation_likeness(head_mass(adapter.attention(n).align), matching[n - 1]))
+    per = {str(n): asdict(permutation_likeness(head_mass(_aligner(adapter.attention(n))), matching[n - 1]))
            for n in layers}
     return {"layers": per, **{k: sum(p[k] for p in per.values()) / len(per) for k in ("concentration", "agreement")}}
+
+
+def _aligner(attention: Any) -> Aligner:
+    align = attention.align
+    if not isinstance(align, Aligner):
+        raise TypeError(f"layer {attention.layer_idx} has no aligner: {align!r}")
+    return align
 
 
 def main() -> None:
