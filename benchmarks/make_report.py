@@ -55,6 +55,13 @@ SECTIONS = {
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
     "lisa-250steps": ("LISA on ~50% of the layers with a 250-step distillation budget", "benchmarks/lisa.py"),
     "lisa-mix": ("LISA with a 250-step distillation budget on mixed text (wiki + c4)", "benchmarks/lisa.py"),
+    "lisa-stability-smollm2-135m": ("LISA #15: the adjacent-layer JS profile on easy and hard text",
+                                    "benchmarks/lisa_stability.py"),
+    "lisa-aligner-smollm2-135m": ("LISA #19: is a trained single-linear aligner permutation-like?",
+                                  "benchmarks/lisa_aligner.py"),
+    "lisa-aligner-smollm2-135m-250steps": ("LISA #19 with a 250-step budget", "benchmarks/lisa_aligner.py"),
+    "lisa-beta-smollm2-135m": ("LISA #20: score distillation (beta 0.25) against LM loss only (beta 0)",
+                               "benchmarks/lisa_beta.py"),
     "nbl-calib": ("NBL: calibration-size and ridge sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
     "latentllm-attn50": ("LatentLLM: attention-only at 50% kept attention parameters", "benchmarks/latentllm.py"),
     "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run, 16 calibration windows)", "benchmarks/nbl.py"),
@@ -157,7 +164,9 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
-         "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "atp", "atp-recovery", "lmeval_check")
+         "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
+         "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "atp",
+         "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),

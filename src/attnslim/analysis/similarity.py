@@ -153,10 +153,21 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
+def adjacent_js(js: list[list[float]]) -> list[float]:
+    """The adjacent-pair profile of an (L, L) JS matrix: JS(l, l+1) for l = 0..L-2 (L-1 values)."""
+    return [js[i][i + 1] for i in range(len(js) - 1)]
+
+
+def mean_pair_js(js: list[list[float]]) -> float:
+    """The mean JS of an (L, L) matrix over every pair of distinct layers (the heat map without its diagonal)."""
+    n = len(js)
+    return _mean([js[i][j] for i in range(n) for j in range(n) if i != j])
+
+
 def _similarity_summary(r: dict[str, Any]) -> dict[str, Any]:
     js = r["js_matrix"]
     n = len(js)
-    adjacent = [js[i][i + 1] for i in range(n - 1)]
+    adjacent = adjacent_js(js)
     distant = [js[i][j] for i in range(n) for j in range(n) if abs(i - j) >= 4]
     row_means = [_mean([js[i][j] for j in range(n) if j != i]) for i in range(n)]
     hm = r["head_matching"]
