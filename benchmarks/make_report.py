@@ -194,7 +194,11 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
            # one-off studies whose conclusions live in docs/serving.md; a probe re-run (the GPU fixes hold)
            "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "gpu-probe-h100",
            # settled a default (wiki calibration stays; the heal's bf16 teacher), superseded by the 1.5B measurement
-           "calib-source-smollm2-135m", "heal-memory")
+           "calib-source-smollm2-135m", "heal-memory",
+           # LISA properties whose verdicts the claims table carries; the 250-step aligner run supersedes the 100-step
+           "lisa-aligner-smollm2-135m", "lisa-stability-smollm2-135m",
+           # the export's exactness check (docs/serving.md states it; the serving section is the current evidence)
+           "export")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
