@@ -47,7 +47,8 @@ def scale_section(data: dict[str, Any]) -> list[str]:
                 "plan changes, conversion s is the mla conversions' time, and the output is the recipe only. The "
                 "fitted candidates wait on disk (planner/bank.py): "
                 + "; ".join(f"{r['layers']} layers: {r['bank_mb']:,.0f} MB spilled, plan "
-                            f"{' · '.join(r['plan'])}" for r in plans) + "."]
+                            f"{' · '.join(r['plan'])}" for r in plans) + ". The plan rows ran with "
+                f"{plans[0].get('threads', '?')} thread(s), the other rows with 2 (their runs' setting)."]
     out += ["", "Extrapolation to 70B shapes (hidden 8192, FFN 28672, 80 layers) from the deepest run, under the "
             "stated assumptions (not measured):", ""]
     for method, e in data["extrapolation_70b"].items():

@@ -228,7 +228,8 @@ def main() -> None:
             per_layer = {"calibration_s_per_layer": round(result["calibration_s"] / depth, 2),
                          "conversion_s_per_converted_layer":
                              round(result["conversion_s"] / max(1, len(result["converted_layers"])), 2)}
-            runs.append({"method": method, "layers": depth, "checkpoint_bytes": size, **result, **per_layer})
+            runs.append({"method": method, "layers": depth, "checkpoint_bytes": size, **result, **per_layer,
+                         "threads": environment()["threads"]})
             print(json.dumps(runs[-1]), flush=True)
             shutil.rmtree(out, ignore_errors=True)
             runs.sort(key=lambda r: (r["method"], r["layers"]))
@@ -244,7 +245,7 @@ def extrapolate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """70B shapes from the deepest run per method: per-layer time scales with the layer's weights (×4 for
     hidden 8192 / FFN 28672 against 4096 / 14336), memory with one layer plus the embeddings (×2 per dimension)."""
     out = {}
-    for method in sorted({r["method"] for r in runs}):
+    for method in sorted({r["method"] for r in runs} - {"plan"}):  # a plan converts candidates, not layers
         r = max((r for r in runs if r["method"] == method), key=lambda r: r["layers"])
         scale = 4.0
         seconds = SHAPES_70B["layers"] * (r["calibration_s_per_layer"] * scale) + \
