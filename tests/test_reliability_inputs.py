@@ -183,7 +183,7 @@ def test_h07_an_absurd_heal_lr_is_refused_when_read():
 
 
 def test_h07_diverging_heal_writes_nothing(dense_dir, tmp_path, capsys, monkeypatch):
-    """lr 10 on every parameter of a tiny model: its KL goes 0.60 (mean of the first 2 steps) -> 7.1 (last 2), finite
+    """lr 10 on every parameter of a tiny model: its KL goes 0.60 (mean of the first 2 steps) -> 4-7 (last 2), finite
     all the way; the end-of-heal rule (last > 2 x first + 0.05) stops the compress and --out is never written. The
     recipe's lr cap (1) is lifted to reach the rule: this tiny model does not diverge at lr <= 1."""
     import attnslim.settings
@@ -194,9 +194,12 @@ def test_h07_diverging_heal_writes_nothing(dense_dir, tmp_path, capsys, monkeypa
                             "--set", "heal.params=all", "--set", "heal.steps=10", "--set", "heal.batch_size=1",
                             "--set", "heal.seq_len=32", "--set", "heal.source=tiny", "--out", out], capsys)
     assert rc == 2, stdout
-    assert re.search(r"heal diverged: its loss went from 0.\d+ \(mean of the first 2 steps\) to [5-9].\d+ \(mean of "
-                     r"the last 2\), above the 2x \+ 0.05 a heal may end at; nothing was saved; lower heal.lr "
-                     r"\(now 10\)", err), err
+    said = re.search(r"heal diverged: its loss went from (\d+\.\d+) \(mean of the first 2 steps\) to (\d+\.\d+) "
+                     r"\(mean of the last 2\), above the 2x \+ 0.05 a heal may end at; nothing was saved; lower "
+                     r"heal.lr \(now 10\)", err)
+    assert said, err
+    first, last = float(said.group(1)), float(said.group(2))  # the values differ between BLAS builds (4.2 on AMD)
+    assert last > 2 * first + 0.05, err
     assert "saved to" not in stdout and not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
 
 
