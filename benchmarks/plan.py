@@ -45,7 +45,7 @@ from mla import speed
 
 from attnslim.adapters import get_adapter
 from attnslim.models import load_model
-from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, candidate_set
+from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS, candidate_set
 from attnslim.planner.costs import resources
 from attnslim.planner.run import PlanConfig, choose, prepare
 from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
@@ -92,9 +92,11 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
     """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary),
     each yielded as soon as it is chosen (its rows run before the next budget is planned)."""
     model, tokenizer = load_on_device(model_name)
+    mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
     cfg = PlanConfig(kv=min(budgets), kinds=tuple(args.candidates.split(",")),
                      ladder=tuple(float(f) for f in args.ladder.split(",")), score_windows=args.score_windows,
-                     refine_windows=args.score_windows, rounds=args.rounds, calibration=Calibration(**calibration()))
+                     refine_windows=args.score_windows, rounds=args.rounds, calibration=Calibration(**calibration()),
+                     mla_args=mla_args)
     prepared = prepare(model, tokenizer, cfg)
     for kv in budgets:
         start = time.time()
@@ -138,6 +140,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="--speed: interleaved repetitions")
     p.add_argument("--plans-from", default="", help="results file stem whose plan-kvF recipes to use (no planning)")
     p.add_argument("--local", default="", help="budgets with the local-fit rows (recipes/mla-kv25.yaml's fit)")
+    p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
+                   "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
     harness = Harness(args.name or f"plan-{args.model}", args.model, tuple(args.sources.split(",")), args.tokens)
     healed = {float(b) for b in args.heal.split(",") if b}
@@ -159,8 +163,9 @@ def main() -> None:
         speed(harness, recipes, list(recipes), [int(c) for c in args.speed.split(",")], new_tokens=32,
               repeats=args.repeats, cache_kind="dynamic")
         return
+    planned = "-local-planned" if args.local_steps else ""  # its rivals are the -local rows (report_plan)
     for kv, recipe, summary in plans:
-        harness.run(f"plan-kv{kv:g}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
+        harness.run(f"plan-kv{kv:g}{planned}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
             harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers, marker))
         if kv in healed:

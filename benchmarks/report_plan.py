@@ -56,7 +56,9 @@ def _single(key: str) -> bool:
 
 
 TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
-         "-local-heal40-all": "local fit, then heal of every parameter"}
+         "-local-heal40-all": "local fit, then heal of every parameter",
+         "-local-planned": "local fit, planned with it (plan --local-steps)"}
+RIVAL_TAIL = {"-local-planned": "-local"}  # a plan measured with the fit meets the uniformly fitted rows
 
 
 def verdicts(data: dict[str, Any]) -> list[str]:
@@ -68,8 +70,9 @@ def verdicts(data: dict[str, Any]) -> list[str]:
     for key in sorted((k for k in variants if k.startswith("plan-kv")),
                       key=lambda k: (-_budget(k), "local" in k, "heal" in k)):
         tail = key.removeprefix(f"plan-kv{_budget(key):g}")
+        rival = RIVAL_TAIL.get(tail, tail)
         rivals = {k: v for k, v in variants.items() if _single(k) and _budget(k) == _budget(key)
-                  and k.endswith(tail) and ("heal" in k) == ("heal" in key) and ("local" in k) == ("local" in key)}
+                  and k.endswith(rival) and ("heal" in k) == ("heal" in key) and ("local" in k) == ("local" in key)}
         if not rivals:
             continue
         plan = variants[key]["ppl_ratio"]
