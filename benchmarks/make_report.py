@@ -45,6 +45,8 @@ SECTIONS = {
                                   "(`self`)", "benchmarks/calib_source.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
+    "latentllm-ud": ("LatentLLM's joint up/down MLP fit (§4.3, App. H) against local MLP compression, 80% of all "
+                     "parameters, one harness", "benchmarks/latentllm.py"),
     "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
                         "benchmarks/latentllm.py"),
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
@@ -198,7 +200,9 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
            # LISA properties whose verdicts the claims table carries; the 250-step aligner run supersedes the 100-step
            "lisa-aligner-smollm2-135m", "lisa-stability-smollm2-135m",
            # the export's exactness check (docs/serving.md states it; the serving section is the current evidence)
-           "export")
+           "export",
+           # joint UD against local MLP: the claims table carries the verdict
+           "latentllm-ud")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
