@@ -201,8 +201,9 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
            "lisa-aligner-smollm2-135m", "lisa-stability-smollm2-135m",
            # the export's exactness check (docs/serving.md states it; the serving section is the current evidence)
            "export",
-           # joint UD against local MLP: the claims table carries the verdict
-           "latentllm-ud")
+           # joint UD against local MLP, LISA #19 (250 steps) and #20: the claims table carries the verdicts; the
+           # 1.5B heal-memory run settled the heal's memory default (docs/cli.md)
+           "latentllm-ud", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "heal-memory-qwen15")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

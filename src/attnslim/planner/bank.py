@@ -64,21 +64,12 @@ class Bank:
         self._spill(key)
 
     @contextmanager
-    def loaded(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
-        """The banked modules of `key` with their weights read back; spilled again on exit (unchanged on disk).
-        Parameters are put back by name, so whatever replaced one meanwhile (an offloaded forward puts a layer's
-        checkpoint-named parameters back on the meta device) is replaced in turn."""
-        self._fill(key)
-        try:
-            yield self._pairs[key]["attention"], self._pairs[key]["norm"]
-        finally:
-            self._spill(key)
-
-    @contextmanager
     def on_call(self, key: Key) -> Iterator[tuple[nn.Module, nn.Module]]:
         """The banked modules of `key`, their weights read in only for each call: from the norm's call (it runs
         first in a pre-norm layer) to the end of the attention's. A whole plan installed this way holds one layer's
-        candidate weights at a time, whatever the depth."""
+        candidate weights at a time, whatever the depth. Parameters are put back by name, so whatever replaced one
+        meanwhile (an offloaded forward puts checkpoint-named parameters back on the meta device) is replaced in
+        turn."""
         pair = self._pairs[key]
         hooks = [pair["norm"].register_forward_pre_hook(lambda *_: self._fill(key)),
                  pair["attention"].register_forward_pre_hook(lambda *_: self._fill(key)),
