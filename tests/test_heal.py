@@ -147,7 +147,8 @@ def test_recipe_heal_section_runs_after_the_steps_and_is_validated():
      ({"stepz": 3}, "unknown key"), ({"temperature": 0}, "heal.temperature"),
      ({"source": "wikii"}, "heal.source must be one of"), ({"source": "wiki+"}, "'wiki\\+'"),
      ({"hidden": -1}, "heal.hidden=-1"), ({"teacher_dtype": "float16"}, "float32 | bfloat16"),
-     ({"checkpoint": "yes"}, "heal.checkpoint='yes' is invalid; valid: true | false")],
+     ({"checkpoint": "yes"}, "heal.checkpoint='yes' is invalid; valid: true | false"),
+     ({"precision": "float16"}, "heal.precision='float16' is invalid; valid: float32 | bfloat16 | auto")],
 )
 def test_bad_heal_settings_name_the_key(heal_args, match):
     d = recipe_to_dict(one_step("svd", {"ratio": 0.5}))
@@ -209,8 +210,56 @@ def test_new_heal_settings_keep_old_fingerprints():
     base = recipe_to_dict(one_step("svd", {"ratio": 0.3}))
     healed = recipe_from_dict({**base, "heal": {"steps": 2}})
     assert healed.heal is not None and "teacher_dtype" not in healed.heal and "checkpoint" not in healed.heal
-    assert fingerprint(apply_overrides(healed, ["heal.teacher_dtype=float32", "heal.checkpoint=false"])) == \
-        fingerprint(healed)
+    assert fingerprint(apply_overrides(healed, ["heal.teacher_dtype=float32", "heal.checkpoint=false",
+                                                "heal.precision=float32"])) == fingerprint(healed)
+    assert fingerprint(apply_overrides(healed, ["heal.precision=auto"])) != fingerprint(healed)
+
+
+def test_bfloat16_precision_runs_the_forward_passes_in_bfloat16_and_trains_float32_weights():
+    """precision bfloat16: the heal's loss comes from bfloat16 matmuls (it differs from the float32 loss, by
+    rounding only), the trained weights, their gradients and AdamW's state stay float32, and the heal still
+    lowers its loss; the report says which precision ran."""
+    teacher = _sharp_llama()
+    student = _svd(copy.deepcopy(teacher))
+    with torch.no_grad():
+        full = float(heal_loss(student, teacher, IDS, HealConfig(source="tiny"), "float32"))
+        half = float(heal_loss(student, teacher, IDS, HealConfig(source="tiny"), "bfloat16"))
+    assert half != full and half == pytest.approx(full, rel=0.1), (full, half)
+    loss = heal_loss(student, teacher, IDS, HealConfig(source="tiny"), "bfloat16")
+    loss.backward()
+    trained = healing_parameters(student, teacher, "changed")
+    assert loss.dtype == torch.float32
+    assert {p.grad.dtype for p in trained.values()} == {torch.float32}
+    plain, a, _ = _healed()
+    half_model, b, _ = _healed(precision="bfloat16")
+    assert a["precision"] == "float32" and b["precision"] == "bfloat16"
+    assert b["history"] != a["history"] and b["history"] == pytest.approx(a["history"], rel=0.1)
+    assert b["kl_last"] < b["kl_first"]
+    assert {p.dtype for p in half_model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_follows_the_device(monkeypatch, native):
+    """auto: bfloat16 where host.native_bf16 says the device computes it natively, else float32; explicit
+    settings are taken as written."""
+    from attnslim import host
+    from attnslim.train.heal import heal_precision
+
+    monkeypatch.setattr(host, "native_bf16", lambda device: native)
+    cpu = torch.device("cpu")
+    assert heal_precision(HealConfig(precision="auto"), cpu) == ("bfloat16" if native else "float32")
+    assert heal_precision(HealConfig(precision="float32"), cpu) == "float32"
+    assert heal_precision(HealConfig(precision="bfloat16"), cpu) == "bfloat16"
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    from attnslim import host
+
+    for bf16, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert host.native_bf16(torch.device("cpu")) is (want and torch.backends.mkldnn.is_available())
+    assert host.native_bf16(torch.device("meta")) is False
 
 
 def test_heal_refuses_when_nothing_was_compressed():

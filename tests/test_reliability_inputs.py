@@ -219,7 +219,7 @@ def test_h07_a_non_finite_heal_loss_stops_at_once(monkeypatch):
 
     calls = []
 
-    def nan_loss(student, teacher, ids, cfg):
+    def nan_loss(student, teacher, ids, cfg, precision):
         calls.append(1)
         return student(input_ids=ids).logits.sum() * float("nan")
 

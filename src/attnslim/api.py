@@ -233,14 +233,13 @@ def compress_to(name_or_path: str, recipe: Recipe, out: Path, overwrite: bool = 
         skeleton,
     )
     from attnslim.offload import check_free_disk
-    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
+    from attnslim.offload.compute import compute_target
     from attnslim.outdir import check_output
 
     methods = check_recipe(recipe)  # refused before seconds of loading and minutes of compressing
     refuse_compressed(name_or_path)
     check_output(out, overwrite, inputs=[Path(name_or_path)])
-    compute_device, compute_dtype = resolve_device(device), parse_dtype(dtype)
-    check_dtype(compute_device, compute_dtype)
+    compute_device, compute_dtype = compute_target(device, dtype)
     try:
         checkpoint: Checkpoint | None = read_checkpoint(checkpoint_directory(name_or_path))
     except AttnslimError:

@@ -26,6 +26,17 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16
+    or AMX (oneDNN's bfloat16 GEMMs); elsewhere bfloat16 is emulated and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.backends.mkldnn.is_available() and (
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
+
+
 def blas_name() -> str:
     """The BLAS this torch build calls for float32 GEMMs (its BLAS_INFO: "mkl" in the x86 wheels), or "unknown"."""
     return next((part.split("=", 1)[1] for part in torch.__config__.show().replace(",", " ").split()

@@ -51,9 +51,13 @@ def config_from_mapping(cls: type[T], section: str, d: Any) -> T:
 PARAMS = ("changed", "all")
 MAX_HEAL_LR = 1.0  # AdamW steps each weight by about lr: at lr > 1 a pretrained model's weights are overwritten
 TEACHER_DTYPES = ("float32", "bfloat16")
+# the heal's matmul precision: float32, or bfloat16 autocast (float32 weights, optimizer and loss; bfloat16 matmuls),
+# or auto: bfloat16 where the device computes it natively (host.native_bf16), else float32 (train/heal.py)
+HEAL_PRECISIONS = ("float32", "bfloat16", "auto")
 
 
-_LATER = ("hidden", "teacher_dtype", "checkpoint")  # HealConfig settings added after recipes were fingerprinted
+# HealConfig settings added after recipes were fingerprinted
+_LATER = ("hidden", "teacher_dtype", "checkpoint", "precision")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class HealConfig:
     hidden: float = 0.0  # weight of the hidden-state term (train/heal.py); 0: logits only
     teacher_dtype: str = "float32"  # bfloat16: the teacher held and run in half the memory (train/heal.py)
     checkpoint: bool = False  # gradient checkpointing of the student's decoder layers (train/heal.py)
+    precision: str = "float32"  # HEAL_PRECISIONS: bfloat16 autocast of the heal's forward passes (train/heal.py)
 
     def __post_init__(self) -> None:
         check_source("heal.source", self.source, generated=True)
@@ -82,7 +87,8 @@ class HealConfig:
             "warmup": (0 <= self.warmup < 1, "in [0, 1)"), "temperature": (self.temperature > 0, "> 0"),
             "hidden": (self.hidden >= 0, ">= 0"), "params": (self.params in PARAMS, " | ".join(PARAMS)),
             "teacher_dtype": (self.teacher_dtype in TEACHER_DTYPES, " | ".join(TEACHER_DTYPES)),
-            "checkpoint": (isinstance(self.checkpoint, bool), "true | false")})
+            "checkpoint": (isinstance(self.checkpoint, bool), "true | false"),
+            "precision": (self.precision in HEAL_PRECISIONS, " | ".join(HEAL_PRECISIONS))})
 
     @classmethod
     def from_dict(cls, d: Any) -> HealConfig:

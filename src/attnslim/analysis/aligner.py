@@ -1,4 +1,4 @@
-"""LISA property 19 (notes §7): is a trained head aligner permutation-like?
+"""LISA property 19 (paper §5.1, Fig. 5; docs/paper-properties.md): is a trained head aligner permutation-like?
 
 The aligner (modules/aligner.Aligner) maps the channels [A_{n-1}; A_delta] (c_in = 2h with fusion, h without) to
 the h heads of layer n, position-wise. Its A_{n-1} block says which of layer n-1's heads each output head reads:

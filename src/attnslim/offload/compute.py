@@ -50,6 +50,13 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
                             f"({first_line(err, 200)}); use --dtype float32") from err
 
 
+def compute_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The (device, dtype) of --device and --dtype, each checked, and checked to compute together."""
+    placed, torch_dtype = resolve_device(device), parse_dtype(dtype)
+    check_dtype(placed, torch_dtype)
+    return placed, torch_dtype
+
+
 def memory_available() -> int:
     """Bytes of memory this process could still use without swapping (MemAvailable on Linux)."""
     try:

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from attnslim.calib.residency import Residency
 from attnslim.errors import AttnslimError
+from attnslim.offload.compute import compute_target
 from attnslim.planner.run import PlanConfig, PlanResult, plan_model
 from attnslim.recipe import recipe_to_dict
 from attnslim.safe_files import write_text_atomic
@@ -69,7 +69,7 @@ def load_planned(name_or_path: str, dtype: str = "float32", device: str = "cpu")
     computes in the dtype): a 7B-8B model plans on one GPU in bfloat16 (a larger one: `offloaded_for_plan`)."""
     from attnslim.models.load import load_model
 
-    placed, torch_dtype = _compute(device, dtype)
+    placed, torch_dtype = compute_target(device, dtype)
     model, tokenizer = load_model(name_or_path, torch_dtype)
     return model.to(placed), tokenizer
 
@@ -85,7 +85,7 @@ def offloaded_for_plan(name_or_path: str, dtype: str = "float32", device: str = 
     from attnslim.models.load import checkpoint_directory, read_checkpoint, skeleton
     from attnslim.offload import OffloadedLayers, WeightSource
 
-    placed, torch_dtype = _compute(device, dtype)
+    placed, torch_dtype = compute_target(device, dtype)
     checkpoint = read_checkpoint(checkpoint_directory(name_or_path))
     model = skeleton(checkpoint, torch_dtype)
     adapter = get_adapter(model)
@@ -93,14 +93,6 @@ def offloaded_for_plan(name_or_path: str, dtype: str = "float32", device: str = 
     with tempfile.TemporaryDirectory(prefix="attnslim-plan-layers-") as scratch:
         yield model, checkpoint.tokenizer, OffloadedLayers(model, adapter.decoder_layers(),
                                                            WeightSource(checkpoint.directory), Path(scratch), placed)
-
-
-def _compute(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    from attnslim.offload.compute import check_dtype, parse_dtype, resolve_device
-
-    placed, torch_dtype = resolve_device(device), parse_dtype(dtype)
-    check_dtype(placed, torch_dtype)
-    return placed, torch_dtype
 
 
 def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: bool = False,

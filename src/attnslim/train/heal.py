@@ -23,11 +23,16 @@ student's activations for the backward pass through every layer above the first 
 151,936-word vocabularies the logits alone are ~0.6 GB per copy per 1,024 tokens):
   teacher_dtype  bfloat16 casts the teacher, in place, before the first step: half its memory; its logits are
                  cast back to float32 for the KL. Targets move by bfloat16 rounding, so it is opt-in.
+  precision      bfloat16: the heal's forward passes (teacher and student) run under bfloat16 autocast: the
+                 weights, their gradients, AdamW's state and the loss stay float32, the matmuls run in bfloat16
+                 (how GPU training runs). auto: bfloat16 where the device computes it natively (a GPU, a CPU
+                 with AVX512-BF16 or AMX: host.native_bf16), else float32. The report records which ran.
   checkpoint     gradient checkpointing of the student's decoder layers (transformers' own, non-reentrant, so
                  that frozen inputs still pass gradients to the trained tensors inside): the activations of one
                  layer at a time instead of all, for one more forward per step. Same gradients up to rounding.
 Measured on SmolLM2 (peak RSS of the default recipe's heal, each setting): BENCHMARKS.md, section "Heal memory"
-(benchmarks/heal_memory.py, results/heal-memory.json).
+(benchmarks/heal_memory.py, results/heal-memory.json); the precision's time and quality: section "Healing the
+default recipe's compression" (rows ...-precisionbfloat16).
 Data: steps · batch_size windows of seq_len tokens from the calibration split of `source` (a source or a
 mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the statistics windows of the same
 seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints or resume (unlike
@@ -55,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from attnslim import _compat
+from attnslim import _compat, host
 from attnslim.data import calib_windows
 from attnslim.errors import AttnslimError
 from attnslim.settings import PARAMS, HealConfig
@@ -109,12 +114,22 @@ def hidden_distance(got: tuple[torch.Tensor, ...], target: tuple[torch.Tensor, .
     return torch.stack([e.mean() for e in per_layer]).mean()
 
 
-def heal_loss(student: Any, teacher: Any, ids: torch.Tensor, cfg: HealConfig) -> torch.Tensor:
-    """The loss of one batch ids (b, l): logit KL, plus the hidden-state term when cfg.hidden > 0."""
+def heal_precision(cfg: HealConfig, device: torch.device) -> str:
+    """The precision the heal runs at on `device`: cfg.precision, with auto resolved (module docstring)."""
+    if cfg.precision == "auto":
+        return "bfloat16" if host.native_bf16(device) else "float32"
+    return cfg.precision
+
+
+def heal_loss(student: Any, teacher: Any, ids: torch.Tensor, cfg: HealConfig, precision: str = "float32"
+              ) -> torch.Tensor:
+    """The loss of one batch ids (b, l): logit KL, plus the hidden-state term when cfg.hidden > 0; the forward
+    passes under bfloat16 autocast when `precision` is bfloat16 (the KL and distances are taken in float32)."""
     states = cfg.hidden > 0
-    with torch.no_grad():
-        want = teacher(input_ids=ids, use_cache=False, output_hidden_states=states)
-    got = student(input_ids=ids, use_cache=False, output_hidden_states=states)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        with torch.no_grad():
+            want = teacher(input_ids=ids, use_cache=False, output_hidden_states=states)
+        got = student(input_ids=ids, use_cache=False, output_hidden_states=states)
     loss = distill_kl(got.logits, want.logits, cfg.temperature)
     if states:  # hidden_states[0] is the (shared, frozen) embedding output
         loss = loss + cfg.hidden * hidden_distance(got.hidden_states[1:], want.hidden_states[1:])
@@ -134,6 +149,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
                             "Use heal.params='all' to fine-tune every parameter")
     windows = calib_windows(cfg.source, tokenizer, cfg.steps * cfg.batch_size, cfg.seq_len, cfg.seed + 1,
                             heal_draw(cfg), model=teacher)
+    precision = heal_precision(cfg, next(student.parameters()).device)
     flags = {n: p.requires_grad for n, p in student.named_parameters()}
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
     teacher.eval()
@@ -141,7 +157,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
         teacher.to(torch.bfloat16)  # in place: the caller's frozen copy, used by nothing after the heal
     was_training = student.training
     history: list[float] = []
-    began = time.time()
+    began, cpu_began = time.time(), time.process_time()
     k = max(1, min(10, cfg.steps // 5))  # steps averaged for kl_first and kl_last
     try:
         student.requires_grad_(False)
@@ -149,7 +165,7 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
             p.requires_grad_(True)
         student.train()
         with _compat.activation_checkpointing(student) if cfg.checkpoint else nullcontext():
-            _train(student, teacher, windows.ids, params, opt, cfg, history, k, progress)
+            _train(student, teacher, windows.ids, params, opt, cfg, precision, history, k, progress)
     finally:
         student.train(was_training)
         for n, p in student.named_parameters():
@@ -157,14 +173,16 @@ def heal(student: Any, teacher: Any, tokenizer: Any, cfg: HealConfig, progress: 
     return {
         "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "data": windows.description,
         "trainable_params": sum(p.numel() for p in params.values()), "tensors": len(params),
-        "seconds": round(time.time() - began, 1), "config": asdict(cfg),
+        "seconds": round(time.time() - began, 1), "cpu_seconds": round(time.process_time() - cpu_began, 1),
+        "config": asdict(cfg), "precision": precision,
         "kl_first": sum(history[:k]) / k, "kl_last": sum(history[-k:]) / k,
         "history": [round(v, 5) for v in history],
     }
 
 
 def _train(student: Any, teacher: Any, ids_all: torch.Tensor, params: dict[str, torch.nn.Parameter],
-           opt: torch.optim.Optimizer, cfg: HealConfig, history: list[float], k: int, progress: bool) -> None:
+           opt: torch.optim.Optimizer, cfg: HealConfig, precision: str, history: list[float], k: int,
+           progress: bool) -> None:
     """The heal's steps: one batch of `ids_all` (steps * batch_size, seq_len) each; losses appended to history,
     checked by `check_converged` before each step is taken (k: the steps averaged at either end)."""
     device = next(student.parameters()).device
@@ -172,7 +190,7 @@ def _train(student: Any, teacher: Any, ids_all: torch.Tensor, params: dict[str, 
         ids = ids_all[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(device)
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(cfg.lr, cfg.warmup, cfg.steps, step)
-        loss = heal_loss(student, teacher, ids, cfg)
+        loss = heal_loss(student, teacher, ids, cfg, precision)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
