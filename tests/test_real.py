@@ -123,3 +123,39 @@ def test_planned_kv50_beats_uniform_mla_at_the_same_kv(smol):
     ppl_planned = perplexity(planned, windows, progress=False).ppl
     ppl_uniform = perplexity(uniform, windows, progress=False).ppl
     assert ppl_planned < ppl_uniform, (ppl_planned, ppl_uniform, result.report["layers"])
+
+
+def test_offloaded_plan_on_real_weights_equals_the_in_memory_plan(smol, tmp_path):
+    """`plan --offload` on real weights: the first four decoder layers of SmolLM2 saved as a checkpoint, planned in
+    memory and with the weights on disk (one layer read in at a time, the layers above streamed through every
+    score): the same per-candidate KL, start scores and plan. The KLs are real signal: every converted layer
+    costs more than nothing, and dropping a layer's attention costs more than its MLA fit at KV 0.5."""
+    import copy
+
+    from attnslim.models.load import load_model
+    from attnslim.planner.output import offloaded_for_plan
+    from attnslim.planner.run import PlanConfig, plan_model
+    from attnslim.recipe import Calibration, recipe_to_dict
+
+    model, tokenizer = smol
+    sliced = copy.deepcopy(model)
+    sliced.model.layers = sliced.model.layers[:4]
+    sliced.config.num_hidden_layers = 4
+    sliced.config.layer_types = sliced.config.layer_types[:4] if getattr(sliced.config, "layer_types", None) else None
+    ckpt = tmp_path / "smol-4"
+    sliced.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    cfg = PlanConfig(kv=0.6, kinds=("keep", "mla", "drop"), ladder=(0.5,), score_windows=2, refine_windows=2,
+                     rounds=1, mla_args={}, calibration=Calibration(source="wiki", windows=4, seq_len=256))
+    held, tok = load_model(str(ckpt))
+    in_memory = plan_model(held, tok, cfg, progress=False)
+    with offloaded_for_plan(str(ckpt)) as (skeleton, tok2, residency):
+        offloaded = plan_model(skeleton, tok2, cfg, progress=False, residency=residency)
+        assert all(p.is_meta for p in skeleton.model.layers.parameters())
+    assert recipe_to_dict(offloaded.recipe) == recipe_to_dict(in_memory.recipe)
+    for i, row in in_memory.report["options"].items():
+        assert row["drop"]["kl"] > row["mla@0.5"]["kl"] > 0, (i, row)
+        for label, cost in row.items():
+            assert offloaded.report["options"][i][label]["kl"] == pytest.approx(cost["kl"], rel=1e-4, abs=1e-9)
+    for name, start in in_memory.report["starts"].items():
+        assert offloaded.report["starts"][name]["measured"] == pytest.approx(start["measured"], rel=1e-4)
