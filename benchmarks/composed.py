@@ -21,10 +21,13 @@ from common import Harness, calibration
 from attnslim.api import compress
 from attnslim.bench import interleaved
 from attnslim.demo import TASKS
-from attnslim.eval.tasks import evaluate_tasks
+from attnslim.eval.lmeval_run import evaluate_standard
+from attnslim.eval.standard import materialise
+from attnslim.eval.tasks import TASK_DIR
 from attnslim.models import load_model
 from attnslim.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 from attnslim.targets import check_targets, targets_met
+from attnslim.user_cache import cache_root
 
 
 def composed(name: str, m: int, latent: dict[str, Any], windows: int, criterion: str = "resid") -> dict[str, Any]:
@@ -80,8 +83,9 @@ def report_fields(report: Any, h: Harness) -> dict[str, Any]:
 
 
 def accuracy(model: Any, tokenizer: Any, limit: int | None) -> dict[str, float]:
-    """acc of the demo's zero-shot tasks (first `limit` items each, all if None)."""
-    return {t: r["acc"] for t, r in evaluate_tasks(model, tokenizer, list(TASKS), limit, progress=False).items()}
+    """acc of the demo's zero-shot tasks (lm-eval's standard tasks: first `limit` items each, all if None)."""
+    scores = evaluate_standard(model, tokenizer, list(TASKS), materialise(cache_root(), TASK_DIR), limit)["tasks"]
+    return {t: r["acc"] for t, r in scores.items()}
 
 
 def main() -> None:

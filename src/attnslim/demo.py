@@ -145,6 +145,9 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     print(f"\nfull evaluation (every task item, 8192 tokens per text): attnslim eval {out} --data {','.join(SOURCES)} "
           f"--tasks standard; the same for {model_name}; speed: attnslim bench {out} --vs "
           f"{model_name}")
+    print(f"to choose a method per layer under a KV budget instead: attnslim compress {model_name} --kv 0.5 --heal "
+          "--out out/planned (it measures every candidate of every layer first, which takes longer than this demo "
+          "on a CPU; docs/planning.md says why the demo keeps the default recipe)")
     if host.mkl_runs_generic_code():
         print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
               "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
