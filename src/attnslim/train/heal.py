@@ -36,8 +36,8 @@ default recipe's compression" (rows ...-precisionbfloat16).
 Data: steps · batch_size windows of seq_len tokens from the calibration split of `source` (a source or a
 mixture such as "wiki+c4"), drawn with seed `seed + 1` so they differ from the statistics windows of the same
 seed. AdamW (0.9, 0.999), linear warm-up then cosine decay, gradient clipping 1.0. No checkpoints or resume (unlike
-LISA's distill): a 200-step heal of SmolLM2-135M took about an hour on one contended CPU thread
-(benchmarks/latentllm.py --groups heal), so an interrupted heal restarts with the recipe.
+LISA's distill): the heals of the packaged recipes are minutes long (their times: the heal rows of BENCHMARKS.md,
+benchmarks/latentllm.py --groups heal and benchmarks/heal.py), so an interrupted heal restarts with the recipe.
 
 A heal that diverges is an error, never a saved model (`check_converged`): it stops at the first step whose loss
 is not finite, and at the end it refuses a heal whose mean loss over its last k steps (k = steps/5, 1..10, as in
