@@ -23,6 +23,8 @@ from report_accuracy import (  # noqa: E402
 )
 from report_accuracy import TITLE as ACCURACY_TITLE  # noqa: E402
 from report_claims import claims_section, load_claims, load_results  # noqa: E402
+from report_demo import SECTION as DEMO_SECTION  # noqa: E402
+from report_demo import demo_time_lines  # noqa: E402
 from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
@@ -75,6 +77,8 @@ SECTIONS = {
     "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model", "benchmarks/heal.py"),
+    "heal-precision": ("The default recipe's heal in float32 and in bfloat16 autocast (heal.precision), and "
+                       "`make demo`'s wall time", "benchmarks/heal.py"),
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression", "benchmarks/heal.py"),
     "heal-default": ("Healing the default recipe's compression: MLA (the default) beside LatentLLM's latent caches "
                      "(the previous default), and which text to heal on",
@@ -154,7 +158,8 @@ def device_details(env: dict[str, Any]) -> str:
 ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole",
          "latentllm-small",
-         "composed", "heal-default", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations", "mla-kv25-ablations",
+         "composed", "heal-default", "heal-precision", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations",
+         "mla-kv25-ablations",
          "mla-gemma3", "mla-gemma3-calib", "mla-gemma3-nobos", "mla-gemma3-small",
          "mla-small", "mla-deepseek-small", "export", "mla-speed", "mla-speed-2t",
          "mla-speed-fold", "mla-speed-static",
@@ -324,7 +329,8 @@ def main() -> None:
     probes = sorted(RESULTS.glob("reliability*.json"))
     standard = RESULTS / "standard_tasks.json"  # one entry per model and item limit (benchmarks/standard_tasks.py)
     heal_memory = sorted(RESULTS.glob("heal-memory*.json"))  # one per model (benchmarks/heal_memory.py --name)
-    for path in sorted(set(RESULTS.glob("*.json")) - set(probes) - set(heal_memory) - {standard, ACCURACY}):
+    demo_time = RESULTS / "demo-time.json"  # benchmarks/demo_time.py: rendered under DEMO_SECTION
+    for path in sorted(set(RESULTS.glob("*.json")) - set(probes) - set(heal_memory) - {standard, ACCURACY, demo_time}):
         data = json.loads(path.read_text())
         if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
             print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
@@ -352,6 +358,8 @@ def main() -> None:
             archive += heal_memory_section(json.loads(path.read_text()), path.stem)
     for name in sorted(results, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         text = SPECIAL[name](results[name]) if name in SPECIAL else section(name, results[name])
+        if name == DEMO_SECTION and demo_time.is_file():
+            text += demo_time_lines(json.loads(demo_time.read_text()))
         if name in ARCHIVE:
             archive += text
         else:

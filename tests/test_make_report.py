@@ -237,3 +237,21 @@ def test_every_claim_of_claims_yaml_finds_its_number_in_the_results() -> None:
                 assert verdict != "fails" or claim.tried, f"{claim.claim!r} fails: say what was tried"
     rows = [line for line in claims_section(claims, results) if line.startswith("| ") and "---" not in line]
     assert len(rows) == len(claims) + 1  # the header
+
+
+def test_demo_time_lines_say_met_or_missed_against_the_budget_per_run() -> None:
+    from report_demo import demo_time_lines
+
+    host = {"cpu": "AMD EPYC", "threads": 2}
+    stages = {"measure dense": 50.0, "compress": 250.0}
+    data = {"budget_s": 360, "runs": [
+        {"when": "2026-11-29 01:00", "host": host, "load_before": 0.1, "heal_precision": "bfloat16",
+         "stages": stages, "wall_s": 330.0},
+        {"when": "2026-11-29 02:00", "host": host, "load_before": 3.9, "heal_precision": "float32",
+         "stages": stages, "wall_s": 458.0}]}
+    lines = demo_time_lines(data)
+    rows = [line for line in lines if line.startswith("| 2026")]
+    assert "| measure dense | compress |" in lines[2]
+    assert rows[0].endswith("| 50 | 250 | 330 | met |") and "| bfloat16 |" in rows[0]
+    assert rows[1].endswith("| 458 | missed |") and "| 3.9 |" in rows[1]
+    assert demo_time_lines({"budget_s": 360, "runs": []}) == []

@@ -93,10 +93,31 @@ def target_lines(before: dict[str, Any], after: dict[str, Any], speed: dict[str,
     return lines
 
 
-def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int) -> None:
-    """Add the measured before/after metrics to compression.json (the report reads them)."""
+class Stages:
+    """Wall seconds of the demo's stages in order (printed at the end, kept in compression.json as demo_seconds:
+    benchmarks/demo_time.py reads them against the 6-minute budget)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 1)
+        self._last = now
+
+    def line(self) -> str:
+        return f"demo wall time: {time.perf_counter() - self._start:.0f} s (" + ", ".join(
+            f"{name} {s:.0f} s" for name, s in self.seconds.items()) + ")"
+
+
+def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int,
+                   stages: dict[str, float]) -> None:
+    """Add the measured before/after metrics and the demo's stage times to compression.json (the report reads
+    the metrics)."""
     info = read_compression_json(Path(out))  # the demo's own output, just written
     info["metrics"] = {name: {"before": b, "after": a} for name, b, a, _ in rows if "params" not in name}
+    info["demo_seconds"] = stages
     info["metrics_description"] = (
         f"perplexity: first {tokens} tokens of each evaluation split, 512-token windows; zero-shot: "
         f"{', '.join(TASKS)} (lm-eval, 0-shot, acc on the first items, n in each name); decode: "
@@ -114,7 +135,7 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     from attnslim.outdir import check_output
     from attnslim.recipe import load_recipe
 
-    start = time.perf_counter()
+    stages = Stages()
     recipe = load_recipe(recipe_name)
     methods = check_recipe(recipe)
     refuse_compressed(model_name)
@@ -123,25 +144,32 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     model, tokenizer = load_model(model_name)
     before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
+    stages.lap("measure dense")
     report = compress(model, tokenizer, recipe, methods=methods)
-    print(f"compressed in {report.seconds:.0f} s (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
+    stages.lap("compress")
+    healed = f", heal {report.heal['seconds']:.0f} s at {report.heal['precision']}" if report.heal else ""
+    print(f"compressed in {report.seconds:.0f} s{healed} (peak RSS {report.peak_rss_mb:.0f} MB); saving to {out}")
     save(model, tokenizer, out, {**report.to_json(), "base_model": model_name}, overwrite=overwrite)
     del model
     model, tokenizer = load(out)
+    stages.lap("save and reload")
     after = measure(model, tokenizer, tokens, task_limit)
+    stages.lap("measure compressed")
     dense, _ = load_model(model_name)
     speed = decode_speed(dense, model)
+    stages.lap("decode speed")
     rows = table_rows(before, after, speed, tokens)
     print(format_table(rows))
     print("accuracy ± its standard error: " + "; ".join(
         f"{t} {before['acc'][t]:.3f} ± {before['stderr'][t]:.3f} -> {after['acc'][t]:.3f} ± {after['stderr'][t]:.3f}"
         for t in TASKS))
     print("targets of the default recipe:\n" + "\n".join(target_lines(before, after, speed, dense, model)))
-    record_metrics(out, rows, tokens)
-    html, _ = write_report(out)
-    print(f"report: {html}")
     print(f"\nprompt: {PROMPT!r}\n  dense     : {dense_text!r}")
     print(f"  compressed: {generate_text(model, tokenizer, PROMPT, 30)!r}")
+    stages.lap("generation")
+    record_metrics(out, rows, tokens, stages.seconds)
+    html, _ = write_report(out)
+    print(f"report: {html}")
     print(f"\nfull evaluation (every task item, 8192 tokens per text): attnslim eval {out} --data {','.join(SOURCES)} "
           f"--tasks standard; the same for {model_name}; speed: attnslim bench {out} --vs "
           f"{model_name}")
@@ -151,5 +179,5 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     if host.mkl_runs_generic_code():
         print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
               "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
-    print(f"demo wall time: {time.perf_counter() - start:.0f} s (compression {report.seconds:.0f} s)")
+    print(stages.line())
     return 0
