@@ -159,3 +159,11 @@ def test_split_head_refuses_ranks_the_heads_do_not_divide():
         _compress(tiny_llama(), {"ratio": None, "ranks": {**ranks, "q": 18}, "qk": "split_head"})
     with pytest.raises(AttnslimError, match="no entry for 'qkv'"):
         _compress(tiny_llama(), {"ratio": None, "ranks": ranks, **QKV})
+
+
+@pytest.mark.parametrize("args", [{**SPLIT_HEAD, "mlp": "local"}, {**QKV, "mlp": "joint_ud"}])
+def test_total_ratio_counts_each_forms_weights(args):
+    """One κ for every linear meets the kept fraction of all parameters, counted from the installed tensors: the
+    bisection over κ (latentllm_ranks.kappa_for_total) counts the forms' own weights."""
+    report = _compress(tiny_llama(), {**args, "ratio": None, "total_ratio": 0.8})
+    assert 0.78 < report.params_after["total"] / report.params_before["total"] <= 0.8

@@ -12,7 +12,7 @@ measured in BENCHMARKS.md, section LatentLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,11 +29,14 @@ from attnslim.modules.block_lowrank import BlockLowRankLinear
 from attnslim.modules.joint_qkv import JointQKVAttention
 from attnslim.modules.lowrank import LowRankLinear
 
+if TYPE_CHECKING:
+    from attnslim.methods.latentllm import LatentLLM
+
 JOINT_QKV, SPLIT_HEAD = "joint_qkv", "split_head"
 
 
-def check_form_options(m: Any) -> None:
-    """Refuse what the ablation forms cannot do, naming the option and the fix (m: the LatentLLM dataclass)."""
+def check_form_options(m: LatentLLM) -> None:
+    """Refuse what the ablation forms cannot do, naming the option and the fix (called by __post_init__)."""
     qk = m.qk
     if qk not in (JOINT_QKV, SPLIT_HEAD):
         return
