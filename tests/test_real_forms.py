@@ -55,7 +55,7 @@ def test_real_smollm2_joint_qkv_loses_to_joint_qk_and_split_head_to_full_matrix(
     evaluation windows for every variant; each form against its baseline at the same attention size (±1%):
     - joint QKV (one A for q, k, v; o local) against joint QK (+ local v, o), Remark 8: in every layer its
       held-out q·k logit error is at least twice joint QK's. Perplexity is not asserted: on these windows the two
-      tie (joint QKV's shared latent fits v better than the local v fit), see BENCHMARKS.md, section LatentLLM;
+      tie (joint QKV's shared latent fits v better than the local v fit), see the claims row "Joint QKV";
     - split-head q/k (per-head SVDs at rank r/h; v, o local) against the local full-matrix q/k fit (qk=split),
       Fig. 9: a higher perplexity, and in every layer a logit error at least 1.5 times as high.
     The forms are checked installed (JointQKVAttention, BlockLowRankLinear), so a silent fallback fails."""

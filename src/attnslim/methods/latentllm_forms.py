@@ -7,7 +7,7 @@
                  head, B block-diagonal, stored as its h blocks (`BlockLowRankLinear`; k's head count is n_kv);
                  v and o as `vo` says. Ranks are multiples of the head count; the uniform rule only.
 Both are the paper's ablations beside joint QK (Remark 8: joint QKV is worse; Fig. 9: split-head is "terrible");
-measured in BENCHMARKS.md, section LatentLLM.
+measured in BENCHMARKS.md, section "What the papers claim, and what we measure" (rows Joint QKV and Split-head).
 """
 
 from __future__ import annotations
