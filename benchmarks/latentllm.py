@@ -4,7 +4,8 @@ Groups (--groups, comma-separated; default all):
   attn       attention-only (q, k, v, o) at 80% and 50% kept attention parameters: svd, asvd, svdllm, local
              root-covariance with dense factors and with block identity, LatentLLM (joint QK + separate V/O)
              with the paper's uniform ranks and with the default spectrum allocation, joint V/O (Remark 11)
-             with either allocation, RoPE-aware joint QK (8-offset window)
+             with either allocation, RoPE-aware joint QK (8-offset window), joint QKV (App. C) with either
+             allocation and split-head q/k (App. D) with uniform ranks
   precond    joint QK (+ V/O) with each pre-conditioner of Table 1, at 80%, uniform ranks; diagonal l2 with the
              spectrum allocation at 80% and 50%
   whole      attention + MLP at 90/80/70% of all parameters: LatentLLM (joint UD), local MLP, SVD-LLM; and
@@ -18,6 +19,9 @@ Groups (--groups, comma-separated; default all):
     .venv/bin/python benchmarks/latentllm.py                         # the full run (hours on a 2-core CPU)
     .venv/bin/python benchmarks/latentllm.py --groups whole --only latentllm-total-80   # alone: honest peak RSS
     .venv/bin/python benchmarks/latentllm.py --name latentllm-small --tokens 2048 --windows 16 --groups attn
+    .venv/bin/python benchmarks/latentllm.py --name latentllm-ablations --groups attn --only \
+        latentllm-uniform-80,latentllm-jointqkv-uniform-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
+        latentllm-80,latentllm-jointqkv-80
     .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
 
 Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.
@@ -62,6 +66,11 @@ def attention_variants(ratio: float) -> dict[str, list[dict[str, Any]]]:
         f"latentllm-{p}": [step("latentllm", {"ratio": ratio})],  # defaults: joint QK, alloc spectrum
         f"latentllm-vojoint-{p}": [step("latentllm", {"ratio": ratio, "vo": "joint"})],
         f"latentllm-rope8-{p}": [step("latentllm", {"ratio": ratio, "rope_window": 8})],
+        # the paper's ablations beside joint QK (App. C, D): one shared A for q/k/v (o local; dense KV cache), and
+        # per-head SVDs of q and k (block-diagonal B; v and o local as in local-rootcov-blockid)
+        f"latentllm-jointqkv-uniform-{p}": [step("latentllm", {**uni, "qk": "joint_qkv", "cache": "dense"})],
+        f"latentllm-jointqkv-{p}": [step("latentllm", {"ratio": ratio, "qk": "joint_qkv", "cache": "dense"})],
+        f"local-splithead-uniform-{p}": [step("latentllm", {**uni, "qk": "split_head"})],
     }
     return out
 

@@ -49,6 +49,8 @@ SECTIONS = {
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
     "latentllm-ud": ("LatentLLM's joint up/down MLP fit (§4.3, App. H) against local MLP compression, 80% of all "
                      "parameters, one harness", "benchmarks/latentllm.py"),
+    "latentllm-ablations": ("LatentLLM's q/k ablations: joint QKV (App. C) and split-head (App. D) beside joint QK "
+                            "and the local fit, 80% of attention, uniform ranks", "benchmarks/latentllm.py"),
     "latentllm-small": ("LatentLLM (small run: 2048 evaluation tokens, 16 calibration windows)",
                         "benchmarks/latentllm.py"),
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
@@ -208,7 +210,9 @@ ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "hea
            "export",
            # joint UD against local MLP, LISA #19 (250 steps) and #20: the claims table carries the verdicts; the
            # 1.5B heal-memory run settled the heal's memory default (docs/cli.md)
-           "latentllm-ud", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "heal-memory-qwen15")
+           "latentllm-ud", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "heal-memory-qwen15",
+           # the paper's joint QKV and split-head ablations: the claims table carries the verdicts
+           "latentllm-ablations")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

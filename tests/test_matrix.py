@@ -33,6 +33,12 @@ MATRIX = [  # (family, method, args)
     ("llama", "latentllm", {"ratio": 0.7, "junction": "lu", "mlp": "local"}),
     ("opt", "latentllm", {"ratio": 0.7, "junction": "left_block_identity", "vo": "joint"}),
     ("gemma3", "latentllm", {"ratio": None, "ranks": GEMMA_RANKS, "junction": "lu", "cache": "values"}),
+    # the paper's ablation forms (App. C, D): one shared q/k/v latent (biases; QK-norm and sliding layers), and
+    # split-head q/k with block-diagonal B (the key latent decompressed, on OPT absorbed, through the blocks)
+    ("qwen2", "latentllm", {"ratio": 0.7, "qk": "joint_qkv", "cache": "dense"}),
+    ("gemma3", "latentllm", {"ratio": 0.7, "qk": "joint_qkv", "cache": "dense", "junction": "lu"}),
+    ("llama", "latentllm", {"ratio": 0.7, "qk": "split_head", "alloc": "uniform"}),
+    ("opt", "latentllm", {"ratio": 0.7, "qk": "split_head", "alloc": "uniform"}),
     ("qwen2", "mla", {"kv_ratio": 0.5}),
     ("llama", "transmla", {"kv_ratio": 0.5}),
     ("opt", "mla", {"kv_ratio": 0.5, "rope_dims": 0}),

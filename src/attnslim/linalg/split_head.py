@@ -6,7 +6,8 @@ activation-aware SVD (linalg.lowrank.factorize on the layer's input statistics):
 Σ_{j>r/h} σ_j²(W_i C^{1/2}) (RootCov). Weights: r d_in + d_out r / h (B's off-diagonal blocks are zero).
 Fig. 9: "terrible performance" beside full-matrix ASVD: the full problem's optimum is at least as good at the
 same rank, since a block-diagonal B is one of its feasible points.
-A tested building block, not a method option: no module stores a block-diagonal B yet.
+No junction: a per-head J_i would save Σ (r/h)² = r²/h, the paper's App. D counts none. The method option is
+latentllm's `qk: split_head` (modules/block_lowrank.BlockLowRankLinear stores the h blocks of B).
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ from attnslim.linalg.stats import InputStats
 def split_head_weights(d_out: int, d_in: int, rank: int, n_heads: int) -> int:
     """Weights of the split-head factors: A (r, d_in) whole, B's h diagonal blocks (d_out/h, r/h)."""
     return rank * d_in + d_out * rank // n_heads
+
+
+def split_head_max_rank(d_out: int, d_in: int, n_heads: int) -> int:
+    """Largest multiple of n_heads whose split-head factors hold no more weights than the dense matrix (at least
+    n_heads: one rank per head), at most d_out (r/h <= d_out/h rows per head)."""
+    return split_head_rank_for_ratio(d_out, d_in, 1.0, n_heads)
+
+
+def split_head_rank_for_ratio(d_out: int, d_in: int, ratio: float, n_heads: int) -> int:
+    """Largest multiple r of n_heads with r d_in + d_out r/h <= ratio · d_out · d_in (at least n_heads, at most
+    min(d_out, h · d_in)): the split-head form's rank at a kept fraction."""
+    per_head = n_heads * d_in + d_out  # weights of one rank in each head
+    r_h = int(ratio * d_out * d_in // per_head)
+    return n_heads * max(1, min(r_h, d_out // n_heads, d_in))
 
 
 def split_head_factorize(

@@ -3,9 +3,9 @@
 What is approximated, per layer, without training: q/k jointly (`qk=joint`, default: the pre-softmax logits of every
 head by shared latents A_q x, A_k x and per-head decompressions, Tucker/HOSVD of the whitened per-head bilinear
 forms, Alg. 1; this turns MHA/GQA into multi-head latent attention, `LatentAttention` with a latent key cache) or
-each alone (`qk=split`); v and o by local activation-aware SVD (`vo=separate`, the paper's final choice, Remark 11)
-or jointly (`vo=joint`, App. G); optionally the MLP (`mlp=local`, or `mlp=joint_ud`: SparseLLM-style alternating
-up/down fit, §4.3 and App. H).
+each alone (`qk=split`; ablations: `joint_qkv`, one A for q/k/v, App. C; `split_head`, App. D: latentllm_forms.py);
+v and o by local activation-aware SVD (`vo=separate`, the paper's final choice, Remark 11) or jointly (`vo=joint`,
+App. G); optionally the MLP (`mlp=local`, or `mlp=joint_ud`: SparseLLM-style alternating up/down fit, §4.3, App. H).
 Statistics (streamed, float64): Σxxᵀ, Σx, Σ|x|, n at the inputs of the compressed linears, collected sequentially
 (layer i sees the compressed layers < i); joint_ud fits on a seeded reservoir sample of MLP-input tokens.
 Cost (weights; biases kept): each compressed d_out×d_in linear r(d_out + d_in) − r² with the block_identity (default),
@@ -40,6 +40,7 @@ from attnslim.linalg.lowrank import JUNCTIONS, LowRankFactors, factorize, regaug
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec
 from attnslim.linalg.ranks import saves_square
 from attnslim.linalg.stats import InputStats
+from attnslim.methods import latentllm_forms as forms
 from attnslim.methods import latentllm_ranks as rk
 from attnslim.methods.base import NO_CONTEXT, Fit, Method, StepContext, require
 from attnslim.methods.collect import Collector
@@ -53,7 +54,7 @@ from attnslim.modules.lowrank import LowRankLinear, compact_linear, empty_compac
 from attnslim.plan import LayerEntry, StepPlan
 from attnslim.registry import register_method
 
-QK_MODES = ("joint", "split")
+QK_MODES = ("joint", "split", forms.JOINT_QKV, forms.SPLIT_HEAD)
 VO_MODES = ("separate", "joint", "none")
 MLP_MODES = ("none", "local", "joint_ud")
 ALLOCS = ("uniform", "spectrum", "global")
@@ -125,6 +126,7 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         require(self.alloc != "global" or (self.ranks is None and self.kv_ratio is None), n, "alloc", self.alloc,
                 "uniform | spectrum with explicit ranks or kv_ratio (global moves rank across layers, which fixed "
                 "ranks and a per-layer KV budget both rule out)")
+        forms.check_form_options(self)
 
     @property
     def selects_layers(self) -> bool:  # type: ignore[override]
@@ -163,6 +165,8 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         spec = adapter.attention_spec(layer)
         names = ("q", "k") if self.vo == "none" else rk.ATTENTION
         shapes = {n: tuple(spec.weight(n).shape) for n in names}
+        if self.qk == forms.JOINT_QKV:  # one factor pair of the stacked q/k/v
+            shapes = {"qkv": forms.qkv_shape(spec), "o": shapes["o"]}
         if self.mlp != "none":
             mspec = adapter.mlp_spec(layer)
             if self.mlp == "joint_ud":
@@ -175,7 +179,12 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         if self.total_ratio is None:
             return NO_CONTEXT
         return {KAPPA: rk.kappa_for_total([self._shapes(adapter, i) for i in layers],
-                                          adapter.param_groups()["total"], self.total_ratio, self.junction)}
+                                          adapter.param_groups()["total"], self.total_ratio, self.junction,
+                                          heads=self._heads(adapter, layers[0]))}
+
+    def _heads(self, adapter: Adapter, layer: int) -> dict[str, int]:
+        """qk=split_head: the head count of q and k (their weights and ranks count per head); else empty."""
+        return forms.split_heads(self.qk, adapter.attention_spec(layer))
 
     def plan(self, adapter: Adapter, layers: list[int], stats: Mapping[int, LayerStats],
              context: StepContext = NO_CONTEXT) -> StepPlan[LatentEntry]:
@@ -189,8 +198,8 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         for i in layers:
             if self.qk == "joint":
                 rk.check_joint_qk(ranks[i], adapter.attention_spec(i).head_dim, i)
-            jn, sh = self.junction, shapes[i]
-            weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks[i], jn)] for g, s in rk.groups(sh).items()}
+            jn, sh, hd = self.junction, shapes[i], self._heads(adapter, i)
+            weights = {g: [rk.dense_weights(s), rk.kept_weights(s, ranks[i], jn, hd)] for g, s in rk.groups(sh).items()}
             out[i] = LatentEntry(ranks[i], weights)
         return StepPlan(out)
 
@@ -223,8 +232,9 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
 
     def _ranks(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]], context: StepContext
                ) -> dict[str, int]:
+        heads = self._heads(adapter, layer)
         if self.ranks is not None:
-            return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer)
+            return rk.check_explicit(self.ranks, shapes, self.junction, self.cap_ranks, layer, heads)
         if self.total_ratio is not None:
             if KAPPA not in context:
                 raise AttnslimError("latentllm total_ratio: pass plan the context begin_step(adapter, layers) "
@@ -234,7 +244,7 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
             assert self.ratio is not None
             mlp = self.ratio if self.mlp_ratio is None else self.mlp_ratio
             kappa = {n: mlp if n in rk.MLP else self.ratio for n in shapes}
-        return rk.uniform_ranks(shapes, kappa, self.junction)
+        return rk.uniform_ranks(shapes, kappa, self.junction, heads)
 
     def _allocate(self, adapter: Adapter, layer: int, shapes: dict[str, tuple[int, int]], ranks: dict[str, int],
                   stats: LayerStats) -> dict[str, int]:
@@ -253,9 +263,10 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         out = {}
         for n in names:
             spec = attn if n in rk.ATTENTION else mlp
-            w, b = getattr(spec, n), getattr(spec, f"{n}_bias")
+            w, b = forms.stacked_qkv(attn) if n == "qkv" else (getattr(spec, n), getattr(spec, f"{n}_bias"))
             center = b is not None and self.precond in ("rootcov", "cov")
-            pc = self.precond_spec.build(stats.site(SITE_OF[n], layer), center=center, label=f"layer {layer} {n}")
+            site = SITE_OF["q" if n == "qkv" else n]  # the stacked q/k/v reads the attention input
+            pc = self.precond_spec.build(stats.site(site, layer), center=center, label=f"layer {layer} {n}")
             out[n] = torch.linalg.svdvals(pc.right(w.to(pc.p.device, torch.float64)))  # where the statistics are
         return out
 
@@ -265,11 +276,22 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
         spec = adapter.attention_spec(layer)
         ranks, fit = entry.ranks, {}
         st = stats.site("attn_in", layer)
-        fq, fk, fit["qk"] = self._qk(adapter, spec, st, ranks, layer)
-        v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
         dtype, device = spec.q.dtype, spec.q.device
-        q_mod, k_mod = compact_linear(fq, dtype), LowRankLinear.from_factors(fk, dtype)  # k: the key latent
-        self._install(adapter, layer, spec, q_mod, k_mod, v, o).to(device)
+        if self.qk == forms.JOINT_QKV:
+            fqkv = forms.fit_joint_qkv(spec, st, ranks["qkv"], layer, precond=self.precond_spec, junction=self.junction)
+            fo = self._local(spec.o, spec.o_bias, stats.site("o_in", layer), ranks["o"], f"layer {layer} o")
+            forms.install_joint_qkv(adapter, layer, spec, LowRankLinear.from_factors(fqkv, dtype),
+                                    compact_linear(fo, dtype)).to(device)
+        else:
+            q_mod: nn.Module
+            k_mod: LowRankLinear  # the key latent
+            if self.qk == forms.SPLIT_HEAD:
+                q_mod, k_mod = forms.fit_split_head(spec, st, ranks, layer, precond=self.precond_spec, dtype=dtype)
+            else:
+                fq, fk, fit["qk"] = self._qk(adapter, spec, st, ranks, layer)
+                q_mod, k_mod = compact_linear(fq, dtype), LowRankLinear.from_factors(fk, dtype)
+            v, o, fit["vo"] = self._vo(adapter, spec, stats, ranks, layer)
+            self._install(adapter, layer, spec, q_mod, k_mod, v, o).to(device)
         if self.mlp != "none":
             fit["mlp"] = self._mlp(adapter, layer, stats, ranks)
         return {k: val for k, val in fit.items() if val}
@@ -351,18 +373,26 @@ class LatentLLM(Selecting[LayerStats], Method[LatentEntry, LayerStats]):
             return empty_compact_linear(d_in, d_out, ranks[name], bias is not None, self.block_identity, dtype,
                                         self.form)
 
-        d_k = spec.k.shape
-        k = LowRankLinear(d_k[1], d_k[0], ranks["k"], spec.k_bias is not None, self.block_identity, dtype,
-                          form=self.form)
-        q = empty("q", spec.q, spec.q_bias)
-        if self.vo == "none":
-            v, o = adapter.linear(layer, "v"), adapter.linear(layer, "o")
-        else:
-            v, o = empty("v", spec.v, spec.v_bias), empty("o", spec.o, spec.o_bias)
         if self.mlp != "none":
             mspec = adapter.mlp_spec(layer)
             for n in rk.MLP:
                 if (w := getattr(mspec, n)) is not None:
                     adapter.replace_linear(layer, n, empty(n, w, getattr(mspec, f"{n}_bias")).to(device))
+        if self.qk == forms.JOINT_QKV:
+            qkv = forms.empty_qkv(spec, ranks["qkv"], dtype, self.form)
+            forms.install_joint_qkv(adapter, layer, spec, qkv, empty("o", spec.o, spec.o_bias)).to(device)
+            return
+        q: nn.Module
+        k: LowRankLinear
+        if self.qk == forms.SPLIT_HEAD:
+            q, k = forms.empty_split_head(spec, ranks, dtype)
+        else:
+            d_k = spec.k.shape
+            k = LowRankLinear(d_k[1], d_k[0], ranks["k"], spec.k_bias is not None, self.block_identity, dtype,
+                              form=self.form)
+            q = empty("q", spec.q, spec.q_bias)
+        if self.vo == "none":
+            v, o = adapter.linear(layer, "v"), adapter.linear(layer, "o")
+        else:
+            v, o = empty("v", spec.v, spec.v_bias), empty("o", spec.o, spec.o_bias)
         self._install(adapter, layer, spec, q, k, v, o).to(device)
-

@@ -5,6 +5,9 @@ of its factors — r(d_out + d_in) − r² with the block-identity junction, r(d
 For MHA this is exactly the paper's joint-QK rule with r_q = r_k (the per-head J_i term is not implemented);
 for GQA it gives r_k < r_q, the same fraction of each matrix. A target fraction of the *total* parameters is
 met by one κ shared by every compressed linear of every layer (bisection over κ, integer ranks included).
+The ablation forms count their own weights: `qkv` (qk=joint_qkv) is one factor pair of the stacked
+(d_q + 2 d_kv) × d matrix, r(d_q + 2 d_kv + d) [− r²]; the linears named in `heads` (qk=split_head) hold
+r d_in + d_out r/h, their ranks multiples of h (linalg/split_head.py).
 """
 
 from __future__ import annotations
@@ -17,27 +20,35 @@ import torch
 
 from attnslim.errors import AttnslimError
 from attnslim.linalg.ranks import factor_weights, max_rank, rank_for_ratio
+from attnslim.linalg.split_head import split_head_max_rank, split_head_rank_for_ratio, split_head_weights
 
 ATTENTION = ("q", "k", "v", "o")
+ATTENTION_GROUP = (*ATTENTION, "qkv")  # "qkv": the stacked q/k/v of qk=joint_qkv
 MLP = ("gate", "up", "down")
 Shapes = Mapping[str, tuple[int, int]]  # linear name -> (d_out, d_in)
+Heads = Mapping[str, int]  # split-head linear name -> its head count (h for q, n_kv for k)
+NO_HEADS: Heads = {}
 
 
-def uniform_ranks(shapes: Shapes, kappa: Mapping[str, float], junction: str) -> dict[str, int]:
-    """Per-linear ranks keeping kappa[name] of each matrix's weights."""
-    return {n: rank_for_ratio(d_out, d_in, kappa[n], junction) for n, (d_out, d_in) in shapes.items()}
+def uniform_ranks(shapes: Shapes, kappa: Mapping[str, float], junction: str, heads: Heads = NO_HEADS
+                  ) -> dict[str, int]:
+    """Per-linear ranks keeping kappa[name] of each matrix's weights (split-head linears by their own count)."""
+    return {n: split_head_rank_for_ratio(d_out, d_in, kappa[n], heads[n]) if n in heads
+            else rank_for_ratio(d_out, d_in, kappa[n], junction) for n, (d_out, d_in) in shapes.items()}
 
 
 def dense_weights(shapes: Shapes) -> int:
     return sum(d_out * d_in for d_out, d_in in shapes.values())
 
 
-def kept_weights(shapes: Shapes, ranks: Mapping[str, int], junction: str) -> int:
-    return sum(factor_weights(d_out, d_in, ranks[n], junction) for n, (d_out, d_in) in shapes.items())
+def kept_weights(shapes: Shapes, ranks: Mapping[str, int], junction: str, heads: Heads = NO_HEADS) -> int:
+    return sum(split_head_weights(d_out, d_in, ranks[n], heads[n]) if n in heads
+               else factor_weights(d_out, d_in, ranks[n], junction) for n, (d_out, d_in) in shapes.items())
 
 
 def kappa_for_total(
-    per_layer: list[Shapes], total_before: int, total_ratio: float, junction: str, where: str = "latentllm"
+    per_layer: list[Shapes], total_before: int, total_ratio: float, junction: str, where: str = "latentllm",
+    heads: Heads = NO_HEADS,
 ) -> float:
     """Largest uniform κ such that compressing the linears `per_layer[j]` of each of the step's layers leaves
     at most total_ratio · total_before parameters (embeddings, norms, biases and the layers outside the step
@@ -46,8 +57,8 @@ def kappa_for_total(
     def total_after(kappa: float) -> int:
         saved = 0
         for shapes in per_layer:
-            ranks = uniform_ranks(shapes, dict.fromkeys(shapes, kappa), junction)
-            saved += dense_weights(shapes) - kept_weights(shapes, ranks, junction)
+            ranks = uniform_ranks(shapes, dict.fromkeys(shapes, kappa), junction, heads)
+            saved += dense_weights(shapes) - kept_weights(shapes, ranks, junction, heads)
         return total_before - saved
 
     target = total_ratio * total_before
@@ -68,18 +79,25 @@ def kappa_for_total(
 
 
 def check_explicit(
-    ranks: Mapping[str, int], shapes: Shapes, junction: str, cap: bool, layer: int
+    ranks: Mapping[str, int], shapes: Shapes, junction: str, cap: bool, layer: int, heads: Heads = NO_HEADS
 ) -> dict[str, int]:
-    """Explicit ranks, refused (or capped, with a warning, when `cap`) where they would not save weights."""
+    """Explicit ranks, refused (or capped, with a warning, when `cap`) where they would not save weights; a
+    split-head linear's rank must be a multiple of its head count."""
     out: dict[str, int] = {}
     for name, (d_out, d_in) in shapes.items():
         if name not in ranks:
             raise AttnslimError(
                 f"latentllm: ranks has no entry for {name!r} (layer {layer}); give ranks for {sorted(shapes)}"
             )
-        r, top = ranks[name], max_rank(d_out, d_in, junction)
+        r = ranks[name]
+        top = split_head_max_rank(d_out, d_in, heads[name]) if name in heads else max_rank(d_out, d_in, junction)
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise AttnslimError(f"latentllm: ranks[{name!r}]={r!r} is invalid; valid: an integer 1..{top}")
+        if name in heads and r % heads[name]:
+            raise AttnslimError(
+                f"latentllm: ranks[{name!r}]={r} (layer {layer}) is not a multiple of its {heads[name]} heads: "
+                f"qk=split_head gives every head r/h latents; use a multiple of {heads[name]} (e.g. "
+                f"{max(heads[name], r - r % heads[name])})")
         if r > top:
             why = (f"rank {r} for the {d_out}x{d_in} {name} weight (layer {layer}) would increase its "
                    f"parameters with junction={junction!r}; the largest rank that does not is {top}")
@@ -149,7 +167,7 @@ def spectrum_ranks(
 
 def groups(shapes: Shapes) -> dict[str, dict[str, tuple[int, int]]]:
     """{"attention": {...}, "mlp": {...}}: the non-empty parameter groups of `shapes`."""
-    out = {"attention": {n: s for n, s in shapes.items() if n in ATTENTION},
+    out = {"attention": {n: s for n, s in shapes.items() if n in ATTENTION_GROUP},
            "mlp": {n: s for n, s in shapes.items() if n in MLP}}
     return {g: s for g, s in out.items() if s}
 
