@@ -398,3 +398,16 @@ def input_device(model: Any) -> torch.device:
     """Where a model's input ids go: its input embedding's device (an offloaded model's first parameter may be on
     the meta device, or on another device than the embedding)."""
     return model.get_input_embeddings().weight.device
+
+
+def install_output_head(model: Any, module: torch.nn.Module) -> None:
+    """Make `module` the model's output head, untied from the token embedding: transformers 5.x ties from
+    `config.tie_word_embeddings` (read again by every `tie_weights()` and written to config.json) and caches the
+    mapping in `all_tied_weights_keys`; both say untied afterwards, so no later tie writes the embedding's weight
+    into the new head, and a reload builds an untied head for the saved one."""
+    model.config.tie_word_embeddings = False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    model.set_output_embeddings(module)
