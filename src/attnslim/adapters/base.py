@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from attnslim import _compat
 from attnslim.errors import AttnslimError
 
 ATTENTION_LINEARS = ("q", "k", "v", "o")
@@ -287,13 +286,6 @@ class Adapter:
         """Whether the output head's weight is the token embedding's (one Parameter: tied)."""
         weight, table = getattr(self.output_head(), "weight", None), getattr(self.embed_tokens(), "weight", None)
         return isinstance(weight, torch.Tensor) and weight is table
-
-    def replace_output_head(self, module: nn.Module) -> nn.Module:
-        """Install `module` as the output head, untied from the embedding (which keeps its weight); returns the old
-        head."""
-        old = self.output_head()
-        _compat.install_output_head(self.model, module)
-        return old
 
     # --- parameter groups --------------------------------------------------------------------
     def param_groups(self) -> dict[str, int]:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from attnslim import _compat
 from attnslim.adapters.base import Adapter
 from attnslim.errors import AttnslimError
 from attnslim.linalg.lowrank import LowRankFactors, factorize
@@ -156,7 +157,7 @@ def activation_loss(w: torch.Tensor, f: LowRankFactors, stats: InputStats) -> fl
 def install_head(adapter: Adapter, f: LowRankFactors) -> None:
     """The factors as the model's (untied) output head, in the old head's dtype and on its device."""
     weight = dense_head(adapter).weight
-    adapter.replace_output_head(compact_linear(f, weight.dtype).to(weight.device))
+    _compat.install_output_head(adapter.model, compact_linear(f, weight.dtype).to(weight.device))
 
 
 def head_skeleton(adapter: Adapter, entry: HeadEntry) -> None:
@@ -164,7 +165,7 @@ def head_skeleton(adapter: Adapter, entry: HeadEntry) -> None:
     weight = dense_head(adapter).weight
     empty = empty_compact_linear(entry.hidden, entry.vocab, entry.rank, entry.bias, entry.form == "block_identity",
                                  weight.dtype, entry.form)
-    adapter.replace_output_head(empty.to(weight.device))
+    _compat.install_output_head(adapter.model, empty.to(weight.device))
 
 
 def uniform_total(total_before: int, per_layer: Sequence[Shapes], kappa: float, junction: str,
