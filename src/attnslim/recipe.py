@@ -303,8 +303,10 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
         parts = key.split(".")
         is_slice = parts[-1] == "layers" and _SLICE.match(raw)
         value = raw.strip() if is_slice else yaml_value(raw, f"--set {item}")
-        if parts[0] in ("heal", "head") and d.get(parts[0]) is None:
-            d[parts[0]] = {}  # `--set heal.steps=200` or `--set head.untie=true` turns the section on (validated)
+        if parts[0] == "heal" and d.get("heal") is None:
+            d["heal"] = {}  # `--set heal.steps=200` or `--set heal={}` turns healing on (HealConfig validates)
+        if parts[0] == "head" and d.get("head") is None:
+            d["head"] = HeadConfig().to_dict()  # `--set head.untie=true` turns the head step on, at its defaults
         node = d
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
