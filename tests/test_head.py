@@ -21,7 +21,7 @@ from attnslim.modules.lowrank import LowRankLinear
 from attnslim.pipeline.head import run_head
 from attnslim.recipe import Recipe, apply_overrides, fingerprint, recipe_from_dict, recipe_to_dict
 from attnslim.settings import HeadConfig
-from conftest import tiny_llama, tiny_mistral
+from conftest import TINY_BUILDERS, tiny_llama, tiny_mistral
 from helpers import ByteTokenizer, one_step, reloaded_with_both_loaders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,15 +44,20 @@ def _logit_error(model, dense, ids) -> float:
         return float((model(input_ids=ids).logits - want).pow(2).sum() / want.pow(2).sum())
 
 
-def test_full_rank_head_reproduces_the_dense_logits():
-    dense = tiny_mistral()
-    model = tiny_mistral()
+@pytest.mark.parametrize("family", sorted(TINY_BUILDERS))
+def test_full_rank_head_is_the_dense_head_in_every_family(family):
+    """ratio 1 on every family's head (tied or not): untied, the logits are the dense model's; the embedding keeps
+    its own weight (Gemma-3 scales it, OPT projects around it)."""
+    dense, model = TINY_BUILDERS[family](), TINY_BUILDERS[family]()
+    tied = get_adapter(model).head_tied()
     record = _head(model, 1.0)
-    assert record["plan"]["rank"] == 64  # min(V, d): the block identity at κ = 1 keeps every weight
-    assert isinstance(model.lm_head, torch.nn.Linear)  # full rank installs the dense product (compact_linear)
+    assert record["plan"]["tied"] == tied and not get_adapter(model).head_tied()
+    assert record["plan"]["rank"] == min(record["plan"]["vocab"], record["plan"]["hidden"])
+    assert type(model.get_output_embeddings()) is torch.nn.Linear  # full rank installs B·A dense (compact_linear)
+    assert torch.equal(model.get_input_embeddings().weight, dense.get_input_embeddings().weight)
     ids = _windows(5, 2, 16)
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits, atol=5e-5, rtol=1e-4)
 
 
 def test_activation_aware_head_beats_the_identity_preconditioner_and_error_falls_with_rank():
