@@ -97,7 +97,9 @@ def test_tied_head_is_untied_counted_and_reloads_with_both_loaders(tmp_path):
     ids = _windows(3, 2, 12)
     loaded = reloaded_with_both_loaders(model, report.to_json(), tmp_path / "out", ids)
     assert isinstance(loaded.lm_head, LowRankLinear) and not loaded.config.tie_word_embeddings
-    assert inspect_model(loaded)["params"] == after
+    inspected = inspect_model(loaded)
+    assert inspected["params"] == after
+    assert inspected["head"].startswith(f"LowRankLinear(in=64, out=128, rank={plan['rank']}")
     recorded = json.loads((tmp_path / "out" / "compression.json").read_text())
     assert recorded["head"]["plan"] == plan and recorded["recipe"]["head"]["untie"] is True
     cached = loaded.generate(ids[:1], max_new_tokens=5, do_sample=False)
