@@ -11,18 +11,19 @@ import pytest
 import torch
 
 from attnslim.adapters import get_adapter
-from attnslim.api import check_recipe, compress
+from attnslim.api import check_recipe, compress, compress_offloaded
 from attnslim.bench.flops import flops_per_token
 from attnslim.calib.residency import InMemoryLayers
 from attnslim.errors import AttnslimError
 from attnslim.inspect import inspect_model
+from attnslim.io import load
 from attnslim.methods.head import HeadShape, uniform_total
 from attnslim.modules.lowrank import LowRankLinear
 from attnslim.pipeline.head import run_head
 from attnslim.recipe import Recipe, apply_overrides, fingerprint, recipe_from_dict, recipe_to_dict
 from attnslim.settings import HeadConfig
 from conftest import TINY_BUILDERS, tiny_llama, tiny_mistral
-from helpers import ByteTokenizer, one_step, reloaded_with_both_loaders
+from helpers import ByteTokenizer, SavingTokenizer, one_step, reloaded_with_both_loaders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,6 +103,8 @@ def test_tied_head_is_untied_counted_and_reloads_with_both_loaders(tmp_path):
     assert inspected["head"].startswith(f"LowRankLinear(in=64, out=128, rank={plan['rank']}")
     recorded = json.loads((tmp_path / "out" / "compression.json").read_text())
     assert recorded["head"]["plan"] == plan and recorded["recipe"]["head"]["untie"] is True
+    offloaded, _ = load(tmp_path / "out", offload=True)  # the head in memory, the layers read from disk
+    assert torch.equal(offloaded(input_ids=ids).logits, model(input_ids=ids).logits)
     cached = loaded.generate(ids[:1], max_new_tokens=5, do_sample=False)
     uncached = loaded.generate(ids[:1], max_new_tokens=5, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
@@ -116,6 +119,16 @@ def test_untied_head_saves_its_dense_weights():
     assert not record["plan"]["tied"] and record["fit"]["params_delta"] == record["plan"]["kept"] - 128 * 64 < 0
     assert after["head"] == record["plan"]["kept"]
     assert after["total"] - before["total"] == record["fit"]["params_delta"]
+
+
+def test_head_is_refused_with_offloaded_compression(tmp_path):
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)
+    SavingTokenizer().save_pretrained(src)
+    recipe = replace(one_step("svd", {"ratio": 0.5}), head={"untie": True})
+    with pytest.raises(AttnslimError, match="head: the LM head is fitted in memory.*without --offload"):
+        compress_offloaded(src, recipe, tmp_path / "off", tokenizer=SavingTokenizer(), progress=False)
+    assert not (tmp_path / "off").exists()
 
 
 def test_tied_head_without_untie_is_refused_before_any_work():
