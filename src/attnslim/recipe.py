@@ -312,8 +312,8 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
             last = depth == len(parts) - 1
             if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
                 idx: Any = int(part)
-            elif isinstance(node, dict) and (part in node or (last and parts[depth - 1] in ("args", "heal", "head")
-                                                              and depth > 0)):
+            elif isinstance(node, dict) and (part in node or (last and depth > 0
+                                                              and parts[depth - 1] in ("args", "heal", "head"))):
                 idx = part  # a new key is allowed only directly under args, heal or head (validated there)
             else:
                 valid = (f"indices 0..{len(node) - 1}" if isinstance(node, list) else ", ".join(node)
