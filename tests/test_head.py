@@ -200,3 +200,16 @@ def test_table3_parameter_counts_need_the_lm_head():
         assert abs(with_head - paper) <= 0.003 * paper, (kappa, with_head)
         without = uniform_total(total, [layer] * 32, kappa, "block_identity")
         assert abs(without - paper) > 0.02 * paper, (kappa, without)  # 6.01B at 10%: the head is needed
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("head.method=nbl", "head.method='nbl' cannot compress the LM head"),
+    ("head.ratio=2", "head.ratio=2 is invalid; valid: in (0, 1]"),
+])
+def test_the_command_line_refuses_a_bad_head_before_loading(setting, message, tmp_path, capsys, monkeypatch):
+    import attnslim.models
+    from attnslim.cli import main as cli_main
+
+    monkeypatch.setattr(attnslim.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli_main(["compress", "--set", setting, "--out", str(tmp_path / "x")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "x").exists()
