@@ -213,3 +213,23 @@ def test_the_command_line_refuses_a_bad_head_before_loading(setting, message, tm
     monkeypatch.setattr(attnslim.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     assert cli_main(["compress", "--set", setting, "--out", str(tmp_path / "x")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_exports_refuse_a_factored_head(tmp_path):
+    """The stock formats hold a dense head: both exporters refuse a factored one by name, before writing."""
+    from attnslim.export import ExportOptions, export_deepseek
+    from attnslim.export.deci_check import check_directory
+    from attnslim.io import save
+
+    model = tiny_llama()
+    recipe = replace(one_step("drop", {"count": 1}), head={"untie": True})
+    out = save(model, SavingTokenizer(), tmp_path / "drop", compress(model, ByteTokenizer(), recipe,
+                                                                    progress=False).to_json())
+    with pytest.raises(AttnslimError, match="LM head is factored.*without head: to export --to deci"):
+        check_directory(out)
+    model = tiny_llama()
+    mla = one_step("mla", {"kv_ratio": 0.5, "rope_dims": 16, "layout": "deepseek"})
+    compress(model, ByteTokenizer(), replace(mla, head={"untie": True}), progress=False)
+    with pytest.raises(AttnslimError, match="LM head is factored.*without head: to export --to deepseek"):
+        export_deepseek(model, SavingTokenizer(), tmp_path / "ds", ExportOptions())
+    assert not (tmp_path / "ds").exists()
