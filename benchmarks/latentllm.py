@@ -12,6 +12,9 @@ Groups (--groups, comma-separated; default all):
              LatentLLM with every attention/MLP linear at 90/80/70% of its weights (the paper's convention)
   kv         KV bytes/token against perplexity: LatentLLM at more ratios, and kv_ratio sweeps (q, o full rank)
   speed      decode tokens/s and prefill time against dense at 512 and 2048 tokens (attnslim.bench.interleaved)
+  head       LatentLLM at 80% with the LM head factored too (recipe `head:`, untied: SmolLM2 ties it) at 80% of its
+             weights, root-covariance and, as the baseline, the identity pre-conditioner; beside latentllm-80.
+             Not in the default run: --groups head --name latentllm-head
   heal       whole-model LatentLLM at 80% (also with the KV cache at 50%) and the KV-only 50% variant, followed
              by the recipe's `heal` section (train/heal.py: logit distillation against the dense model,
              --heal-steps x 4 x 256 tokens of wiki+c4): not in the default run
@@ -114,6 +117,13 @@ def heal_variants(compressed: dict[str, list[dict[str, Any]]], steps: int
     return {f"{key}-heal{steps}": (compressed[key], {**HEAL, "steps": steps}) for key in keys}
 
 
+def head_variants() -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """latentllm-80 with the LM head factored at 80% (methods/head.py), each with its recipe `head:` section."""
+    steps = [step("latentllm", {"ratio": 0.8})]
+    return {"latentllm-80-head80": (steps, {"ratio": 0.8, "untie": True}),
+            "latentllm-80-head80-identity": (steps, {"ratio": 0.8, "untie": True, "args": {"precond": "identity"}})}
+
+
 def kv_variants() -> dict[str, list[dict[str, Any]]]:
     out = {f"latentllm-{int(r * 100)}": [step("latentllm", {"ratio": r})] for r in (0.9, 0.7, 0.6)}
     for kv in (0.75, 0.6, 0.5, 0.4):  # q and o at full rank: only the cached projections are cut
@@ -195,8 +205,13 @@ def main() -> None:
         compressed = whole_variants(*model_shapes(h.model_name)) | kv_variants()
         for key, (steps, heal) in heal_variants(compressed, args.heal_steps).items():
             variants[key], heals[key] = steps, heal
-    recipes = {k: {"name": k, "calibration": cal, "steps": s, **({"heal": heals[k]} if k in heals else {})}
-               for k, s in variants.items()}
+    heads: dict[str, dict[str, Any]] = {}
+    if "head" in groups:
+        variants["latentllm-80"] = [step("latentllm", {"ratio": 0.8})]  # the same run without the head
+        for key, (steps, head) in head_variants().items():
+            variants[key], heads[key] = steps, head
+    recipes = {k: {"name": k, "calibration": cal, "steps": s, **({"heal": heals[k]} if k in heals else {}),
+                   **({"head": heads[k]} if k in heads else {})} for k, s in variants.items()}
     recipes["latentllm-80"] = {"name": "latentllm-80", "calibration": cal, "steps": [step("latentllm", {"ratio": 0.8})]}
     recipes["latentllm-densecache-80"] = {"name": "latentllm-densecache-80", "calibration": cal,
                                           "steps": [step("latentllm", {"ratio": 0.8, "cache": "dense"})]}

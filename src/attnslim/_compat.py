@@ -64,9 +64,7 @@ def hidden_states_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     return args[0] if args else kwargs["hidden_states"]
 
 
-def keep_mask(
-    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
-) -> torch.Tensor:
+def keep_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Boolean (b|1, 1, q_len, kv_len) mask, True = attend, from whatever HF passed, for the kv_len rows
     `cache_update` returned.
 
@@ -85,9 +83,8 @@ def keep_mask(
     return mask == 0
 
 
-def cache_update(
-    cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, reserve: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_update(cache: Any, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, reserve: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append (b, h, t, d) keys/values (any h, d: latent caches store (b, 1, t, r)); returns every row that holds
     a token so far, the new ones last, as a dynamic cache returns them. A static layer (generate's
     cache_implementation="static") returns its whole preallocated buffer, position j at row j, the rows after the
@@ -237,16 +234,13 @@ def new_cache(config: Any, kind: str = "dynamic", max_length: int | None = None)
                         "a static cache needs max_length > 0 (prompt + new tokens)")
 
 
-def rotary_cos_sin(
-    rotary: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(rotary: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) each (b, t, d_rot) from the model's rotary module (Gemma3 takes a layer type).
 
     HF wraps `forward` in decorators (`torch.no_grad`, `dynamic_rope_update`), so the wrapper's own
     `__code__` only shows (*args, **kwargs); `inspect.signature` follows `__wrapped__` to the real one.
     """
-    import inspect
-
     if layer_type is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
         cos, sin = rotary(x, position_ids, layer_type)
     else:
@@ -344,8 +338,7 @@ def checkpoint_config(values: dict[str, Any], name_or_path: str) -> Any:
     return config
 
 
-# forward() keyword that computes the vocabulary projection at the last position only (prefill timing, decode)
-LAST_LOGITS_ONLY: dict[str, int] = {"logits_to_keep": 1}
+LAST_LOGITS_ONLY: dict[str, int] = {"logits_to_keep": 1}  # forward(): logits at the last position only (prefill)
 
 
 def last_logits(model: Any, n: int) -> dict[str, int]:
@@ -398,3 +391,10 @@ def input_device(model: Any) -> torch.device:
     """Where a model's input ids go: its input embedding's device (an offloaded model's first parameter may be on
     the meta device, or on another device than the embedding)."""
     return model.get_input_embeddings().weight.device
+
+
+def install_output_head(model: Any, module: torch.nn.Module) -> None:
+    """`module` as the output head, untied: the config (config.json, tie_weights()) and the cached tie map say so."""
+    model.config.tie_word_embeddings = False
+    model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    model.set_output_embeddings(module)

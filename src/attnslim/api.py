@@ -26,6 +26,7 @@ from attnslim.data.sources import mixture
 from attnslim.errors import AttnslimError, first_line
 from attnslim.methods import METHODS, Method, lookup_method
 from attnslim.pipeline import run_step
+from attnslim.pipeline.head import check_head_section, prepare_head, run_head
 from attnslim.recipe import Calibration, Recipe, fingerprint, recipe_to_dict, rest_layers
 from attnslim.train.heal import HealConfig, heal, heal_draw
 
@@ -54,6 +55,7 @@ class CompressionReport:
     versions: dict[str, str] = field(default_factory=dict)
     heal: dict[str, Any] | None = None  # train/heal.heal's report when the recipe heals
     no_decode_layers: list[int] = field(default_factory=list)  # non-causal layers: the model cannot generate
+    head: dict[str, Any] | None = None  # pipeline/head.run_head's record when the recipe has a head: section
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +111,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     methods = check_recipe(recipe) if methods is None else _matching(recipe, methods)
     if residency.offloaded:
         refuse_offloaded(recipe, methods)
+    head = prepare_head(adapter, recipe.head, residency)  # refused before any work (a tied head needs untie)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
     recipe = replace(recipe, calibration=calibration_for(recipe, methods, adapter))
     cal = recipe.calibration
@@ -136,6 +139,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         if method.trains:
             plan.info["training"] = method.train_step(model, tokenizer, original, progress)
         done.append({"method": step.method, "args": method.args(), "candidates": layers, "plan": plan.to_json()})
+    head_record = None if head is None else run_head(model, adapter, head, windows.ids, cal.batch_size, residency)
     healed = None
     if heal_config is not None:  # `original` was kept above
         healed = heal(model, original, tokenizer, heal_config, progress)
@@ -149,7 +153,7 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         kv_bytes_per_token_before=kv_before["total"], kv_bytes_per_token_after=kv_after["total"],
         kv_bytes_per_layer_dense=kv_before["per_layer"], kv_bytes_per_layer_after=kv_after["per_layer"],
         seconds=time.time() - start, peak_rss_mb=peak_rss_mb(), versions=library_versions(), heal=healed,
-        no_decode_layers=kv_after["no_decode"],
+        no_decode_layers=kv_after["no_decode"], head=head_record,
     )
 
 
@@ -331,6 +335,7 @@ def _matching(recipe: Recipe, methods: list[Method]) -> list[Method]:
 def check_recipe(recipe: Recipe) -> list[Method]:
     """Each step's method built from its arguments: unknown methods and bad arguments are found here, before a model
     is loaded (layer selectors that depend on the model's depth are checked by `Recipe.resolve` once it is)."""
+    check_head_section(recipe.head)
     methods = []
     for i, step in enumerate(recipe.steps):
         try:

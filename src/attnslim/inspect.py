@@ -48,6 +48,7 @@ def inspect_model(model: Any) -> dict[str, Any]:
         "model_type": model.config.model_type,
         "params": adapter.param_groups(),
         "kv_bytes_per_token": kv["total"],
+        "head": describe_head(adapter),
         "no_decode_layers": kv["no_decode"],
         "layers": [
             {"layer": i, **describe_attention(adapter, i), "kv_bytes_per_token": kv["per_layer"][i]}
@@ -56,11 +57,18 @@ def inspect_model(model: Any) -> dict[str, Any]:
     }
 
 
+def describe_head(adapter: Adapter) -> str:
+    """The LM head's module and shape (a factored head shows its rank), and whether it is the embedding's tensor."""
+    head = adapter.output_head()
+    return f"{type(head).__name__}({head.extra_repr()})" + (", tied to the embedding" if adapter.head_tied() else "")
+
+
 def format_inspection(info: dict[str, Any]) -> str:
     p = info["params"]
     lines = [
         f"model_type: {info['model_type']}",
         "parameters: " + ", ".join(f"{k} {v:,}" for k, v in p.items()),
+        f"LM head: {info['head']}",
         f"KV cache: {info['kv_bytes_per_token']:,.0f} bytes/token (measured from the cache)"
         + no_decode_note(info.get("no_decode_layers", [])),
         f"{'layer':>5}  {'attention':<24} {'heads':>5} {'kv':>3} {'KV B/tok':>9}  ranks",

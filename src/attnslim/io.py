@@ -139,10 +139,12 @@ def load(directory: str | Path, dtype: torch.dtype = torch.float32, offload: boo
                             "re-create it with attnslim compress") from err
 
 
-def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
-    """Re-create the replacement modules named by saved plans (empty weights; loading fills them)."""
+def apply_skeletons(model: Any, steps: list[dict[str, Any]], head: dict[str, Any] | None = None) -> None:
+    """Re-create the replacement modules named by saved plans (empty weights; loading fills them), and the factored
+    LM head a "head" record names."""
     from attnslim.adapters import get_adapter
     from attnslim.methods import lookup_method
+    from attnslim.methods.head import HeadEntry, head_skeleton
 
     adapter = get_adapter(model)
     for n, step in enumerate(steps):
@@ -150,6 +152,8 @@ def apply_skeletons(model: Any, steps: list[dict[str, Any]]) -> None:
         plan = method.read_plan(step["plan"], f"{COMPRESSION_JSON} step {n + 1} ({step['method']})")
         for layer, entry in plan.layers.items():
             method.skeleton(adapter, layer, entry)
+    if head is not None:  # the recipe's head: section (methods/head.py), after every step as when compressed
+        head_skeleton(adapter, HeadEntry.from_json(head.get("plan"), f"{COMPRESSION_JSON} head"))
 
 
 def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bool, device: torch.device,
@@ -175,10 +179,10 @@ def _load(directory: Path, info: dict[str, Any], dtype: torch.dtype, offload: bo
 
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-            apply_skeletons(model, info["steps"])
+            apply_skeletons(model, info["steps"], info.get("head"))
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        apply_skeletons(model, info["steps"])
+        apply_skeletons(model, info["steps"], info.get("head"))
     for module in model.modules():
         kind = type(module)
         if kind.__module__.startswith("attnslim.") and kind.__name__ not in MODULES:

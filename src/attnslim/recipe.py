@@ -17,7 +17,7 @@ import yaml
 
 from attnslim.data.sources import check_source
 from attnslim.errors import AttnslimError, first_line
-from attnslim.settings import HealConfig
+from attnslim.settings import HeadConfig, HealConfig
 
 RECIPES_DIR = Path(__file__).parent / "recipes"  # package data; the checkout's recipes/ links here
 SELECTOR_FORMS = ('"all", "A:B" (python slice, negatives allowed: "4:28", "-6:"), an int, a list of ints, '
@@ -154,6 +154,7 @@ class Recipe:
     steps: tuple[Step, ...] = ()
     description: str = ""
     heal: dict[str, Any] | None = None  # settings of settings.HealConfig: distil the result after the steps
+    head: dict[str, Any] | None = None  # settings of settings.HeadConfig: factor the LM head after the steps
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -165,6 +166,8 @@ class Recipe:
                             f"{type(self.calibration).__name__} {self.calibration!r}; pass {fix}")
         if self.heal is not None:
             object.__setattr__(self, "heal", HealConfig.from_dict(self.heal).to_dict())
+        if self.head is not None:
+            object.__setattr__(self, "head", HeadConfig.from_dict(self.head).to_dict())
         if not isinstance(self.description, str):
             raise AttnslimError(f"description must be a str, got {type(self.description).__name__}")
         if isinstance(self.steps, str | Mapping) or not isinstance(self.steps, Sequence):
@@ -224,7 +227,7 @@ def _keys(where: str, d: object, valid: Sequence[str], required: Sequence[str] =
 
 def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
     """Build and validate a Recipe from plain data (as read from YAML)."""
-    d = _keys("recipe", d, ("name", "description", "calibration", "steps", "heal"), ("name", "steps"))
+    d = _keys("recipe", d, ("name", "description", "calibration", "steps", "heal", "head"), ("name", "steps"))
     cal = _keys("calibration", d.get("calibration") or {}, tuple(f.name for f in fields(Calibration)))
     if not isinstance(d["steps"], list):
         raise AttnslimError(f"steps must be a list of steps, got {type(d['steps']).__name__} {d['steps']!r}")
@@ -235,7 +238,8 @@ def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
             steps.append(Step(s["method"], s.get("layers", "all"), s.get("args") or {}))
         except AttnslimError as e:
             raise AttnslimError(f"steps[{i}]: {e}") from e
-    return Recipe(d["name"], Calibration(**cal), tuple(steps), d.get("description") or "", d.get("heal"))
+    return Recipe(d["name"], Calibration(**cal), tuple(steps), d.get("description") or "", d.get("heal"),
+                  d.get("head"))
 
 
 def recipe_to_dict(r: Recipe) -> dict[str, Any]:
@@ -244,7 +248,8 @@ def recipe_to_dict(r: Recipe) -> dict[str, Any]:
               "args": json.loads(json.dumps(s.args))} for s in r.steps]
     cal = {f.name: getattr(r.calibration, f.name) for f in fields(Calibration)}
     out = {"name": r.name, "description": r.description, "calibration": cal, "steps": steps}
-    return out if r.heal is None else {**out, "heal": dict(r.heal)}  # absent when unset: fingerprints unchanged
+    out |= {} if r.heal is None else {"heal": dict(r.heal)}  # absent when unset: fingerprints unchanged
+    return out if r.head is None else {**out, "head": json.loads(json.dumps(r.head))}
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
@@ -300,14 +305,16 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
         value = raw.strip() if is_slice else yaml_value(raw, f"--set {item}")
         if parts[0] == "heal" and d.get("heal") is None:
             d["heal"] = {}  # `--set heal.steps=200` or `--set heal={}` turns healing on (HealConfig validates)
+        if parts[0] == "head" and d.get("head") is None:
+            d["head"] = HeadConfig().to_dict()  # `--set head.untie=true` turns the head step on, at its defaults
         node = d
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
             if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
                 idx: Any = int(part)
-            elif isinstance(node, dict) and (part in node or (last and parts[depth - 1 : depth] in (["args"],
-                                                                                                   ["heal"]))):
-                idx = part  # a new key is allowed only directly under args or heal (validated there)
+            elif isinstance(node, dict) and (part in node or (last and depth > 0
+                                                              and parts[depth - 1] in ("args", "heal", "head"))):
+                idx = part  # a new key is allowed only directly under args, heal or head (validated there)
             else:
                 valid = (f"indices 0..{len(node) - 1}" if isinstance(node, list) else ", ".join(node)
                          if isinstance(node, dict) else "nothing, it is a value")

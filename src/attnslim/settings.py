@@ -99,3 +99,33 @@ class HealConfig:
         a recipe written before them keeps its fingerprint, and stored benchmark rows stay current."""
         default = {f.name: f.default for f in fields(self) if f.name in _LATER}
         return {k: v for k, v in asdict(self).items() if not (k in default and v == default[k])}
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """The recipe's `head:` section: the LM head (vocab × hidden) factored after every layer step (pipeline/head.py).
+
+    method: the method whose fit is used (methods/head.py's HEAD_FITS: latentllm);  ratio: kept fraction of the
+    head's own weights, in (0, 1];  untie: a head tied to the token embedding is refused unless true (the embedding
+    stays dense, the head becomes B·A: the model gains the head's kept weights);  args: the method's fit settings
+    (latentllm: precond, junction, damp, alpha), checked by the method when the recipe is checked."""
+
+    method: str = "latentllm"
+    ratio: float = 0.8
+    untie: bool = False
+    args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_numbers("head", self, ("ratio",))
+        check_ranges("head", self, {
+            "method": (isinstance(self.method, str) and bool(self.method), "a method name, e.g. latentllm"),
+            "ratio": (0 < self.ratio <= 1, "in (0, 1]: the kept fraction of the head's weights"),
+            "untie": (isinstance(self.untie, bool), "true | false"),
+            "args": (self.args is None or isinstance(self.args, dict), "a mapping of the method's fit settings")})
+
+    @classmethod
+    def from_dict(cls, d: Any) -> HeadConfig:
+        return config_from_mapping(cls, "head", d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "ratio": self.ratio, "untie": self.untie, "args": dict(self.args or {})}

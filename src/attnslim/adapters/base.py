@@ -274,11 +274,24 @@ class Adapter:
             raise AttnslimError(f"layer index {i} out of range: the model has {n} layers (0..{n - 1})")
         return i
 
+    # --- the output head (a model-level step: methods/head.py) -----------------------------------
+    def output_head(self) -> nn.Module:
+        """The module mapping the final hidden states to logits (transformers' output embeddings)."""
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Module):
+            raise AttnslimError(f"{type(self.model).__name__} has no output head (get_output_embeddings() is None)")
+        return head
+
+    def head_tied(self) -> bool:
+        """Whether the output head's weight is the token embedding's (one Parameter: tied)."""
+        weight, table = getattr(self.output_head(), "weight", None), getattr(self.embed_tokens(), "weight", None)
+        return isinstance(weight, torch.Tensor) and weight is table
+
     # --- parameter groups --------------------------------------------------------------------
     def param_groups(self) -> dict[str, int]:
         """Parameter counts per group, from the real tensors (tied weights counted once)."""
         seen: set[int] = set()
-        groups = {"attention": 0, "mlp": 0, "embedding": 0, "other": 0}
+        groups = {"attention": 0, "mlp": 0, "embedding": 0, "head": 0, "other": 0}
         attn_ids: set[int] = set()
         mlp_ids: set[int] = set()
         mlp_names = [name for name in MLP_LINEARS if name in self.linear_paths()]
@@ -287,6 +300,8 @@ class Adapter:
             # via the canonical linears, so MLPs without a container module (OPT's fc1/fc2) count too
             mlp_ids |= {id(p) for name in mlp_names for p in self.linear(i, name).parameters()}
         embed_ids = {id(p) for m in self.embeddings() for p in m.parameters()}
+        # the output head's own parameters; a head tied to the embedding is counted there, once
+        head_ids = {id(p) for p in self.output_head().parameters()} - embed_ids
         for p in self.model.parameters():
             if id(p) in seen:
                 continue
@@ -294,7 +309,8 @@ class Adapter:
             key = (
                 "attention" if id(p) in attn_ids else
                 "mlp" if id(p) in mlp_ids else
-                "embedding" if id(p) in embed_ids else "other"
+                "embedding" if id(p) in embed_ids else
+                "head" if id(p) in head_ids else "other"
             )
             groups[key] += p.numel()
         groups["total"] = sum(groups.values())

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from attnslim import _compat
 from attnslim.adapters.base import Adapter
 from attnslim.calib.hooks import capture_sites
 from attnslim.calib.residency import InMemoryLayers, Residency
+from attnslim.errors import AttnslimError
 
 
 class _Captured(Exception):
@@ -124,3 +126,35 @@ class LayerRunner:
 def _stop(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
     """A forward hook registered after every other hook of the attention: its output is all that was wanted."""
     raise _AttentionDone
+
+
+HEAD_SITE = "head_in"  # the output head's input: the final norm's output, what the logits are computed from
+
+
+@torch.no_grad()
+def head_inputs(model: nn.Module, head: nn.Module, windows: torch.Tensor, batch_size: int,
+                callback: Callable[[str, torch.Tensor], None], residency: Residency) -> int:
+    """Run the whole model on every calibration batch and hand the output head's input (b, t, d) to
+    `callback(HEAD_SITE, x)`; each forward stops at the head (no logits computed). Returns the tokens seen.
+    The model as it is: run after every layer step, the head is fitted on the compressed model's hidden states."""
+    seen = 0
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        nonlocal seen
+        x = _compat.hidden_states_arg(args, kwargs).detach()  # (b, t, d)
+        seen += x.shape[0] * x.shape[1]
+        callback(HEAD_SITE, x)
+        raise _Captured
+
+    handle = head.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with residency.streamed():
+            for start in range(0, windows.shape[0], batch_size):
+                try:
+                    model(input_ids=windows[start : start + batch_size].to(residency.device), use_cache=False)
+                except _Captured:
+                    continue
+                raise AttnslimError("internal: the model's forward never called its output head")
+    finally:
+        handle.remove()
+    return seen

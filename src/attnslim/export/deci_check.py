@@ -63,7 +63,11 @@ def check_directory(directory: Path) -> list[int]:
         raise AttnslimError(f"export --to deci supports {', '.join(FAMILIES)} models (vLLM's DeciLM layers are "
                             f"Llama's); {directory} is a {family!r} model")
     record = directory / COMPRESSION_JSON
-    steps = _object(record, recreate).get("steps")
+    info = _object(record, recreate)
+    if info.get("head") is not None:
+        raise AttnslimError(f"{directory}: its LM head is factored (the recipe's head: section); vLLM's DeciLM serves "
+                            "a dense head only: compress without head: to export --to deci")
+    steps = info.get("steps")
     if not isinstance(steps, list):
         raise AttnslimError(f"{record} has no 'steps' list; {recreate}")
     dropped: set[int] = set()

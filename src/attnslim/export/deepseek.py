@@ -290,6 +290,9 @@ def deepseek_state(adapter: Adapter, layers: list[MLAAttention], rank: int,
     """The DeepSeek-V3 state dict (float64 attention tensors, the rest as stored), tensors independent of the
     source's (no shared storage: lm_head is written out). rotary: `deepseek_rotary`."""
     model = adapter.model
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        raise AttnslimError("the LM head is factored (the recipe's head: section); DeepseekV3ForCausalLM has a dense "
+                            "head: compress without head: to export --to deepseek")
     state: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": weight(adapter.embed_tokens()),
         "model.norm.weight": weight(adapter.final_norm()),
