@@ -51,8 +51,10 @@ def test_packaged_recipes_present_and_load():
     assert default.heal is not None and default.heal["steps"] == 40  # what the demo's ten minutes allow
     assert default.heal["source"] == "wiki+c4+tiny"  # heal-default.json: tiny acc -2.5 pts (wiki+c4: -4.3)
     assert default.heal["lr"] == 1e-4  # heal-default.json: lr 3e-4 drops wiki_nextsent past the 3-point target
+    assert default.heal["precision"] == "auto"  # heal-precision.json: the same quality, two thirds of the time
     previous = load_recipe("latentllm-kv50")  # the default before MLA, kept under its own name
-    assert [s.method for s in previous.steps] == ["latentllm"] and previous.heal == default.heal
+    float32_heal = {k: v for k, v in default.heal.items() if k != "precision"}
+    assert [s.method for s in previous.steps] == ["latentllm"] and previous.heal == float32_heal
     assert load_recipe("asvd").steps[0].args == {"ratio": 0.8, "alpha": 0.5, "linears": ["q", "k", "v", "o"]}
     assert load_recipe("drop").steps[0].args == {"count": 6, "select": "similarity"}
 
