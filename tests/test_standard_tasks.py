@@ -102,6 +102,24 @@ def test_lambada_requests_give_back_every_context_and_word(lm_tasks: dict[str, A
         assert task.doc_to_text(doc) == req["context"] and task.doc_to_target(doc) == req["continuation"]
 
 
+def test_the_lean_task_manager_loads_the_same_configs_and_reads_the_index_only_for_mmlu(
+        task_dir: Path, lm_tasks: dict[str, Any]):
+    """evaluate_standard's TaskManager skips lm-eval's default index (seconds at each construction) unless MMLU,
+    whose group is found by name, is asked for; every other task's config equals the one a plain
+    `lm_eval --include_path` run (defaults indexed) builds."""
+    from lm_eval.tasks import get_task_dict
+
+    from attnslim.eval.lmeval_run import task_manager
+
+    names = [n for n in S.TASKS if n != S.MMLU]
+    lean = task_manager(task_dir, names)
+    assert len(lean.all_tasks) < 200 < len(task_manager(task_dir, [*names, S.MMLU]).all_tasks)  # lm-eval's index
+    loaded = get_task_dict(names, lean)
+    assert sorted(loaded) == sorted(lm_tasks)
+    for name, task in loaded.items():
+        assert task.config.to_dict() == lm_tasks[name].config.to_dict(), name
+
+
 def test_mmlu_group_gathers_the_57_local_subjects(task_dir: Path):
     from lm_eval.tasks import TaskManager, get_task_dict
 

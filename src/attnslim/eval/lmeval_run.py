@@ -107,7 +107,6 @@ def evaluate_standard(
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
     except ImportError as err:
         raise AttnslimError(f"the standard tasks run through lm-eval, which is not importable ({err}); install it "
                             "with: make setup (or: pip install lm_eval==0.4.13)") from None
@@ -115,7 +114,7 @@ def evaluate_standard(
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         # lm-eval's defaults otherwise (0-shot for every task here, its seeds), as a plain `lm_eval` run has them
         out = lm_eval.simple_evaluate(model=lm, tasks=list(names), limit=limit, log_samples=log_samples,
-                                      task_manager=TaskManager(include_path=str(task_dir)))
+                                      task_manager=task_manager(task_dir, names))
     if out is None:
         raise AttnslimError("lm-eval returned no results (a non-zero rank of a distributed run?)")
     rows = {name: _task_row(name, out["results"], _scored(out, name)) for name in names}
@@ -128,6 +127,16 @@ def evaluate_standard(
     if log_samples:
         result["samples"] = out["samples"]
     return result
+
+
+def task_manager(task_dir: Path, names: list[str]) -> Any:
+    """lm-eval's TaskManager over the task folder. Its default index (lm-eval's ~15k task YAMLs, parsed at every
+    construction: seconds, most of a short evaluation) is read only for MMLU, whose group is lm-eval's own
+    _mmlu.yaml found by name; every other task file includes lm-eval's definition by absolute path, and loads the
+    same config without the index (tests/test_standard_tasks.py)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir), include_defaults=MMLU in names)
 
 
 def _scored(out: dict[str, Any], name: str) -> int:
