@@ -33,7 +33,9 @@ def one_run(out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - began
     info = json.loads((out / "compression.json").read_text())
     heal = info.get("heal") or {}
-    return {"wall_s": round(wall, 1), "stages": info["demo_seconds"], "load_before": round(load, 2),
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"commit": commit or "unknown", "wall_s": round(wall, 1), "stages": info["demo_seconds"],
+            "load_before": round(load, 2),
             "heal_precision": heal.get("precision", "float32"), "heal_s": heal.get("seconds"),
             "recipe": info["recipe"]["name"], "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 

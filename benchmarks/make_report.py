@@ -24,7 +24,7 @@ from report_accuracy import (  # noqa: E402
 from report_accuracy import TITLE as ACCURACY_TITLE  # noqa: E402
 from report_claims import claims_section, load_claims, load_results  # noqa: E402
 from report_demo import SECTION as DEMO_SECTION  # noqa: E402
-from report_demo import demo_time_lines  # noqa: E402
+from report_demo import demo_time_lines, heal_time_lines  # noqa: E402
 from report_gpu import GPU_SPECIAL  # noqa: E402
 from report_plan import PLAN_SPECIAL  # noqa: E402
 from report_qwen import heal_memory_section, qwen15_section  # noqa: E402
@@ -79,6 +79,8 @@ SECTIONS = {
     "latentllm-table": ("LatentLLM: Table 1/2 ablations at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "latentllm-whole": ("LatentLLM: whole model and healing at 8192 evaluation tokens", "benchmarks/latentllm.py"),
     "heal-sweep": ("Healing settings on one composed model", "benchmarks/heal.py"),
+    "latentllm-head": ("LatentLLM: the LM head factored (Table 3 with lm_head) on SmolLM2's tied head, untied",
+                       "benchmarks/latentllm.py"),
     "heal-precision": ("The default recipe's heal in float32 and in bfloat16 autocast (heal.precision), and "
                        "`make demo`'s wall time", "benchmarks/heal.py"),
     "heal-values": ("Healing NBL + LatentLLM values-cache, no MLP compression", "benchmarks/heal.py"),
@@ -190,7 +192,8 @@ HEADLINES = (
 
 # Superseded or exploratory runs: docs/benchmarks-archive.md, generated from the same results. Every other result is
 # a current section of BENCHMARKS.md (a new result lands there until it is archived here).
-ARCHIVE = ("latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "heal-values", "mla-kv375-ablations",
+ARCHIVE = ("latentllm-head",
+           "latentllm-attn50", "latentllm-small", "composed", "heal-sweep", "heal-values", "mla-kv375-ablations",
            "mla-gemma3-calib", "mla-gemma3-nobos", "mla-gemma3-small", "mla-small", "mla-deepseek-small", "mla-speed",
            "mla-speed-2t", "mla-speed-fold", "mla-speed-static", "mla-speed-reserved", "mla-speed-kernels",
            "mla-kernels", "mla-speed-kernels-mkl-intel", "mla-kernels-mkl-intel", "mla-speed-onednn",
@@ -362,8 +365,9 @@ def main() -> None:
             archive += heal_memory_section(json.loads(path.read_text()), path.stem)
     for name in sorted(results, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         text = SPECIAL[name](results[name]) if name in SPECIAL else section(name, results[name])
-        if name == DEMO_SECTION and demo_time.is_file():
-            text += demo_time_lines(json.loads(demo_time.read_text()))
+        if name == DEMO_SECTION:
+            text += heal_time_lines(results[name])
+            text += demo_time_lines(json.loads(demo_time.read_text())) if demo_time.is_file() else []
         if name in ARCHIVE:
             archive += text
         else:
