@@ -277,6 +277,16 @@ def test_v27_plan_layer_abc_refused(served: Path) -> None:
         layer_kinds(served)
 
 
+def test_a_factored_lm_head_is_refused_by_the_serve_reader(served: Path) -> None:
+    """A recipe's head: section leaves a factored LM head that vLLM cannot load: named before vLLM starts."""
+    record = served / "compression.json"
+    info = json.loads(record.read_text())
+    info["head"] = {"method": "latentllm", "ratio": 0.8, "untie": True}
+    record.write_text(json.dumps(info))
+    with pytest.raises(AttnslimError, match=r"LM head is factored .* serve it with transformers"):
+        layer_kinds(served)
+
+
 def test_v28_plan_layer_beyond_the_model_refused_like_load(served: Path) -> None:
     import attnslim
 

@@ -97,7 +97,11 @@ def _steps(directory: Path) -> list[tuple[str, str, dict[str, Any]]]:
     """(where, method, plan layers) of each step of compression.json, or an AttnslimError naming what is missing.
     `where` names the step as `attnslim.load` does ("compression.json step 2 (nbl)")."""
     path = directory / COMPRESSION_JSON
-    steps = read_json(path).get("steps")
+    info = read_json(path)
+    if info.get("head") is not None:
+        raise AttnslimError(f"{directory}: its LM head is factored (the recipe's head: section), which vLLM cannot "
+                            "load; serve it with transformers (attnslim.load), or compress without head:")
+    steps = info.get("steps")
     if not isinstance(steps, list):
         raise AttnslimError(f"{path} is damaged (no 'steps' list); {RECREATE}")
     found = []
