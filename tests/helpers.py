@@ -127,3 +127,23 @@ def assert_cache_kinds_match(model: Any, ids: Any, mask: Any = None, steps: int 
     for kind in _compat.CACHE_KINDS:
         gap = (logits[kind] - logits["dynamic"]).abs().max() / logits["dynamic"].abs().max()
         assert gap < 1e-5, (kind, gap)
+
+
+def attention_inputs_and_ppl(model: Any, layers: list[int], windows: Any) -> tuple[dict[int, Any], float]:
+    """({layer: its attention input on `windows`}, the model's perplexity on them), from one evaluation pass: what
+    the real tests compare a converted layer's logit error and a converted model's perplexity against."""
+    from contextlib import ExitStack
+
+    import torch
+
+    from attnslim.adapters import get_adapter
+    from attnslim.calib.hooks import capture_sites
+    from attnslim.eval import perplexity
+
+    adapter = get_adapter(model)
+    inputs: dict[int, Any] = {}
+    with torch.no_grad(), ExitStack() as stack:
+        for i in layers:
+            stack.enter_context(capture_sites(adapter, i, {"attn_in"}, lambda _s, x, i=i: inputs.__setitem__(i, x)))
+        ppl = perplexity(model, windows, progress=False).ppl
+    return inputs, ppl

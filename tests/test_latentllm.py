@@ -21,7 +21,7 @@ from attnslim.linalg.stats import InputStats
 from attnslim.linalg.tucker import QKWeights, joint_qk, qk_logit_loss, split_qk
 from attnslim.modules.latent import LatentAttention
 from conftest import TINY_BUILDERS, tiny_llama, tiny_opt
-from helpers import ByteTokenizer, SavingTokenizer, assert_cache_kinds_match, one_step
+from helpers import ByteTokenizer, SavingTokenizer, assert_cache_kinds_match, attention_inputs_and_ppl, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # Tiny models have head_dim 16: k/v are 32x64 (GQA) or 64x64 (OPT), 16x64 for Gemma3's MQA, where any
@@ -363,7 +363,6 @@ def test_real_smollm2_latentllm_beats_svdllm_at_the_same_budget():
       minimises, notes §3, property 4) and a lower perplexity (the ablation chain's "+ joint QK", property 10), so a
       joint QK that silently fell back to separate factors fails."""
     import copy
-    from contextlib import ExitStack
 
     from attnslim.data import eval_windows
     from attnslim.eval import perplexity
@@ -374,11 +373,7 @@ def test_real_smollm2_latentllm_beats_svdllm_at_the_same_budget():
     dense, tokenizer = load_model("smollm2-135m")
     windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)  # 4 windows
     adapter = get_adapter(dense)
-    inputs: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), ExitStack() as stack:  # each layer's attention input on the evaluation windows
-        for i in layers:
-            stack.enter_context(capture_sites(adapter, i, {"attn_in"}, lambda _s, x, i=i: inputs.__setitem__(i, x)))
-        dense_ppl = perplexity(dense, windows, progress=False).ppl
+    inputs, dense_ppl = attention_inputs_and_ppl(dense, layers, windows)  # each layer's attention input
     specs = {i: adapter.attention_spec(i) for i in layers}
     dense_kv = kv_bytes_per_token(dense)["total"]
     variants = {"latentllm": ("latentllm", {}), "svdllm": ("svdllm", {}),

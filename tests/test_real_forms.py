@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import copy
 import warnings
-from contextlib import ExitStack
 
 import pytest
 import torch
 
 from attnslim.adapters import get_adapter
 from attnslim.api import compress
-from attnslim.calib.hooks import capture_sites
 from attnslim.modules.block_lowrank import BlockLowRankLinear
 from attnslim.modules.joint_qkv import JointQKVAttention
+from helpers import attention_inputs_and_ppl
 
 LAYERS = list(range(6, 18))
 
@@ -69,11 +68,7 @@ def test_real_smollm2_joint_qkv_loses_to_joint_qk_and_split_head_to_full_matrix(
     dense, tokenizer = load_model("smollm2-135m")
     windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)  # 4 windows
     adapter = get_adapter(dense)
-    inputs: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), ExitStack() as stack:  # each layer's attention input on the evaluation windows
-        for i in LAYERS:
-            stack.enter_context(capture_sites(adapter, i, {"attn_in"}, lambda _s, x, i=i: inputs.__setitem__(i, x)))
-        dense_ppl = perplexity(dense, windows, progress=False).ppl
+    inputs, dense_ppl = attention_inputs_and_ppl(dense, LAYERS, windows)  # each layer's attention input
     specs = {i: adapter.attention_spec(i) for i in LAYERS}
     uni = {"ratio": 0.5, "alloc": "uniform"}
     variants = {"joint-qk": uni, "joint-qkv": {**uni, "qk": "joint_qkv", "cache": "dense"},
