@@ -141,9 +141,9 @@ def attention_inputs_and_ppl(model: Any, layers: list[int], windows: Any) -> tup
     from attnslim.eval import perplexity
 
     adapter = get_adapter(model)
-    inputs: dict[int, Any] = {}
+    seen: dict[int, list[Any]] = {i: [] for i in layers}  # perplexity runs one window at a time: keep them all
     with torch.no_grad(), ExitStack() as stack:
         for i in layers:
-            stack.enter_context(capture_sites(adapter, i, {"attn_in"}, lambda _s, x, i=i: inputs.__setitem__(i, x)))
+            stack.enter_context(capture_sites(adapter, i, {"attn_in"}, lambda _s, x, i=i: seen[i].append(x)))
         ppl = perplexity(model, windows, progress=False).ppl
-    return inputs, ppl
+    return {i: torch.cat(xs) for i, xs in seen.items()}, ppl  # {layer: (windows, seq_len, hidden)}
