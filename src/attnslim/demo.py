@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnslim import host
+from attnslim import _compat, host
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved, kv_bytes_per_token
 from attnslim.bench.flops import flops_per_token
@@ -19,6 +19,7 @@ from attnslim.eval.standard import materialise
 from attnslim.eval.tasks import TASK_DIR
 from attnslim.generate import generate_text
 from attnslim.io import read_compression_json, write_compression_json
+from attnslim.modules.cpu_linear import set_cpu_linear
 from attnslim.report import write_report
 from attnslim.targets import check_targets, miss_reasons
 from attnslim.user_cache import cache_root
@@ -41,6 +42,14 @@ def measure(model: Any, tokenizer: Any, tokens: int, task_limit: int | None) -> 
             "stderr": {name: r["acc_stderr"] for name, r in scores.items()},
             "items": {name: r["n"] for name, r in scores.items()},
             "params": get_adapter(model).param_groups(), "kv": kv_bytes_per_token(model)["total"]}
+
+
+def inference_kernel(model: Any) -> str:
+    """The linear kernel the demo measures both models with: oneDNN on a CPU where torch's MKL runs generic code
+    (AMD) and the torch build has oneDNN's linear op, else torch's own. Both models alike, so every ratio stays
+    fair; compression and the heal always run on torch's (docs/cpu-speed.md, "CPU speed")."""
+    on_cpu = _compat.input_device(model).type == "cpu"
+    return "onednn" if on_cpu and host.mkl_runs_generic_code() and host.onednn_linear_available() else "torch"
 
 
 def decode_speed(dense: Any, compressed: Any) -> dict[str, float]:
@@ -112,7 +121,7 @@ class Stages:
 
 
 def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: int,
-                   stages: dict[str, float]) -> None:
+                   stages: dict[str, float], kernel: str) -> None:
     """Add the measured before/after metrics and the demo's stage times to compression.json (the report reads
     the metrics)."""
     info = read_compression_json(Path(out))  # the demo's own output, just written
@@ -122,7 +131,8 @@ def record_metrics(out: str, rows: list[tuple[str, float, float, str]], tokens: 
         f"perplexity: first {tokens} tokens of each evaluation split, 512-token windows; zero-shot: "
         f"{', '.join(TASKS)} (lm-eval, 0-shot, acc on the first items, n in each name); decode: "
         f"greedy, {SPEED['new_tokens']} new tokens after {SPEED['context']} "
-        f"context, median of {SPEED['repeats']} interleaved repetitions on the CPU")
+        f"context, median of {SPEED['repeats']} interleaved repetitions on the CPU; linear layers of both models "
+        f"on {'oneDNN' if kernel == 'onednn' else 'torch'}")
     write_compression_json(Path(out), info)
 
 
@@ -142,8 +152,14 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     check_output(Path(out), overwrite, inputs=[Path(model_name)])  # before minutes of measuring and compressing
     print(f"== attnslim demo: {model_name} with recipe {recipe.name!r}: {recipe.description}", flush=True)
     model, tokenizer = load_model(model_name)
+    kernel = inference_kernel(model)
+    if kernel == "onednn":
+        print("this CPU is not Intel's, so torch's MKL runs generic code: both models are measured with their linear "
+              "layers on oneDNN (docs/cpu-speed.md); compression and the heal run on torch's own", flush=True)
+    set_cpu_linear(model, kernel)
     before = measure(model, tokenizer, tokens, task_limit)
     dense_text = generate_text(model, tokenizer, PROMPT, 30)
+    set_cpu_linear(model, "torch")
     stages.lap("measure dense")
     report = compress(model, tokenizer, recipe, methods=methods)
     stages.lap("compress")
@@ -152,10 +168,12 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     save(model, tokenizer, out, {**report.to_json(), "base_model": model_name}, overwrite=overwrite)
     del model
     model, tokenizer = load(out)
+    set_cpu_linear(model, kernel)
     stages.lap("save and reload")
     after = measure(model, tokenizer, tokens, task_limit)
     stages.lap("measure compressed")
     dense, _ = load_model(model_name)
+    set_cpu_linear(dense, kernel)
     speed = decode_speed(dense, model)
     stages.lap("decode speed")
     rows = table_rows(before, after, speed, tokens)
@@ -167,7 +185,7 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     print(f"\nprompt: {PROMPT!r}\n  dense     : {dense_text!r}")
     print(f"  compressed: {generate_text(model, tokenizer, PROMPT, 30)!r}")
     stages.lap("generation")
-    record_metrics(out, rows, tokens, stages.seconds)
+    record_metrics(out, rows, tokens, stages.seconds, kernel)
     html, _ = write_report(out)
     print(f"report: {html}")
     print(f"\nfull evaluation (every task item, 8192 tokens per text): attnslim eval {out} --data {','.join(SOURCES)} "
@@ -176,8 +194,7 @@ def run_demo(model_name: str, recipe_name: str, out: str, tokens: int, task_limi
     print(f"to choose a method per layer under a KV budget instead: attnslim compress {model_name} --kv 0.5 --heal "
           "--out out/planned (it measures every candidate of every layer first, which takes longer than this demo "
           "on a CPU; docs/planning.md says why the demo keeps the default recipe)")
-    if host.mkl_runs_generic_code():
-        print("this CPU is not Intel's, so torch's MKL runs generic code: add --cpu-linear onednn to bench, eval or "
-              "generate to run both models' linear layers on oneDNN (docs/cpu-speed.md)")
+    if kernel == "onednn":
+        print("the same on this CPU for bench, eval or generate: add --cpu-linear onednn (docs/cpu-speed.md)")
     print(stages.line())
     return 0

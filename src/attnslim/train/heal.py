@@ -101,8 +101,11 @@ def healing_parameters(student: Any, teacher: Any, which: str) -> dict[str, torc
 def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """T² · mean over positions of KL(teacher ‖ student) at temperature T; logits (..., vocab)."""
     t = temperature
-    s = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)  # (n, vocab)
-    q = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
+    s, q = student_logits.float(), teacher_logits.float()
+    if t != 1.0:  # at T = 1 (the default) skip two passes over the (n, vocab) logits
+        s, q = s / t, q / t
+    s = F.log_softmax(s, dim=-1).flatten(0, -2)  # (n, vocab)
+    q = F.log_softmax(q, dim=-1).flatten(0, -2)
     return F.kl_div(s, q, log_target=True, reduction="batchmean") * t * t
 
 
