@@ -56,6 +56,8 @@ SECTIONS = {
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
     "composed": ("Composed recipes: NBL + LatentLLM (the default recipe's targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
+    "atp-boolq": ("ATP on BoolQ with the paper's App. D prompt (Table 4's protocol): 1/2 principal keys, zero-shot "
+                  "and after the same LoRA task fine-tune as dense", "benchmarks/atp_boolq.py"),
     "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers (losses compared) and on the cheapest "
                      "layers", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
@@ -177,7 +179,7 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "atp",
-         "atp-recovery", "lmeval_check")
+         "atp-boolq", "atp-recovery", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),

@@ -33,6 +33,21 @@ class ChoiceItems:
     labels: torch.Tensor  # (n,) index of the true next token in `choices`
     choice_bytes: torch.Tensor  # (n, n_choices) UTF-8 length of each candidate's text (acc_norm)
     description: str
+    lengths: torch.Tensor | None = None  # (n,) real length of each row of `contexts`, which are then left-padded
+    #                                      prompts of different lengths (eval/boolq.py); None: every row is whole
+
+
+def last_position_logits(model: Any, items: ChoiceItems, rows: slice) -> torch.Tensor:
+    """(b, vocab) next-token logits at the last prompt position of items[rows] (float32, on the model's output
+    device). Whole rows run as one batch; left-padded rows (`lengths` set) run one at a time without their
+    padding, so no pad token or attention mask ever reaches the model (ATP's layer mixes every position)."""
+    device = _compat.input_device(model)
+    contexts = items.contexts[rows]  # (b, context)
+    if items.lengths is None:
+        return model(input_ids=contexts.to(device), use_cache=False).logits[:, -1].float()
+    out = [model(input_ids=row[row.numel() - int(n):][None].to(device), use_cache=False).logits[:, -1].float()
+           for row, n in zip(contexts, items.lengths[rows].tolist(), strict=True)]  # each (1, vocab)
+    return torch.cat(out)
 
 
 @dataclass(frozen=True)
@@ -99,12 +114,11 @@ def choice_items(
 @torch.no_grad()
 def choice_accuracy(model: Any, items: ChoiceItems, batch_size: int = 4, progress: bool = True) -> ChoiceResult:
     """acc / acc_norm of `model` on `items`, from the next-token log-probabilities at the last prompt position."""
-    device = _compat.input_device(model)
     correct = correct_norm = 0
     n = items.contexts.shape[0]
     for start in tqdm(range(0, n, batch_size), desc="choice", disable=not progress, leave=False):
-        ctx = items.contexts[start : start + batch_size].to(device)
-        logp = model(input_ids=ctx, use_cache=False).logits[:, -1].float().log_softmax(-1).cpu()  # (b, vocab)
+        rows = slice(start, start + batch_size)
+        logp = last_position_logits(model, items, rows).log_softmax(-1).cpu()  # (b, vocab)
         scores = logp.gather(-1, items.choices[start : start + batch_size])  # (b, n_choices)
         labels = items.labels[start : start + batch_size]
         correct += int((scores.argmax(-1) == labels).sum())

@@ -58,11 +58,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.data import sequence_start, sequences_ending_at, token_ids
 from attnslim.errors import AttnslimError
-from attnslim.eval.choice import ChoiceItems, choice_items
+from attnslim.eval.choice import ChoiceItems, choice_items, last_position_logits
 from attnslim.train.heal import hidden_distance
 from attnslim.train.layer_match import layer_match_loss
 
@@ -114,8 +113,7 @@ def batch_at(ids: torch.Tensor, recipe: LoraRecipe, step: int, start: int | None
 
 def choice_loss(model: Any, items: ChoiceItems, rows: slice) -> torch.Tensor:
     """Cross-entropy over the candidates' next-token logits at the last prompt position, for items[rows]."""
-    device = _compat.input_device(model)
-    logits = model(input_ids=items.contexts[rows].to(device), use_cache=False).logits[:, -1].float()  # (b, vocab)
+    logits = last_position_logits(model, items, rows)  # (b, vocab)
     scores = logits.gather(-1, items.choices[rows].to(logits.device))  # (b, n_choices)
     return F.cross_entropy(scores, items.labels[rows].to(logits.device))
 
@@ -205,6 +203,7 @@ def _lr_factor(recipe: LoraRecipe, step: int) -> float:
 def recover_with_lora(
     model: Any, tokenizer: Any, recipe: LoraRecipe, out_dir: str | Path, progress: bool = True, merge: bool = True,
     stop_after: int | None = None, teacher: Any = None, converted: list[int] | None = None,
+    items: ChoiceItems | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Fine-tune LoRA adapters on `recipe.targets` of `model` (resuming from `out_dir`); returns (model, log).
 
@@ -215,6 +214,8 @@ def recover_with_lora(
     `teacher` (the original model) is required by the distillation losses. `converted`: the layers the caller's
     method converted; recipe.scope "converted" puts adapters on their `recipe.targets` only ("all": every layer).
     loss="layer" trains against the layers whose attention module differs in type from the teacher's.
+    `items`: loss "choice"'s training items, used in order, `recipe.batch_size` per step (e.g. eval/boolq.py's
+    BoolQ prompts); default: next-word items from `recipe.source`'s calibration split.
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file, save_file
@@ -273,8 +274,13 @@ def recover_with_lora(
     ids, bos = token_ids(recipe.source, "calib", tokenizer), sequence_start(tokenizer)
     if ids.numel() < recipe.context + 2:
         raise AttnslimError(f"the {recipe.source!r} training split is shorter than context={recipe.context}")
-    items = (choice_items(recipe.source, tokenizer, split="calib", n=recipe.steps * recipe.batch_size,
-                          context=recipe.context, seed=recipe.seed) if recipe.loss == "choice" else None)
+    wanted = recipe.steps * recipe.batch_size
+    if items is not None and (recipe.loss != "choice" or items.contexts.shape[0] < wanted):
+        raise AttnslimError(f"LoRA recovery: training items need loss 'choice' and ≥ steps × batch = {wanted} rows; "
+                            f"got loss {recipe.loss!r} and {items.contexts.shape[0]} rows")
+    if items is None and recipe.loss == "choice":
+        items = choice_items(recipe.source, tokenizer, split="calib", n=wanted, context=recipe.context,
+                             seed=recipe.seed)
     device = next(peft_model.parameters()).device
     peft_model.train()
     end = recipe.steps if stop_after is None else min(recipe.steps, state["step"] + stop_after)
