@@ -56,8 +56,8 @@ SECTIONS = {
     "nbl-small": ("NBL (small run)", "benchmarks/nbl.py"),
     "composed": ("Composed recipes: NBL + LatentLLM (the default recipe's targets)", "benchmarks/composed.py"),
     "atp": ("ATP: attention on principal keys", "benchmarks/atp.py"),
-    "atp-boolq": ("ATP on BoolQ with the paper's App. D prompt (Table 4's protocol): 1/2 principal keys, zero-shot "
-                  "and after the same LoRA task fine-tune as dense", "benchmarks/atp_boolq.py"),
+    "atp-boolq": ("ATP on BoolQ with the paper's App. D prompt (Table 4's protocol): 1/2 and 1/4 principal keys, "
+                  "zero-shot and after the same LoRA task fine-tune as dense", "benchmarks/atp_boolq.py"),
     "atp-recovery": ("ATP: recovery of the paper's layer on all 30 layers (losses compared) and on the cheapest "
                      "layers", "benchmarks/atp.py"),
     "lisa": ("LISA: cross-layer attention sharing", "benchmarks/lisa.py"),
