@@ -181,7 +181,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--recipe", default="default")
     p.add_argument("--out", default="out/demo")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier attnslim output")
-    p.add_argument("--tokens", type=int, default=2048, help="perplexity tokens per text")
+    p.add_argument("--tokens", type=int, default=1024, help="perplexity tokens per text")
     p.add_argument("--task-limit", type=int, default=None, help="items per zero-shot task (0: every item; default: "
                    "demo.TASK_LIMIT)")
 
