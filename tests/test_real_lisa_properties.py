@@ -45,7 +45,7 @@ def similarity(smol):
 def test_real_first_layer_is_the_outlier(similarity) -> None:
     """#12: row 0 of the head-averaged JS matrix has the highest mean divergence to the other layers.
     Measured: 0.342 against layer 11's 0.338 and layer 1's 0.329, median row 0.21: the first layer leads, but by
-    1% here, and on 2 × 128 tokens layer 11 leads (docs/paper-properties.md says so)."""
+    1% (benchmarks/results/lisa.json has the same matrix; docs/paper-properties.md says so)."""
     js = similarity["js_matrix"]
     n = len(js)
     row_means = [statistics.fmean(js[i][j] for j in range(n) if j != i) for i in range(n)]

@@ -64,9 +64,9 @@ def boolq_items(rows: list[dict[str, Any]], tokenizer: Any, max_tokens: int = 25
         raise AttnslimError(f"BoolQ items need {CANDIDATES} to be two distinct single tokens; got {choices}")
     start = sequence_start(tokenizer)
     prompts, cut = [], 0
+    tail = _ids(tokenizer, FOOTER)
     for row in rows:
         head = ([] if start is None else [start]) + _ids(tokenizer, HEADER.format(question=row["question"]))
-        tail = _ids(tokenizer, FOOTER)
         passage = _ids(tokenizer, row["passage"])
         room = max_tokens - len(head) - len(tail)
         if room < 1:
