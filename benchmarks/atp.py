@@ -1,4 +1,6 @@
 """ATP measurements of issue 7 on smollm2-135m → benchmarks/results/atp.json (+ BENCHMARKS.md via make_report).
+Variants convert every full-attention layer: all of SmolLM2's, and only the global layers of a model with sliding
+ones (--model gemma3-270m: 3 of 18; the method refuses sliding-window layers).
 
 Groups (--groups, comma-separated; default all four):
   lowrank   the paper's Fig. 1/5 on the real model: ⌈2^μ⌉/L and the energy kept by the top ⌈f·L⌉ components of
@@ -26,6 +28,7 @@ Groups (--groups, comma-separated; default all four):
 
     .venv/bin/python benchmarks/atp.py                                   # everything (many hours on a 2-core CPU)
     .venv/bin/python benchmarks/atp.py --groups serving --n 4 --context 256 --continuation 64 --name atp-small
+    .venv/bin/python benchmarks/atp.py --model gemma3-270m --name atp-gemma3 --groups lowrank,serving --n 4
     .venv/bin/python benchmarks/make_report.py
 Results are saved after every variant; a rerun skips what its JSON already holds (same settings).
 """
@@ -465,7 +468,11 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     model.to(args.device)  # converted layers follow: adapters put a replacement on the device of the replaced
     adapter = get_adapter(model)
-    dense = {i: adapter.attention(i) for i in range(adapter.num_layers())}
+    # the layers ATP converts: every full-attention layer (all of SmolLM2's; Gemma-3's global layers 5, 11, 17), as
+    # the method refuses sliding-window and soft-capped layers (methods/atp.py)
+    dense = {i: adapter.attention(i) for i in range(adapter.num_layers())
+             if adapter.attention_spec(i).sliding_window is None and adapter.attention_spec(i).softcap is None}
+    store.data["converted_layers"] = sorted(dense)
     if "lowrank" in groups and "lowrank" not in store.data["groups"]:
         lengths = [int(x) for x in args.lowrank_lengths.split(",")]
         report = lowrank_report(model, tokenizer, "wiki", lengths=lengths, n=args.lowrank_n)

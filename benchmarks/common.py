@@ -144,7 +144,8 @@ class Harness:
             "calibration": report.calibration, "compress_seconds": round(report.seconds, 1),
             "peak_rss_mb": round(report.peak_rss_mb), "wall_seconds": round(time.time() - start, 1),
             "command": environment()["command"], "threads": torch.get_num_threads(),
-            **({"heal": report.heal} if report.heal else {}), **(extra or {}),
+            **({"heal": report.heal} if report.heal else {}), **({"head": report.head} if report.head else {}),
+            **(extra or {}),
         })
         return self.record(key, result, dense)
 

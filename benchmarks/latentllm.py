@@ -1,4 +1,5 @@
-"""LatentLLM measurements of issue 4 on smollm2-135m, every variant in the same harness (benchmarks/common.py).
+"""LatentLLM measurements of issue 4 on smollm2-135m (--model: another packaged model), every variant in the same
+harness (benchmarks/common.py).
 
 Groups (--groups, comma-separated; default all):
   attn       attention-only (q, k, v, o) at 80% and 50% kept attention parameters: svd, asvd, svdllm, local
@@ -25,6 +26,8 @@ Groups (--groups, comma-separated; default all):
     .venv/bin/python benchmarks/latentllm.py --name latentllm-ablations --groups attn --only \
         latentllm-uniform-80,latentllm-jointqkv-uniform-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
         latentllm-80,latentllm-jointqkv-80
+    .venv/bin/python benchmarks/latentllm.py --model gemma3-270m --name latentllm-gemma3 --sources wiki --groups attn \
+        --only latentllm-80,svdllm-attn-80,latentllm-uniform-80,local-rootcov-dense-80   # the claims' Gemma-3 cells
     .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
 
 Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.
@@ -175,6 +178,7 @@ def speed(h: Harness, keys: list[str], recipes: dict[str, dict[str, Any]], conte
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", default="latentllm", help="results file benchmarks/results/NAME.json")
+    parser.add_argument("--model", default="smollm2-135m", help="a packaged model name (gemma3-270m: `make gemma`)")
     parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per source")
     parser.add_argument("--sources", default="wiki,ptb,c4")
     parser.add_argument("--windows", type=int, default=32, help="calibration windows")
@@ -188,7 +192,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    h = Harness(args.name, tokens=args.tokens, sources=tuple(args.sources.split(",")))
+    h = Harness(args.name, model=args.model, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
     groups = set(args.groups.split(","))
     variants: dict[str, list[dict[str, Any]]] = {}

@@ -1,15 +1,17 @@
-"""LISA (issue 6) on smollm2-135m: the paper's analyses, LISA on ~50% / ~70% of the layers after a CPU
-distillation budget, `ds` on the same layers, the Table-8 ablation (+Align / +Diff.), K-cache bytes per
-token and decode speed against the dense model in the same run.
+"""LISA (issue 6) on smollm2-135m (--model: another packaged model): the paper's analyses, LISA on ~50% / ~70% of
+the layers after a CPU distillation budget, `ds` on the same layers, the Table-8 ablation (+Align / +Diff.),
+K-cache bytes per token and decode speed against the dense model in the same run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py                 # full: results/lisa.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --small --out /tmp/lisa_small.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --model gemma3-270m --out benchmarks/results/lisa-gemma3.json\
+        --tokens 4096 --fractions 0.5 --ablation-fraction 0       # the claims' Gemma-3 cells
     .venv/bin/python benchmarks/make_report.py                            # regenerates BENCHMARKS.md
 
-Layers: `select_layers(30, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity
-sweep (never the first 3 layers nor the last). Training: `train/distill.py` with the budget of --steps x
---batch x --seq-len tokens from the --source calibration split (wiki, or a mixture such as wiki+c4),
-teacher = the dense model.
+Layers: `select_layers(L, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity sweep (never
+the first max(2, ⌈L/10⌉) layers, the last, nor one whose donor has another attention type). Training:
+`train/distill.py` with the budget of --steps x --batch x --seq-len tokens from the --source calibration split
+(wiki, or a mixture such as wiki+c4), teacher = the dense model.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from attnslim.analysis.similarity import (
 )
 from attnslim.api import compress
 from attnslim.bench import interleaved
-from attnslim.methods.lisa import select_layers
+from attnslim.methods.lisa import select_layers, unshareable_layers
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig
@@ -62,12 +64,12 @@ def recipe(name: str, method: str, layers: list[int], args: dict[str, Any]) -> d
 class LisaBench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.h = Harness("lisa", tokens=args.tokens, seq_len=args.eval_seq_len)
+        self.h = Harness("lisa", model=args.model, tokens=args.tokens, seq_len=args.eval_seq_len)
         if args.out:  # another results file: start from its own contents, not from lisa.json's
             self.h.path = Path(args.out)
             old = json.loads(self.h.path.read_text()) if self.h.path.exists() else {"variants": {}}
             self.h.data = {**old, **{k: self.h.data[k] for k in ("model", "eval", "environment")}}
-        self.dense, self.tokenizer = load_model("smollm2-135m")
+        self.dense, self.tokenizer = load_model(self.args.model)
         self.h.data["dense_key_cache_bytes_per_token"] = key_cache_bytes(self.dense)
         self.train = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr,
                                    source=args.source)
@@ -93,7 +95,7 @@ class LisaBench:
             print(f"[skip] {key}", flush=True)
             return
         dense = self.h.dense()
-        model, tokenizer = load_model("smollm2-135m")
+        model, tokenizer = load_model(self.args.model)
         step_args = {**args, "train": dataclasses.asdict(self.train)} if train else args  # compress distils
         start = time.time()
         report = compress(model, tokenizer, recipe_from_dict(recipe(key, method, layers, step_args)), progress=False)
@@ -151,6 +153,7 @@ def notes(data: dict[str, Any], train: DistillConfig, args: argparse.Namespace) 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--small", action="store_true", help="50 steps, 2048 eval tokens, LISA/ds at 50%% only")
+    p.add_argument("--model", default="smollm2-135m", help="a packaged model name (gemma3-270m: `make gemma`)")
     p.add_argument("--out", default="", help="results JSON path (default benchmarks/results/lisa.json)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=4)
@@ -176,15 +179,16 @@ def main() -> None:
         args.ablation_fraction, args.new_tokens, args.repeats = 0.0, 16, 2
     bench = LisaBench(args)
     cost = bench.analyses()
-    n_layers = get_adapter(bench.dense).num_layers()
+    adapter = get_adapter(bench.dense)
+    n_layers, skip = adapter.num_layers(), unshareable_layers(adapter)
     only = {k for k in args.only.split(",") if k}
     jobs: list[tuple[str, str, list[int], dict[str, Any], bool]] = []
     for frac in (float(f) for f in args.fractions.split(",") if f):
-        layers = select_layers(n_layers, frac, cost)
+        layers = select_layers(n_layers, frac, cost, skip=skip)
         pct = round(100 * frac)
         jobs += [(f"ds-{pct}", "ds", layers, {}, False), (f"lisa-{pct}", "lisa", layers, {}, True)]
     if args.ablation_fraction:
-        layers = select_layers(n_layers, args.ablation_fraction, cost)
+        layers = select_layers(n_layers, args.ablation_fraction, cost, skip=skip)
         pct = round(100 * args.ablation_fraction)
         jobs += [(f"{k}-{pct}", "lisa", layers, a, True) for k, a in ABLATIONS.items()]
     for key, method, layers, margs, train in jobs:

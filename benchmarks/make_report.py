@@ -163,7 +163,7 @@ def device_details(env: dict[str, Any]) -> str:
 # sections in this order (by method), then any other result file in name order
 ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "baselines", "latentllm", "latentllm-table", "latentllm-attn50", "latentllm-whole",
-         "latentllm-small",
+         "latentllm-small", "latentllm-gemma3",
          "composed", "heal-default", "heal-precision", "heal-sweep", "heal-values", "mla", "mla-kv375-ablations",
          "mla-kv25-ablations",
          "mla-gemma3", "mla-gemma3-calib", "mla-gemma3-nobos", "mla-gemma3-small",
@@ -178,8 +178,8 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
-         "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "atp",
-         "atp-boolq", "atp-recovery", "lmeval_check")
+         "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
+         "lisa-stability-gemma3-270m", "atp", "atp-boolq", "atp-recovery", "atp-gemma3", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
@@ -217,7 +217,9 @@ ARCHIVE = ("latentllm-head",
            # 1.5B heal-memory run settled the heal's memory default (docs/cli.md)
            "latentllm-ud", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "heal-memory-qwen15",
            # the paper's joint QKV and split-head ablations: the claims table carries the verdicts
-           "latentllm-ablations")
+           "latentllm-ablations",
+           # the claims table's Gemma-3 column: it carries the verdicts
+           "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

@@ -65,3 +65,20 @@ def test_harness_refuses_rows_scored_on_other_windows(monkeypatch: pytest.Monkey
     empty = {**first.data, "variants": {}}
     (tmp_path / "h.json").write_text(json.dumps(empty))  # no rows yet: the new windows are simply recorded
     assert "<bos>" in common.Harness("h", **kw).windows(BosTokenizer())["tiny"].description
+
+
+def test_harness_row_keeps_the_head_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A recipe with a `head:` section stores the head's record (its plan: ranks, tied or not) in the row, as rows
+    keep their heal record; a recipe without one stores none."""
+    from conftest import tiny_llama
+    from helpers import ByteTokenizer
+
+    common = _common()
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "load_on_device", lambda name: (tiny_llama(), ByteTokenizer()))
+    h = common.Harness("h", sources=("tiny",), tokens=128, seq_len=64)
+    steps = [{"method": "latentllm", "layers": "all", "args": {"ratio": 0.8}}]
+    cal = {"source": "tiny", "windows": 4, "seq_len": 32}
+    row = h.run("head", {"name": "head", "calibration": cal, "steps": steps, "head": {"ratio": 0.5, "untie": True}})
+    assert row["head"]["plan"]["tied"] is True and row["head"]["ratio"] == 0.5
+    assert "head" not in h.run("plain", {"name": "plain", "calibration": cal, "steps": steps})

@@ -15,12 +15,12 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench.flops import flops_per_token
 from attnslim.errors import AttnslimError
-from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers
+from attnslim.methods.lisa import PRESETS_32, check_pair, default_rank, select_layers, unshareable_layers
 from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import SharedAttention, SharingConfig
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
-from conftest import tiny_llama, tiny_mistral
+from conftest import tiny_gemma3, tiny_llama, tiny_mistral
 from helpers import ByteTokenizer, assert_cache_kinds_match, one_step
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -330,6 +330,29 @@ def test_layer_selection_rules():
     assert select_layers(30, 0.84) == list(range(3, 28))
     cost = {i: float(i % 5) for i in range(3, 29)}
     assert all(cost[i] <= 2 for i in select_layers(30, 0.2, cost))
+
+
+def test_mixed_attention_types_share_only_between_layers_of_one_type():
+    """Gemma-3's pattern (sliding, sliding, global, ...): a global layer cannot read a sliding layer's scores, nor the
+    sliding layer after it the global one's. The preset selection, the sensitivity sweeps and `select_layers` leave
+    those layers out (before, `select: preset` chose layer 3, whose donor is global, and the step raised)."""
+    from attnslim.analysis import sensitivity_report
+
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    model = tiny_gemma3(num_hidden_layers=6, layer_types=kinds)
+    adapter = get_adapter(model)
+    assert unshareable_layers(adapter) == {2, 3, 5}
+    with pytest.raises(AttnslimError, match="attention spans differ"):
+        check_pair(adapter, 3)
+    assert 10 not in select_layers(30, 0.5, skip={10}) and len(select_layers(30, 0.5, skip={10})) == 15
+    sens = sensitivity_report(model, ByteTokenizer(), "tiny", n=1, seq_len=16, progress=False)
+    assert sens["skipped"] == [2, 3, 5] and set(sens["single"]["ds"]) == set(sens["suffix"]["avg"]) == {"1", "4"}
+    assert sens["suffix"]["ds"]["4"] == sens["single"]["ds"]["4"]  # the suffix from 4 shares layer 4 alone
+    _compress(model, "lisa", {"select": "preset", "percent": 53}, layers="all")
+    assert sorted(_shared(model)) == [4]
+    ids = IDS[:1, :10]
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                       model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
 
 
 def test_analysis_reports_on_tiny_model():

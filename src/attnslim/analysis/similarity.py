@@ -6,7 +6,8 @@ similarity_report: A1 Jensen-Shannon divergence of head-averaged attention betwe
   Q, K, V, scores A, probabilities P, P·V and the output across adjacent layers.
 sensitivity_report: A4 the loss change when layer k's attention is replaced by the previous layer's
   (DS) or by uniform causal attention (AVG), for k alone ("single") and for k..L-1 ("suffix", the paper's
-  cumulative protocol).
+  cumulative protocol); layers whose donor has another attention type (Gemma-3's global layers and the sliding
+  layer after each) cannot share and are left out of both sweeps and both modes (the report's "skipped").
 JS (gap 17): divergence with natural log (max ln 2), fp32, eps 1e-10, mean over every query row.
 Inputs: the first n windows of the source's evaluation split; attention is recomputed from each layer's
 AttentionSpec on the inputs captured by pre-hooks (exact for unchanged layers, any attention backend).
@@ -28,7 +29,7 @@ from attnslim.adapters import get_adapter
 from attnslim.data import eval_windows
 from attnslim.eval.perplexity import window_nll
 from attnslim.linalg.scores import spec_qkv_scores
-from attnslim.methods.lisa import temporary_sharing
+from attnslim.methods.lisa import temporary_sharing, unshareable_layers
 from attnslim.modules.shared import SharingConfig
 
 PARTS = ("x", "q", "k", "v", "scores", "probs", "pv", "out")
@@ -195,17 +196,20 @@ def sensitivity_report(
     model: Any, tokenizer: Any, source: str = "wiki", n: int = 4, seq_len: int = 256,
     modes: tuple[str, ...] = ("ds", "avg"), sweeps: tuple[str, ...] = ("single", "suffix"), progress: bool = True,
 ) -> dict[str, Any]:
-    """A4: mean NLL increase when attention of layer k (single) or layers k..L-1 (suffix) deviates."""
+    """A4: mean NLL increase when attention of layer k (single) or layers k..L-1 (suffix) deviates; never a layer
+    of `unshareable_layers` (no entry for it, and a suffix shares only the others)."""
     adapter = get_adapter(model)
-    n_layers = adapter.num_layers()
+    n_layers, skip = adapter.num_layers(), unshareable_layers(adapter)
     windows = eval_windows(source, tokenizer, n * seq_len, seq_len)
     base = _mean_nll(model, windows.ids)
     cfgs = {"ds": SharingConfig(), "avg": SharingConfig(uniform=True)}
     out: dict[str, Any] = {"source": source, "windows": windows.ids.shape[0], "seq_len": seq_len,
-                           "description": windows.description, "base_nll": base, "base_ppl": math.exp(base)}
-    jobs = [(s, m, k) for s in sweeps for m in modes for k in range(1, n_layers)]
+                           "description": windows.description, "base_nll": base, "base_ppl": math.exp(base),
+                           "skipped": sorted(skip)}
+    shareable = [k for k in range(1, n_layers) if k not in skip]
+    jobs = [(s, m, k) for s in sweeps for m in modes for k in shareable]
     for sweep, mode, k in tqdm(jobs, desc="sensitivity", disable=not progress, leave=False):
-        layers = [k] if sweep == "single" else list(range(k, n_layers))
+        layers = [k] if sweep == "single" else [i for i in shareable if i >= k]
         with temporary_sharing(adapter, {i: cfgs[mode] for i in layers}):
             delta = _mean_nll(model, windows.ids) - base
         out.setdefault(sweep, {}).setdefault(mode, {})[str(k)] = delta

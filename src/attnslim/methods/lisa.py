@@ -19,7 +19,7 @@ docs/methods/lisa.md. Measured: BENCHMARKS.md, section "LISA: cross-layer attent
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -56,17 +56,19 @@ def protected_layers(n_layers: int) -> int:
 
 
 def select_layers(
-    n_layers: int, fraction: float, cost: dict[int, float] | None = None, protect: int | None = None
+    n_layers: int, fraction: float, cost: dict[int, float] | None = None, protect: int | None = None,
+    skip: Collection[int] = (),
 ) -> list[int]:
     """Greedy layer choice for a sharing budget of `fraction` * n_layers layers.
 
     Lower cost = share first (e.g. the single-layer DS loss increase of `analysis.sensitivity_report`);
     without costs deeper layers go first. Fractions > 0.75 give one contiguous block after the protected
     layers (the paper's LISA(27)); otherwise a run that touches the first 2/3 of the network holds at most 2
-    shared layers (the LISA(21) anchor pattern). Never the first `protect` layers nor the last layer.
+    shared layers (the LISA(21) anchor pattern). Never the first `protect` layers, the last layer, nor those in
+    `skip` (`unshareable_layers`: a donor of another attention type).
     """
     protect = protected_layers(n_layers) if protect is None else protect
-    candidates = list(range(max(1, protect), n_layers - 1))
+    candidates = [i for i in range(max(1, protect), n_layers - 1) if i not in skip]
     budget = min(len(candidates), round(fraction * n_layers))
     if not 0 < fraction <= 1 or budget < 1:
         raise AttnslimError(f"fraction={fraction} selects no layer of {n_layers}; use 0 < fraction <= 1")
@@ -97,13 +99,20 @@ def _run_with(chosen: set[int], i: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
-def preset_layers(n_layers: int, percent: int) -> list[int]:
-    """The paper's LISA(17/21/27) lists for 32 layers (percent 53/66/84), else `select_layers`."""
+def preset_layers(n_layers: int, percent: int, skip: Collection[int] = ()) -> list[int]:
+    """The paper's LISA(17/21/27) lists for 32 layers (percent 53/66/84), else `select_layers`; never `skip`."""
     if percent not in PRESETS_32:
         raise AttnslimError(f"percent={percent} has no preset; valid: {sorted(PRESETS_32)}")
     if n_layers == 32:
-        return list(PRESETS_32[percent])
-    return select_layers(n_layers, percent / 100)
+        return [i for i in PRESETS_32[percent] if i not in skip]
+    return select_layers(n_layers, percent / 100, skip=skip)
+
+
+def unshareable_layers(adapter: Adapter) -> set[int]:
+    """Layers whose donor (the layer before) has another attention type, which `check_pair` refuses: on Gemma-3
+    each global layer and the sliding layer after it."""
+    types = adapter.layer_types()
+    return {i for i in range(1, len(types)) if types[i] != types[i - 1]}
 
 
 # --- installing receivers and donors ------------------------------------------------------------
@@ -245,7 +254,8 @@ class _Sharing(Method[SharingEntry, None]):
              context: StepContext = NO_CONTEXT) -> StepPlan[SharingEntry]:
         chosen = layers
         if self.select == "preset":
-            chosen = [i for i in preset_layers(adapter.num_layers(), self.percent) if i in set(layers)]
+            skip = unshareable_layers(adapter)
+            chosen = [i for i in preset_layers(adapter.num_layers(), self.percent, skip) if i in set(layers)]
         if not chosen:
             raise AttnslimError(f"method {self.name!r}: no layer left to share among candidates {layers}")
         for i in chosen:
