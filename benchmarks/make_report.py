@@ -43,6 +43,8 @@ SECTIONS = {
     "baselines": ("Baselines", "benchmarks/baselines.py"),
     "plan-smollm2-135m-h100": ("Planning under a budget: the planner against uniform MLA and TransMLA at the same KV "
                                "cache", "benchmarks/plan.py"),
+    "plan-gemma3-270m": ("Planning under a budget on Gemma-3 270M: the planner against uniform MLA at KV 0.5 "
+                         "(one-shot, CPU)", "benchmarks/plan.py"),
     "calib-source-smollm2-135m": ("Calibration that follows the model: wiki against text the model writes itself "
                                   "(`self`)", "benchmarks/calib_source.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
@@ -173,7 +175,8 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "mla-kernels-mkl-intel", "mla-speed-onednn", "mla-speed-intel", "mla-speed-bytes", "mla-kernels-intel",
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
-         "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "calib-source-smollm2-135m",
+         "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "plan-gemma3-270m",
+         "calib-source-smollm2-135m",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b",
          "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",

@@ -91,6 +91,22 @@ def test_plan_meets_the_budget_exactly_and_reports_why() -> None:
     assert len(result.report["layers"]) == 4 and result.report["binding"] == ["kv"]
 
 
+def test_calibration_is_raised_to_what_the_output_refit_needs_as_compress_raises_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """mla's output refit needs 24 tokens per o_proj input (24 x 65 = 1,560 on the tiny Llama's 64 inputs); the
+    planner's 8 x 32 tokens are raised to 49 windows before any fit, as compress raises a recipe's, and the plan's
+    recipe records them. Before, every mla candidate was refused after the measurement (Gemma-3 270M: 16,384 of
+    24,600 tokens), and the plan failed."""
+    model = tiny_llama()
+    cfg = _config(kv=0.75, kinds=("keep", "mla"), mla_args={"refit_o": True}, rounds=0)
+    result = plan_model(model, ByteTokenizer(), cfg, progress=False)
+    assert "calibration raised from 8 to 49 windows of 32 tokens: the planner's candidate mla@" in capsys.readouterr().out
+    assert result.recipe.calibration.windows == 49 and result.report["calibration"]["windows"] == 49
+    assert any(row["choice"].startswith("mla") for row in result.report["layers"])
+    report = compress(model, ByteTokenizer(), result.recipe, progress=False, methods=result.methods)
+    assert "calibration raised" not in capsys.readouterr().out and report.recipe["calibration"]["windows"] == 49
+
+
 def test_unreachable_budget_is_refused_before_measuring() -> None:
     with pytest.raises(AttnslimError, match=r"below the smallest any plan reaches, 0\.25"):
         plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.1, kinds=("keep", "mla")), progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -158,24 +158,29 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
 
 
 def calibration_for(recipe: Recipe, methods: list[Method], adapter: Adapter) -> Calibration:
-    """The recipe's calibration, with its window count raised to what its steps need on this model.
+    """The recipe's calibration, with its window count raised to what its steps need on this model
+    (`raised_calibration`)."""
+    steps = [(f"recipe {recipe.name!r} step {i} ({method.name})", method) for i, method in enumerate(methods)]
+    return raised_calibration(recipe.calibration, steps, adapter)
+
+
+def raised_calibration(cal: Calibration, steps: Sequence[tuple[str, Method]], adapter: Adapter) -> Calibration:
+    """`cal` with its window count raised to the largest need of `steps` (what names each, its method) on this model.
 
     Decision: a method whose calibration need grows with the model (mla's output refit: 24 tokens per input
     dimension of o_proj) raises the window count itself, with a log line, instead of refusing. A recipe's count is
     tuned on one model (SmolLM2's 576 wide o_proj), and below the need the step could only refuse; raising is what
-    every user would do by hand. The raised count is the recipe that compression.json records, so the run is
-    reproducible from it. Windows keep the recipe's seq_len (its context length)."""
-    cal = recipe.calibration
-    needs = [(need, i, method) for i, method in enumerate(methods) if (need := method.calibration_need(adapter))]
+    every user would do by hand. The raised count is the recipe that compression.json records (and the recipe a
+    plan writes), so the run is reproducible from it. Windows keep the recipe's seq_len (its context length)."""
+    needs = [(need, what) for what, method in steps if (need := method.calibration_need(adapter))]
     if not needs:
         return cal
-    need, i, method = max(needs, key=lambda item: item[0].tokens)
+    need, what = max(needs, key=lambda item: item[0].tokens)
     windows = -(-need.tokens // cal.seq_len)  # ceil
     if windows <= cal.windows:
         return cal
-    print(f"attnslim: calibration raised from {cal.windows} to {windows} windows of {cal.seq_len} tokens: recipe "
-          f"{recipe.name!r} step {i} ({method.name}) needs at least {need.tokens:,} tokens on this model for "
-          f"{need.why}", flush=True)
+    print(f"attnslim: calibration raised from {cal.windows} to {windows} windows of {cal.seq_len} tokens: {what} "
+          f"needs at least {need.tokens:,} tokens on this model for {need.why}", flush=True)
     return replace(cal, windows=windows)
 
 

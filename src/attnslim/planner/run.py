@@ -9,8 +9,9 @@
        refined (refine.py)
     5. the recipe (assemble.py) and the report
 Steps 1-3 (`prepare`) do not depend on the budgets: one measurement serves several (`choose`).
-Calibration: the fits use the recipe's calibration windows (what compress will use); per-layer costs and the
-whole-plan score use other windows of the same calibration source, drawn with seeds +1 and +2.
+Calibration: the fits use the recipe's calibration windows (what compress will use), raised as compress raises
+them when a candidate's fit needs more tokens on this model (mla's output refit: api.raised_calibration); per-layer
+costs and the whole-plan score use other windows of the same calibration source, drawn with seeds +1 and +2.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
+from attnslim.api import raised_calibration
 from attnslim.api_checks import refuse_compressed
 from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
@@ -34,7 +36,7 @@ from attnslim.errors import AttnslimError
 from attnslim.methods import Method
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
-from attnslim.planner.costs import Resources, resources
+from attnslim.planner.costs import Resources, method_of, resources
 from attnslim.planner.measure import Measured, measure
 from attnslim.planner.refine import refine
 from attnslim.planner.score import ScoreSet, kl, score_set
@@ -133,6 +135,7 @@ class Prepared:
     windows: dict[str, Any]
     seconds: float
     residency: Residency  # where the weights are while plans are scored (the model in memory, or on disk)
+    calibration: Calibration  # cfg's, its windows raised to what the candidates' fits need (api.raised_calibration)
 
 
 @torch.no_grad()
@@ -153,7 +156,8 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
     keep = Candidate("keep", {}, "keep")
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
     solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
-    cal = cfg.calibration
+    cal = raised_calibration(cfg.calibration, [(f"the planner's candidate {c.label}", method_of(c))
+                                               for c in cands if c.method is not None], adapter)
     fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed, model=model)
     with res.streamed():  # the dense model's reference log-probabilities
         scores = score_set(model, tokenizer, cal.source, cfg.score_windows, cfg.score_seq_len, cal.seed + 1)
@@ -169,7 +173,7 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
     rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
     windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
                "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
-    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start, res)
+    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start, res, cal)
 
 
 def refuse_offloaded_plan(cfg: PlanConfig) -> None:
@@ -206,7 +210,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
     recipe, methods = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
-                         "measured KL under the budgets", cfg.calibration, cfg.heal)
+                         "measured KL under the budgets", prepared.calibration, cfg.heal)
     table = {i: {c.label: {"kv_bytes": r.kv_bytes, "params": r.params, "decode_bytes": r.decode_bytes,
                            "kl": measured.quality.get((i, c.label), 0.0)} for c, r in row}
              for i, row in enumerate(rows)}
@@ -225,6 +229,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                      "measured_over_additive_first": start_cost["additive"] / max(first.quality, 1e-12)},
         "refine": refined.history, "windows": prepared.windows, "bank_mb": measured.bank.disk_bytes() / 2**20,
         "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
+        "calibration": asdict(prepared.calibration),
         "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
                     "total": prepared.seconds + time.time() - start},
     }
