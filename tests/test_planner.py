@@ -100,7 +100,8 @@ def test_calibration_is_raised_to_what_the_output_refit_needs_as_compress_raises
     model = tiny_llama()
     cfg = _config(kv=0.75, kinds=("keep", "mla"), mla_args={"refit_o": True}, rounds=0)
     result = plan_model(model, ByteTokenizer(), cfg, progress=False)
-    assert "calibration raised from 8 to 49 windows of 32 tokens: the planner's candidate mla@" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "calibration raised from 8 to 49 windows of 32 tokens: the planner's candidate mla@" in said
     assert result.recipe.calibration.windows == 49 and result.report["calibration"]["windows"] == 49
     assert any(row["choice"].startswith("mla") for row in result.report["layers"])
     report = compress(model, ByteTokenizer(), result.recipe, progress=False, methods=result.methods)
