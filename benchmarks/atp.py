@@ -470,8 +470,9 @@ def main() -> None:
     adapter = get_adapter(model)
     # the layers ATP converts: every full-attention layer (all of SmolLM2's; Gemma-3's global layers 5, 11, 17), as
     # the method refuses sliding-window and soft-capped layers (methods/atp.py)
-    dense = {i: adapter.attention(i) for i in range(adapter.num_layers())
-             if adapter.attention_spec(i).sliding_window is None and adapter.attention_spec(i).softcap is None}
+    specs = {i: adapter.attention_spec(i) for i in range(adapter.num_layers())}
+    dense = {i: adapter.attention(i) for i, spec in specs.items()
+             if spec.sliding_window is None and spec.softcap is None}
     store.data["converted_layers"] = sorted(dense)
     if "lowrank" in groups and "lowrank" not in store.data["groups"]:
         lengths = [int(x) for x in args.lowrank_lengths.split(",")]

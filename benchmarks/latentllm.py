@@ -26,8 +26,10 @@ Groups (--groups, comma-separated; default all):
     .venv/bin/python benchmarks/latentllm.py --name latentllm-ablations --groups attn --only \
         latentllm-uniform-80,latentllm-jointqkv-uniform-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
         latentllm-80,latentllm-jointqkv-80
-    .venv/bin/python benchmarks/latentllm.py --model gemma3-270m --name latentllm-gemma3 --sources wiki --groups attn \
-        --only latentllm-80,svdllm-attn-80,latentllm-uniform-80,local-rootcov-dense-80   # the claims' Gemma-3 cells
+    .venv/bin/python benchmarks/latentllm.py --model gemma3-270m --name latentllm-gemma3 --sources wiki \
+        --groups attn,precond,kv --only svdllm-attn-80,local-rootcov-dense-80,local-rootcov-blockid-80,latentllm-80,\
+        local-rootcov-blockid-spectrum-80,latentllm-vojoint-80,latentllm-jointqkv-80,local-splithead-uniform-80,\
+        latentllm-l2-80,latentllm-90,svdllm-attn-50,latentllm-50   # Gemma-3 cells (uniform joint QK: refused)
     .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
 
 Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.

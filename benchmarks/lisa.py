@@ -5,7 +5,7 @@ K-cache bytes per token and decode speed against the dense model in the same run
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py                 # full: results/lisa.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --small --out /tmp/lisa_small.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --model gemma3-270m --out benchmarks/results/lisa-gemma3.json\
-        --tokens 4096 --fractions 0.5 --ablation-fraction 0       # the claims' Gemma-3 cells
+        --tokens 4096 --steps 100 --fractions 0.5 --ablation-fraction 0.5   # the claims' Gemma-3 cells
     .venv/bin/python benchmarks/make_report.py                            # regenerates BENCHMARKS.md
 
 Layers: `select_layers(L, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity sweep (never

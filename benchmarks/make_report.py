@@ -222,7 +222,7 @@ ARCHIVE = ("latentllm-head",
            # the paper's joint QKV and split-head ablations: the claims table carries the verdicts
            "latentllm-ablations",
            # the claims table's Gemma-3 column: it carries the verdicts
-           "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3")
+           "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3", "plan-gemma3-270m")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
