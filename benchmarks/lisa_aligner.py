@@ -1,14 +1,16 @@
-"""LISA property 19 (notes §7): a trained single-linear (SL) aligner is permutation-like, on smollm2-135m.
+"""LISA property 19 (notes §7): a trained single-linear (SL) aligner is permutation-like.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa_aligner.py      # -> results/lisa-aligner-smollm2-135m.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa_aligner.py --model gemma3-270m
 
-LISA_SL (align_hidden 0) on layers 18, 20, 22, 24 (each donor an unchanged dense layer), distilled with the project
+LISA_SL (align_hidden 0) on four deep non-adjacent layers (lisa_runs.LAYERS: 18, 20, 22, 24 of smollm2-135m; each
+donor an unchanged dense layer), distilled with the project
 defaults (beta 0.25, lr 1e-2) for --steps x --batch x --seq-len wiki calibration tokens, once from each init:
 "ds" (identity on A_{n-1}: starts permutation-like by construction, so only a move towards the global matching
 counts) and "default" (random: any structure is learned). For each receiver n, analysis/aligner.py's head mass of
 the A_{n-1} block gives the concentration (top-1 share of each output head's row) and the agreement of each row's
 argmax with the global most-similar head of the dense model (similarity_report, --windows x --sim-seq-len wiki
-evaluation tokens), before and after training; chance is 1/h = 1/9.
+evaluation tokens), before and after training; chance is 1/h (1/9 on SmolLM2, 1/4 on Gemma-3).
 Budget: 2 trainings of 100 steps x 2 x 128 tokens, ~2.1 s a step alone on one thread; the recorded run took
 16 minutes in all on a loaded 2-core machine (results JSON: `seconds`).
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, environment
-from lisa_runs import LAYERS, lisa_copy, train
+from lisa_runs import lisa_copy, receivers, train
 
 from attnslim.adapters import get_adapter
 from attnslim.analysis.aligner import head_mass, permutation_likeness
@@ -32,8 +34,6 @@ from attnslim.analysis.similarity import similarity_report
 from attnslim.models import load_model
 from attnslim.modules.aligner import Aligner
 from attnslim.train.distill import DistillConfig
-
-OUT = RESULTS / "lisa-aligner-smollm2-135m.json"
 
 
 def likeness(model: Any, layers: list[int], matching: list[list[int]]) -> dict[str, Any]:
@@ -59,33 +59,37 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--sim-seq-len", type=int, default=256)
     p.add_argument("--inits", default="ds,default")
-    p.add_argument("--out", default=str(OUT), help="results JSON (default results/lisa-aligner-smollm2-135m.json)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layers", default="", help="N,N,... LISA layers (default: lisa_runs.LAYERS of the model)")
+    p.add_argument("--out", default="", help="results JSON (default results/lisa-aligner-MODEL.json)")
     args = p.parse_args()
+    layers = receivers(args.model, args.layers)
+    out_path = Path(args.out) if args.out else RESULTS / f"lisa-aligner-{args.model}.json"
     torch.manual_seed(0)
-    dense, tokenizer = load_model("smollm2-135m")
+    dense, tokenizer = load_model(args.model)
     start = time.time()
     sim = similarity_report(dense, tokenizer, "wiki", args.windows, args.sim_seq_len, progress=False)
     matching = sim["head_matching"]["global_match"]
     h = sim["heads"]
     out: dict[str, Any] = {
-        "model": "smollm2-135m", "environment": environment(), "layers": LAYERS, "heads": h,
-        "matching": {"description": sim["description"], "global_match": {str(n): matching[n - 1] for n in LAYERS},
+        "model": args.model, "environment": environment(), "layers": layers, "heads": h,
+        "matching": {"description": sim["description"], "global_match": {str(n): matching[n - 1] for n in layers},
                      "identity_agreement": {str(n): sum(b == a for a, b in enumerate(matching[n - 1])) / h
-                                            for n in LAYERS}},
+                                            for n in layers}},
         "variants": {},
     }
     cfg = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len)
     for init in args.inits.split(","):
-        model = lisa_copy(dense, tokenizer, LAYERS, {"align_hidden": 0, "init": init})
-        before = likeness(model, LAYERS, matching)
+        model = lisa_copy(dense, tokenizer, layers, {"align_hidden": 0, "init": init})
+        before = likeness(model, layers, matching)
         report = train(model, dense, tokenizer, cfg)
-        after = likeness(model, LAYERS, matching)
+        after = likeness(model, layers, matching)
         out["variants"][f"sl-{init}"] = {"init": init, "untrained": before, "trained": after, "training": report}
         print(f"[done] sl-{init}: concentration {before['concentration']:.3f} -> {after['concentration']:.3f}, "
               f"agreement {before['agreement']:.3f} -> {after['agreement']:.3f}", flush=True)
     out["seconds"] = round(time.time() - start)
     out["notes"] = notes(out, cfg)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    out_path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def notes(out: dict[str, Any], cfg: DistillConfig) -> list[str]:

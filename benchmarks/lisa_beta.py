@@ -1,13 +1,15 @@
 """LISA property 20 (notes §7): KD helps. beta = 0.25 (score Huber + LM) against beta = 0 (LM only) at equal steps.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa_beta.py         # -> results/lisa-beta-smollm2-135m.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa_beta.py --model gemma3-270m
 
-The project's default LISA (two-layer aligner, init ds) on layers 18, 20, 22, 24 of smollm2-135m, distilled with
-`train/distill.distill` at each --betas value and each --seeds seed (the seed of both the training windows and
-the new weights' init), the same --steps x --batch x --seq-len wiki calibration tokens and lr. Measured on held-out
-text, the first --windows x --eval-seq-len tokens of wiki's evaluation split (never drawn for training): the score
-Huber error (distill's KD term: mean over the LISA layers of Huber(delta 1) between the student's integrated
-scores and the dense teacher's, attended entries only) and the LM loss (perplexity = its exp), also before training.
+The project's default LISA (two-layer aligner, init ds) on lisa_runs.LAYERS (18, 20, 22, 24 of smollm2-135m),
+distilled with `train/distill.distill` at each --betas value and each --seeds seed (the seed of both the training
+windows and the new weights' init), the same --steps x --batch x --seq-len wiki calibration tokens and lr. Measured
+on held-out text, the first --windows x --eval-seq-len tokens of wiki's evaluation split (never drawn for training):
+the score Huber error (distill's KD term: mean over the LISA layers of Huber(delta 1) between the student's
+integrated scores and the dense teacher's, attended entries only) and the LM loss (perplexity = its exp), also
+before training.
 Budget: 4 trainings of 100 steps x 2 x 128 tokens, ~2.1 s a step alone on one thread (~17 min in all); the recorded
 run took 33 minutes on a loaded 2-core machine (results JSON: `seconds`).
 """
@@ -21,14 +23,12 @@ from typing import Any
 
 import torch
 from common import RESULTS, environment
-from lisa_runs import LAYERS, held_out, lisa_copy, train
+from lisa_runs import held_out, lisa_copy, receivers, train
 
 from attnslim.data import eval_windows
 from attnslim.eval import perplexity
 from attnslim.models import load_model
 from attnslim.train.distill import DistillConfig
-
-OUT = RESULTS / "lisa-beta-smollm2-135m.json"
 
 
 def summary(runs: dict[str, dict[str, Any]], betas: list[float], seeds: list[int]) -> dict[str, Any]:
@@ -53,21 +53,24 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--eval-seq-len", type=int, default=256)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layers", default="", help="N,N,... LISA layers (default: lisa_runs.LAYERS of the model)")
     args = p.parse_args()
+    layers = receivers(args.model, args.layers)
     betas = [float(b) for b in args.betas.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    dense, tokenizer = load_model("smollm2-135m")
+    dense, tokenizer = load_model(args.model)
     windows = eval_windows("wiki", tokenizer, args.windows * args.eval_seq_len, args.eval_seq_len)
     start = time.time()
-    out: dict[str, Any] = {"model": "smollm2-135m", "environment": environment(), "layers": LAYERS,
+    out: dict[str, Any] = {"model": args.model, "environment": environment(), "layers": layers,
                            "held_out_text": windows.description,
                            "dense_ppl": perplexity(dense, windows).ppl, "runs": {}}
     for seed in seeds:
-        base = lisa_copy(dense, tokenizer, LAYERS, {"seed": seed})
+        base = lisa_copy(dense, tokenizer, layers, {"seed": seed})
         out["runs"][f"untrained-seed{seed}"] = {"held_out": held_out(base, dense, windows.ids)}
         for beta in betas:
             torch.manual_seed(seed)
-            model = lisa_copy(dense, tokenizer, LAYERS, {"seed": seed})
+            model = lisa_copy(dense, tokenizer, layers, {"seed": seed})
             cfg = DistillConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, beta=beta, seed=seed)
             report = train(model, dense, tokenizer, cfg)
             result = held_out(model, dense, windows.ids)
@@ -76,7 +79,7 @@ def main() -> None:
     out["summary"] = summary(out["runs"], betas, seeds)
     out["seconds"] = round(time.time() - start)
     out["notes"] = notes(out, args)
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / f"lisa-beta-{args.model}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 def notes(out: dict[str, Any], args: argparse.Namespace) -> list[str]:

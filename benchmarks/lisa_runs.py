@@ -1,4 +1,4 @@
-"""Shared by benchmarks/lisa_aligner.py and benchmarks/lisa_beta.py: LISA on a few SmolLM2 layers, a short
+"""Shared by benchmarks/lisa_aligner.py and benchmarks/lisa_beta.py: LISA on a few deep layers, a short
 distillation, and the held-out score/LM losses of `train/distill.distill_loss` on evaluation windows."""
 
 from __future__ import annotations
@@ -14,9 +14,21 @@ from attnslim.api import compress
 from attnslim.recipe import recipe_from_dict
 from attnslim.train.distill import DistillConfig, distill, distill_loss, trainable_layers
 
-# Non-adjacent receivers: every donor (layer n-1) is an unchanged dense layer, so the dense model's head matching
-# between n-1 and n is exactly what each aligner can learn; deep layers, past the sensitive first ones.
-LAYERS = [18, 20, 22, 24]
+# Per model: non-adjacent receivers, so every donor (layer n-1) is an unchanged dense layer and the dense model's
+# head matching between n-1 and n is exactly what each aligner can learn; deep layers, past the sensitive first
+# ones. Gemma-3's receivers and donors are all sliding-window layers (its global layers 5, 11, 17 and the layer
+# after each cannot share: methods/lisa.unshareable_layers).
+LAYERS: dict[str, list[int]] = {"smollm2-135m": [18, 20, 22, 24], "gemma3-270m": [8, 10, 14, 16]}
+
+
+def receivers(model: str, given: str) -> list[int]:
+    """The LISA layers of a run: `given` ("8,10,...") or the model's LAYERS entry."""
+    if given:
+        return [int(n) for n in given.split(",")]
+    if model not in LAYERS:
+        raise SystemExit(f"no default LISA layers for {model}: give --layers N,N,... (non-adjacent deep layers whose "
+                         f"donor n-1 has the same attention type); defaults exist for {', '.join(LAYERS)}")
+    return LAYERS[model]
 
 
 def lisa_copy(dense: Any, tokenizer: Any, layers: list[int], args: dict[str, Any]) -> Any:

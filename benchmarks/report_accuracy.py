@@ -15,7 +15,11 @@ CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "piqa": 0.5, "hellaswag": 0.2
 # why a run scored fewer items than the script's default (100 per task)
 RUN_NOTES = {"smollm2-135m@limit50": "50 items per task, not the script's default 100: on the shared 2-core machine "
              "(one thread) one model's scoring took about 5 minutes and the two healed rows about 15 and 8 minutes "
-             "of compression, and all ten models had to fit one session. `--limit 100` halves the variance."}
+             "of compression, and all ten models had to fit one session. `--limit 100` halves the variance.",
+             "gemma3-270m@limit50": "The same rows' kinds on Gemma-3 270M, each compressed with the recipe its Gemma-3 "
+             "result file recorded (`--keys`: latentllm-gemma3, nbl-gemma3, plan-gemma3-270m, lisa-gemma3, "
+             "mla-gemma3); 50 items per task as for SmolLM2, so that the rows fit one session on the shared 2-core "
+             "machine (two runs, one thread each; dense scored in about 7 minutes)."}
 
 
 def chance_average(tasks: list[str]) -> float | None:

@@ -21,7 +21,9 @@ error; the average is the mean of the tasks' `acc` with its standard error. The 
 difference is much smaller than either standard error: the same items are easy or hard for both).
 
 Results: benchmarks/results/summary_accuracy.json, one entry per model and limit, written after every model
-(a run that stops resumes: a key already scored with the same recipe fingerprint is skipped).
+(a run that stops resumes: a key already scored with the same recipe fingerprint is skipped). Each write re-reads
+the file and merges its one row, so two runs of one model with disjoint `--keys` (one per core) keep each other's
+rows; start the second once the first has scored dense, or both will score it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from attnslim.eval.tasks import TASK_DIR
 from attnslim.models import load_model
 from attnslim.models.zoo import cache_root
 from attnslim.recipe import Recipe, fingerprint, recipe_from_dict
+from attnslim.safe_files import write_text_atomic
 from attnslim.train.distill import DistillConfig
 
 PATH = RESULTS / "summary_accuracy.json"
@@ -91,6 +94,16 @@ def score(model: Any, tokenizer: Any, names: list[str], limit: int, batch_size: 
             "items": items, "eval_seconds": round(time.perf_counter() - started, 1)}
 
 
+def save_row(entry_key: str, header: dict[str, Any], key: str, row: dict[str, Any]) -> None:
+    """Merge one scored model into the results file as it is now (another run may have written since)."""
+    data: dict[str, Any] = json.loads(PATH.read_text()) if PATH.exists() else {}
+    entry = data.setdefault(entry_key, header)
+    entry["models"][key] = row
+    entry["skipped"] = SKIPPED
+    entry["environment"] = environment()
+    write_text_atomic(PATH, json.dumps(data, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -109,11 +122,11 @@ def main() -> int:
     jobs: list[tuple[str, Recipe | None]] = [(DENSE, None)] + [
         (key, recorded_recipe(name, key)) for name, key in keys if not only or key in only]
     data: dict[str, Any] = json.loads(PATH.read_text()) if PATH.exists() else {}
-    entry: dict[str, Any] = data.setdefault(f"{args.model}@limit{args.limit}", {
-        "model": args.model, "limit": args.limit, "tasks": names, "models": {}})
+    entry_key = f"{args.model}@limit{args.limit}"
+    header: dict[str, Any] = {"model": args.model, "limit": args.limit, "tasks": names, "models": {}}
+    entry: dict[str, Any] = data.get(entry_key, header)
     if entry["tasks"] != names:
-        raise SystemExit(f"{PATH} holds {args.model}@limit{args.limit} scored on {entry['tasks']}; use those tasks")
-    entry["skipped"] = SKIPPED
+        raise SystemExit(f"{PATH} holds {entry_key} scored on {entry['tasks']}; use those tasks")
     for key, recipe in jobs:
         done = entry["models"].get(key)
         if done and done.get("recorded_fingerprint") == (fingerprint(recipe) if recipe else None):
@@ -128,9 +141,7 @@ def main() -> int:
                         "recipe_fingerprint": report.recipe_fingerprint, "peak_rss_mb": round(report.peak_rss_mb),
                         "compress_seconds": round(report.seconds, 1)})
         row.update(score(model, tokenizer, names, args.limit, args.batch_size))
-        entry["models"][key] = row
-        entry["environment"] = environment()
-        PATH.write_text(json.dumps(data, indent=1) + "\n")
+        save_row(entry_key, header, key, row)
         avg = row["average"]
         print(f"[done] {key}: average acc {100 * avg['acc']:.1f} ± {100 * avg['acc_stderr']:.1f} "
               f"({row['eval_seconds']} s scoring)", flush=True)
