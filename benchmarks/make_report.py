@@ -71,6 +71,8 @@ SECTIONS = {
                                   "benchmarks/lisa_aligner.py"),
     "lisa-aligner-smollm2-135m-250steps": ("LISA #19 with a 250-step budget", "benchmarks/lisa_aligner.py"),
     "lisa-aligner-gemma3-270m": ("LISA #19 on Gemma-3 270M", "benchmarks/lisa_aligner.py"),
+    "lisa-beta-gemma3-270m": ("LISA #20 on Gemma-3 270M: score distillation (beta 0.25) against LM loss only",
+                              "benchmarks/lisa_beta.py"),
     "lisa-beta-smollm2-135m": ("LISA #20: score distillation (beta 0.25) against LM loss only (beta 0)",
                                "benchmarks/lisa_beta.py"),
     "nbl-calib": ("NBL: calibration-size and ridge sensitivity (8192 evaluation tokens)", "benchmarks/nbl.py"),
@@ -183,8 +185,8 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
-         "lisa-stability-gemma3-270m", "lisa-aligner-gemma3-270m", "atp", "atp-boolq", "atp-recovery", "atp-gemma3",
-         "lmeval_check")
+         "lisa-stability-gemma3-270m", "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "atp", "atp-boolq",
+         "atp-recovery", "atp-gemma3", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
@@ -225,7 +227,7 @@ ARCHIVE = ("latentllm-head",
            "latentllm-ablations",
            # the claims table's Gemma-3 column: it carries the verdicts
            "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3", "plan-gemma3-270m",
-           "lisa-aligner-gemma3-270m")
+           "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
