@@ -4,13 +4,13 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa_aligner.py --model gemma3-270m
 
 LISA_SL (align_hidden 0) on four deep non-adjacent layers (lisa_runs.LAYERS: 18, 20, 22, 24 of smollm2-135m; each
-donor an unchanged dense layer), distilled with the project
-defaults (beta 0.25, lr 1e-2) for --steps x --batch x --seq-len wiki calibration tokens, once from each init:
-"ds" (identity on A_{n-1}: starts permutation-like by construction, so only a move towards the global matching
-counts) and "default" (random: any structure is learned). For each receiver n, analysis/aligner.py's head mass of
-the A_{n-1} block gives the concentration (top-1 share of each output head's row) and the agreement of each row's
-argmax with the global most-similar head of the dense model (similarity_report, --windows x --sim-seq-len wiki
-evaluation tokens), before and after training; chance is 1/h (1/9 on SmolLM2, 1/4 on Gemma-3).
+donor an unchanged dense layer), distilled with the project defaults (beta 0.25, lr 1e-2) for --steps x --batch x
+--seq-len wiki calibration tokens, once from each init: "ds" (identity on A_{n-1}: starts permutation-like by
+construction, so only a move towards the global matching counts) and "default" (random: any structure is learned).
+For each receiver n, analysis/aligner.py's head mass of the A_{n-1} block gives the concentration (top-1 share of
+each output head's row) and the agreement of each row's argmax with the global most-similar head of the dense model
+(similarity_report, --windows x --sim-seq-len wiki evaluation tokens), before and after training; chance is 1/h (1/9
+on SmolLM2, 1/4 on Gemma-3).
 Budget: 2 trainings of 100 steps x 2 x 128 tokens, ~2.1 s a step alone on one thread; the recorded run took
 16 minutes in all on a loaded 2-core machine (results JSON: `seconds`).
 """

@@ -19,7 +19,8 @@ RUN_NOTES = {"smollm2-135m@limit50": "50 items per task, not the script's defaul
              "gemma3-270m@limit50": "The same rows' kinds on Gemma-3 270M, each compressed with the recipe its Gemma-3 "
              "result file recorded (`--keys`: latentllm-gemma3, nbl-gemma3, plan-gemma3-270m, lisa-gemma3, "
              "mla-gemma3); 50 items per task as for SmolLM2, so that the rows fit one session on the shared 2-core "
-             "machine (two runs, one thread each; dense scored in about 7 minutes)."}
+             "machine (three runs with disjoint `--keys`, one thread each, two at a time; dense scored in about 7 "
+             "minutes)."}
 
 
 def chance_average(tasks: list[str]) -> float | None:

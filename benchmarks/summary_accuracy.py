@@ -97,7 +97,7 @@ def score(model: Any, tokenizer: Any, names: list[str], limit: int, batch_size: 
 def save_row(entry_key: str, header: dict[str, Any], key: str, row: dict[str, Any]) -> None:
     """Merge one scored model into the results file as it is now (another run may have written since)."""
     data: dict[str, Any] = json.loads(PATH.read_text()) if PATH.exists() else {}
-    entry = data.setdefault(entry_key, header)
+    entry = data.setdefault(entry_key, {**header, "models": {}})  # a fresh copy: `header` stays empty
     entry["models"][key] = row
     entry["skipped"] = SKIPPED
     entry["environment"] = environment()

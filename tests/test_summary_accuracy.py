@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -39,3 +41,14 @@ def test_rebuilt_recipes_are_the_recorded_ones() -> None:
             assert ("train" in step.args) == row["training"]["trained"], key
             if "train" in step.args:
                 assert step.args["train"]["steps"] == row["training"]["steps"]
+
+
+def test_two_runs_of_one_model_keep_each_others_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write re-reads the file: a run that started before another wrote must not erase the other's row."""
+    monkeypatch.setattr(summary_accuracy, "PATH", tmp_path / "summary_accuracy.json")
+    header = {"model": "m", "limit": 5, "tasks": ["piqa"], "models": {}}
+    summary_accuracy.save_row("m@limit5", header, "a", {"average": 1})  # run 1
+    summary_accuracy.save_row("m@limit5", header, "b", {"average": 2})  # run 2, same header object
+    models = json.loads((tmp_path / "summary_accuracy.json").read_text())["m@limit5"]["models"]
+    assert models == {"a": {"average": 1}, "b": {"average": 2}}
+    assert header["models"] == {}
