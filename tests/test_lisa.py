@@ -332,6 +332,21 @@ def test_layer_selection_rules():
     assert all(cost[i] <= 2 for i in select_layers(30, 0.2, cost))
 
 
+def test_the_count_asked_is_the_count_shared_or_a_clear_refusal():
+    """Gemma-3 270M's pattern (18 layers; 5, 6, 11, 12, 17 unshareable): the anchor rule (at most 2 shared in a row
+    in the first 2/3) left 53% at 9 layers of the 10 asked, and 70% at the same 9, silently (the LISA benchmark's
+    lisa-70 was lisa-50 again). Now the rule is a preference that yields to the count, and a count no selection
+    reaches is refused with the largest fraction that is."""
+    skip = {5, 6, 11, 12, 17}
+    assert len(select_layers(18, 0.53, skip=skip)) == 10
+    chosen = select_layers(18, 0.61, skip=skip)
+    assert chosen == [2, 3, 4, 7, 8, 9, 10, 13, 14, 15, 16]  # every shareable layer
+    with pytest.raises(AttnslimError, match=r"fraction=0.7 asks 13 of 18 .* only 11 can here .*at most 0.61"):
+        select_layers(18, 0.7, skip=skip)
+    cost = {i: float(i) for i in range(3, 29)}  # the shallow layers cheapest: the anchor rule binds first
+    assert len(select_layers(30, 0.6, cost)) == 18
+
+
 def test_mixed_attention_types_share_only_between_layers_of_one_type():
     """Gemma-3's pattern (sliding, sliding, global, ...): a global layer cannot read a sliding layer's scores, nor the
     sliding layer after it the global one's. The preset selection, the sensitivity sweeps and `select_layers` leave
@@ -348,7 +363,9 @@ def test_mixed_attention_types_share_only_between_layers_of_one_type():
     sens = sensitivity_report(model, ByteTokenizer(), "tiny", n=1, seq_len=16, progress=False)
     assert sens["skipped"] == [2, 3, 5] and set(sens["single"]["ds"]) == set(sens["suffix"]["avg"]) == {"1", "4"}
     assert sens["suffix"]["ds"]["4"] == sens["single"]["ds"]["4"]  # the suffix from 4 shares layer 4 alone
-    _compress(model, "lisa", {"select": "preset", "percent": 53}, layers="all")
+    with pytest.raises(AttnslimError, match=r"asks 3 of 6 layers to share, but only 1 can here .*at most 0.17"):
+        _compress(model, "lisa", {"select": "preset", "percent": 53}, layers="all")  # before: 1 layer, silently
+    _compress(model, "lisa", {}, layers=[4])
     assert sorted(_shared(model)) == [4]
     ids = IDS[:1, :10]
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),

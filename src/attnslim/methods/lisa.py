@@ -64,14 +64,22 @@ def select_layers(
     Lower cost = share first (e.g. the single-layer DS loss increase of `analysis.sensitivity_report`);
     without costs deeper layers go first. Fractions > 0.75 give one contiguous block after the protected
     layers (the paper's LISA(27)); otherwise a run that touches the first 2/3 of the network holds at most 2
-    shared layers (the LISA(21) anchor pattern). Never the first `protect` layers, the last layer, nor those in
-    `skip` (`unshareable_layers`: a donor of another attention type).
+    shared layers (the LISA(21) anchor pattern), a preference: where it leaves the budget unfilled, the cheapest
+    remaining layers fill it, so the count asked is the count shared. Never the first `protect` layers, the last
+    layer, nor those in `skip` (`unshareable_layers`: a donor of another attention type); a budget larger than
+    the layers left is refused with the largest fraction this model can share.
     """
     protect = protected_layers(n_layers) if protect is None else protect
     candidates = [i for i in range(max(1, protect), n_layers - 1) if i not in skip]
-    budget = min(len(candidates), round(fraction * n_layers))
+    budget = round(fraction * n_layers)
     if not 0 < fraction <= 1 or budget < 1:
         raise AttnslimError(f"fraction={fraction} selects no layer of {n_layers}; use 0 < fraction <= 1")
+    if budget > len(candidates):
+        why = f"never the first {max(1, protect)} nor the last" + (
+            f", nor {sorted(skip)} (their donor has another attention type)" if skip else "")
+        raise AttnslimError(f"fraction={fraction:g} asks {budget} of {n_layers} layers to share, but only "
+                            f"{len(candidates)} can here ({why}): use a fraction of at most "
+                            f"{len(candidates) / n_layers:.2f}, or give the layers")
     if fraction > 0.75:
         return candidates[:budget]
     costs = cost or {i: -float(i) for i in candidates}
@@ -80,13 +88,15 @@ def select_layers(
         raise AttnslimError(f"cost has no entry for candidate layers {missing}; give one per layer")
     chosen: set[int] = set()
     boundary = math.ceil(2 * n_layers / 3)
-    for i in sorted(candidates, key=lambda j: (costs[j], -j)):
+    order = sorted(candidates, key=lambda j: (costs[j], -j))
+    for i in order:
         if len(chosen) == budget:
             break
         run = _run_with(chosen, i)
         if min(run) < boundary and len(run) > 2:
             continue
         chosen.add(i)
+    chosen.update([i for i in order if i not in chosen][: budget - len(chosen)])  # the anchor rule left too few
     return sorted(chosen)
 
 
