@@ -22,9 +22,9 @@ Groups (--groups, comma-separated; default all four):
             (zero-shot), the trade-off between the two; the same with values scaled by 1/√L ("V/sqrt(L)",
             value_scale=inv_sqrt_len, notes G8), also on the --choice-cheapest K layers whose lone conversion
             costs least (analysis/conversion.py: last-position KL on calibration windows)
-  speed     one attention layer (smollm2 layer 0 shapes, batch 1, float32) against sequence length: causal SDPA
-            attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the attention
-            core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
+  speed     one attention layer (the first converted layer's shapes, batch 1, float32) against sequence length:
+            causal SDPA attention vs PrincipalKeyAttention at fixed r = --speed-rank (exact SVD, Alg. 1), and the
+            attention core alone (scores + PV over r principal keys vs SDPA over L keys); interleaved medians
 
     .venv/bin/python benchmarks/atp.py                                   # everything (many hours on a 2-core CPU)
     .venv/bin/python benchmarks/atp.py --groups serving --n 4 --context 256 --continuation 64 --name atp-small
@@ -48,6 +48,7 @@ from common import RESULTS, environment
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
+from attnslim.adapters.base import AttentionSpec
 from attnslim.analysis.conversion import calibration_prompts, cheapest_layers, conversion_costs
 from attnslim.analysis.lowrank import format_lowrank, lowrank_report
 from attnslim.analysis.progressive import progressive_recovery
@@ -69,16 +70,19 @@ LOSS_TAGS = {"layer": "layer-match ", "last_kd": "last-position KD ", "kd": "all
 class Store:
     """The results JSON in make_report's schema (eval/dense/variants/notes) plus raw per-group data."""
 
-    def __init__(self, name: str, args: argparse.Namespace) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, serving: bool) -> None:
+        """`serving`: this run measures the serving group, whose stored rows of another setting it replaces (they
+        are not comparable); a run of the other groups keeps them, whatever its serving arguments."""
         self.path = RESULTS / f"{name}.json"
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
         setting = {"context": args.context, "continuation": args.continuation, "n": args.n, "window": args.window}
-        if self.data.get("setting") != setting:  # serving numbers of other settings are not comparable
+        if serving and self.data.get("setting") != setting:
             self.data.update({"dense": {}, "variants": {}, "setting": setting})
+        setting = self.data.setdefault("setting", setting)
         self.data.setdefault("groups", {})
         self.data.update({"model": args.model, "environment": environment(), "eval": {
-            "sources": args.sources, "tokens": args.n * (args.context + args.continuation),
-            "seq_len": args.context + args.continuation,
+            "sources": args.sources, "tokens": setting["n"] * (setting["context"] + setting["continuation"]),
+            "seq_len": setting["context"] + setting["continuation"],
             "descriptions": self.data.get("eval", {}).get("descriptions", {}),
         }})
 
@@ -305,14 +309,15 @@ def standard_attention(module: PrincipalKeyAttention, x: torch.Tensor, cos_sin: 
     return module.merge(out)
 
 
-def time_length(layers: dict[str, PrincipalKeyAttention], rotary: Any, hidden: int, length: int,
+def time_length(layers: dict[str, PrincipalKeyAttention], rotary: Any, spec: AttentionSpec, length: int,
                 args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of each variant at one sequence length, timed interleaved after warm-up."""
     ref, r = layers["exact"], args.speed_rank
     hd, groups = ref.head_dim, ref.n_heads // ref.n_kv_heads
     gen = torch.Generator().manual_seed(length)
-    x = torch.randn(1, length, hidden, generator=gen)
-    cos_sin = _compat.rotary_cos_sin(rotary, x, torch.arange(length)[None], None)
+    x = torch.randn(1, length, spec.hidden_size, generator=gen)
+    layer_type = None if spec.rope is None else spec.rope.layer_type
+    cos_sin = _compat.rotary_cos_sin(rotary, x, torch.arange(length)[None], layer_type)
     q = torch.randn(1, ref.n_heads, length, hd, generator=gen)
     kv = repeat_kv(torch.randn(1, ref.n_kv_heads, length, hd, generator=gen), groups)
     kp, keep = kv[:, :, :r], torch.ones(1, 1, 1, r, dtype=torch.bool)
@@ -335,16 +340,17 @@ def time_length(layers: dict[str, PrincipalKeyAttention], rotary: Any, hidden: i
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def run_speed(store: Store, model: Any, args: argparse.Namespace) -> None:
+def run_speed(store: Store, model: Any, layer: int, args: argparse.Namespace) -> None:
+    """One attention layer at the shapes of decoder layer `layer` (the first one ATP converts) against length."""
     adapter = get_adapter(model)
-    spec = adapter.attention_spec(0)
+    spec = adapter.attention_spec(layer)
     layers = {svd: PrincipalKeyAttention(spec, args.speed_rank, svd) for svd in ("exact", "approx")}  # type: ignore[arg-type]
     rows: dict[str, dict[str, float]] = {}
     for length in args.lengths:
-        rows[str(length)] = time_length(layers, adapter.rotary_embedding(), spec.hidden_size, length, args)
+        rows[str(length)] = time_length(layers, adapter.rotary_embedding(), spec, length, args)
         print(f"[speed] L={length}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rows[str(length)].items()),
               flush=True)
-    store.data["groups"]["speed"] = {"rank": args.speed_rank, "repeats": args.speed_repeats,
+    store.data["groups"]["speed"] = {"rank": args.speed_rank, "repeats": args.speed_repeats, "layer": layer,
                                      "threads": torch.get_num_threads(), "seconds": rows}
     store.save()
 
@@ -403,8 +409,9 @@ def notes(data: dict[str, Any]) -> list[str]:
         sp = groups["speed"]["seconds"]
         lengths = list(sp)
         keys = list(sp[lengths[0]])
-        out += [f"### One attention layer against sequence length (ms, median of {groups['speed']['repeats']}; "
-                f"{groups['speed']['threads']} threads)", "",
+        shapes = f"decoder layer {groups['speed']['layer']}'s shapes; " if "layer" in groups["speed"] else ""
+        out += [f"### One attention layer against sequence length (ms, {shapes}median of "
+                f"{groups['speed']['repeats']}; {groups['speed']['threads']} threads)", "",
                 "| variant | " + " | ".join(f"L={n}" for n in lengths) + f" | growth {lengths[0]}→{lengths[-1]} |",
                 "|---|" + "---|" * (len(lengths) + 1)]
         for key in keys:
@@ -464,7 +471,7 @@ def main() -> None:
     args.choice_cheapest = [int(x) for x in args.choice_cheapest.split(",") if x]
     args.choice_progressive = [int(x) for x in args.choice_progressive.split(",") if x]
     groups = set(args.groups.split(","))
-    store = Store(args.name, args)
+    store = Store(args.name, args, serving="serving" in groups)
     model, tokenizer = load_model(args.model)
     model.to(args.device)  # converted layers follow: adapters put a replacement on the device of the replaced
     adapter = get_adapter(model)
@@ -485,7 +492,7 @@ def main() -> None:
     if "choice" in groups:
         run_choice(store, model, tokenizer, dense, args)
     if "speed" in groups:
-        run_speed(store, install(model, dense, None), args)
+        run_speed(store, install(model, dense, None), min(dense), args)
     store.save()
 
 

@@ -80,6 +80,8 @@ SECTIONS = {
     "nbl-gemma3-small": ("NBL on Gemma-3 270M (small run, 16 calibration windows)", "benchmarks/nbl.py"),
     "nbl-gemma3-bos": ("NBL on Gemma-3 270M (2048 evaluation tokens, 64 calibration windows, every window starting "
                        "with <bos>)", "benchmarks/nbl.py"),
+    "nbl-gemma3-speed": ("NBL on Gemma-3 270M: decode speed against dense, the default criterion's 6 layers",
+                         "benchmarks/nbl.py"),
     "nbl-gemma3": ("NBL on Gemma-3 270M: windows without <bos> (the first measurement, superseded; 2048 evaluation "
                    "tokens, 64 calibration windows)", "benchmarks/nbl.py"),
     "lmeval_check": ("Zero-shot tasks: attnslim vs lm-eval", "benchmarks/lmeval_check.py"),
@@ -182,7 +184,7 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "calib-source-smollm2-135m",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b",
          "nbl", "nbl-calib",
-         "nbl-small", "nbl-gemma3-bos", "nbl-gemma3",
+         "nbl-small", "nbl-gemma3-bos", "nbl-gemma3-speed", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
          "lisa-stability-gemma3-270m", "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "atp", "atp-boolq",
@@ -227,7 +229,7 @@ ARCHIVE = ("latentllm-head",
            "latentllm-ablations",
            # the claims table's Gemma-3 column: it carries the verdicts
            "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3", "plan-gemma3-270m",
-           "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m")
+           "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "nbl-gemma3-speed")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

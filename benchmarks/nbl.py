@@ -25,17 +25,20 @@ go through `compress` (Harness.run). `--check` also runs the default variant at 
     .venv/bin/python benchmarks/nbl.py                                   # the full run (hours on a 2-core CPU)
     .venv/bin/python benchmarks/nbl.py --name nbl-small --tokens 2048 --windows 32 --m 3,6,9,12,15 --seq-m 6,12
     .venv/bin/python benchmarks/nbl.py --model gemma3-270m --name nbl-gemma3    # once its adapter exists
+    .venv/bin/python benchmarks/nbl.py --model gemma3-270m --name nbl-gemma3-speed --groups speed --sources wiki \
+        --tokens 2048 --speed-m 6 --selection-from nbl-gemma3-bos --repeats 5   # decode speed on Gemma-3's choice
     .venv/bin/python benchmarks/make_report.py                           # regenerates BENCHMARKS.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
 import torch
-from common import Harness, calibration
+from common import RESULTS, Harness, calibration
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved
@@ -145,34 +148,45 @@ def run_shared(h: Harness, shared: SharedFits, key: str, cal: dict[str, Any], ar
     h.record(key, result, dense, note=f"layers {plan['chosen']}")
 
 
-def chosen_layers(h: Harness, key: str) -> list[int] | None:
-    variant = h.data["variants"].get(key)
+def chosen_layers(h: Harness, key: str, variants: dict[str, Any] | None = None) -> list[int] | None:
+    """The layers variant `key` linearized, from `variants` (another run's) or this run's results."""
+    variant = (h.data["variants"] if variants is None else variants).get(key)
     return None if variant is None else list(variant["plans"][0]["plan"]["chosen"])
 
 
-def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repeats: int) -> None:
-    """Dense and NBL with m linearized layers, interleaved in one run (ratios to dense)."""
+def speed(h: Harness, ms: list[int], contexts: list[int], new_tokens: int, repeats: int,
+          selection: dict[str, Any] | None = None) -> None:
+    """Dense and NBL with m linearized layers, interleaved in one run (ratios to dense). The layers are those the
+    default criterion chose at m in this run's results, or in `selection` (another results file's variants); the
+    last m layers where neither has that m (recorded in the results' "layers" with where they came from)."""
     models: dict[str, Any] = {}
     dense, _ = load_model(h.model_name)
     models["dense"] = dense.eval()
     n_layers = get_adapter(dense).num_layers()
+    picked: dict[str, dict[str, Any]] = {}
     for m in ms:
         model, _ = load_model(h.model_name)
         adapter = get_adapter(model)
-        layers = chosen_layers(h, f"nbl-{DEFAULT_CRITERION}-m{m}") or list(range(n_layers - m, n_layers))
+        key = f"nbl-{DEFAULT_CRITERION}-m{m}"
+        chosen = chosen_layers(h, key, selection)
+        layers = chosen or list(range(n_layers - m, n_layers))
+        picked[f"nbl-m{m}"] = {"layers": layers, "from": key if chosen else "the last m layers (no selection)"}
         for i in layers:
             Nbl(m=m).skeleton(adapter, i, NblEntry("normed"))
         models[f"nbl-m{m}"] = model.eval()
     result = interleaved(models, contexts, new_tokens=new_tokens, repeats=repeats)
+    result["layers"] = picked
     # the decode ratio a pure FLOP count predicts: linearizing removes q/k/v/o and the core, not the MLP or LM head
     flops = {n: {str(c): flops_per_token(mdl, c)["total"] for c in contexts} for n, mdl in models.items()}
     result["flop_ratio"] = {n: {c: flops["dense"][c] / f for c, f in fl.items()} for n, fl in flops.items()}
     h.data["speed"] = result
-    lines = ["Decode speed (greedy, HF DynamicCache, float32, 1 thread; medians of interleaved repetitions, ratio to "
-             f"dense; target decode ratio ≥ 0.9/(1 − m/{n_layers})). \"FLOP model\" = dense FLOPs per token ÷ the "
-             "model's (attnslim.bench.flops): the speed-up if time followed FLOPs. The target assumes whole layers "
-             "vanish; a linearized layer keeps its MLP (3x its attention weights) and the LM head stays, so the FLOP "
-             "model stays far below it:", "",
+    threads = torch.get_num_threads()
+    lines = [f"Decode speed (greedy, HF DynamicCache, float32, {threads} thread{'s' * (threads > 1)}; medians of "
+             f"interleaved repetitions, ratio to dense; target decode ratio ≥ 0.9/(1 − m/{n_layers})). "
+             "\"FLOP model\" = dense FLOPs per token ÷ the model's (attnslim.bench.flops): the speed-up if time "
+             "followed FLOPs. The target assumes whole layers vanish; a linearized layer keeps its MLP (3x its "
+             "attention weights) and the LM head stays, so the FLOP model stays far below it (linearized layers: "
+             + "; ".join(f"{k} {v['layers']} ({v['from']})" for k, v in picked.items()) + "):", "",
              "| model | " + " | ".join(f"decode tok/s @{c} (×dense) | FLOP model @{c} | prefill ms @{c} (×dense)"
                                     for c in contexts) + " |", "|---|" + "---|---|---|" * len(contexts)]
     for name, rows in result["models"].items():
@@ -205,6 +219,8 @@ def main() -> None:
     parser.add_argument("--ridges", default="1e-4,1e-2", help="ridge group: ridges relative to mean eig(C_XX)")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--speed-m", default="6,12")
+    parser.add_argument("--selection-from", default="", help="speed: the results file (stem) whose default-criterion "
+                        "rows give the linearized layers (default: this run's)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -268,7 +284,9 @@ def main() -> None:
                 run(f"{default}-m{m}-ridge{ridge:g}", nbl({"m": m, "ridge": ridge}))
     if "speed" in groups:
         contexts = [int(c) for c in args.contexts.split(",")]
-        speed(h, [int(m) for m in args.speed_m.split(",")], contexts, args.new_tokens, args.repeats)
+        selection = (json.loads((RESULTS / f"{args.selection_from}.json").read_text())["variants"]
+                     if args.selection_from else None)
+        speed(h, [int(m) for m in args.speed_m.split(",")], contexts, args.new_tokens, args.repeats, selection)
 
 
 if __name__ == "__main__":

@@ -110,9 +110,10 @@ def plan_section(data: dict[str, Any]) -> list[str]:
     cpu = RESULTS / f"{CPU_FILE}.json"
     if cpu.is_file():
         other = json.loads(cpu.read_text())
-        out += [f"The budgets the GPU run did not reach, on this project's 2-core CPU (`python "
-                f"{other['environment']['command']}` → `benchmarks/results/{CPU_FILE}.json`; plan s is the "
-                "planner's wall time there, the CPU target):", "", *_rows(other), "", *verdicts(other), ""]
+        out += [f"On this project's 2-core CPU, the budgets the GPU run did not reach and KV 0.5 again for the "
+                f"planner's time there (last run: `python {other['environment']['command']}` → "
+                f"`benchmarks/results/{CPU_FILE}.json`, each row's command in the file; plan s is the planner's wall "
+                "time on this CPU, the issue's 15-minute target):", "", *_rows(other), "", *verdicts(other), ""]
     local = RESULTS / f"{LOCAL_FILE}.json"
     if local.is_file():
         fitted = json.loads(local.read_text())

@@ -82,3 +82,28 @@ def test_harness_row_keeps_the_head_record(monkeypatch: pytest.MonkeyPatch, tmp_
     row = h.run("head", {"name": "head", "calibration": cal, "steps": steps, "head": {"ratio": 0.5, "untie": True}})
     assert row["head"]["plan"]["tied"] is True and row["head"]["ratio"] == 0.5
     assert "head" not in h.run("plain", {"name": "plain", "calibration": cal, "steps": steps})
+
+
+def test_atp_results_keep_their_serving_rows_when_another_group_runs(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/atp.py's Store replaced the stored serving rows whenever the run's serving arguments differed from
+    theirs, even in a run that measures no serving (a `--groups speed` run with the default --n 8 would have erased
+    atp-gemma3.json's n=4 rows). Only a serving run replaces them now."""
+    import argparse
+    import json
+
+    monkeypatch.syspath_prepend(str(COMMON.parent))
+    spec = importlib.util.spec_from_file_location("benchmarks_atp", COMMON.parent / "atp.py")
+    assert spec is not None and spec.loader is not None
+    atp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(atp)
+    monkeypatch.setattr(atp, "RESULTS", tmp_path)
+    stored = {"setting": {"context": 1024, "continuation": 256, "n": 4, "window": 32},
+              "dense": {"ppl": {"wiki": 7.0}}, "variants": {"hybrid r=1/4": {"ppl_ratio": {"wiki": 1.09}}}}
+    (tmp_path / "atp-x.json").write_text(json.dumps(stored))
+    args = argparse.Namespace(context=1024, continuation=256, n=8, window=32, sources=["wiki"], model="m")
+    kept = atp.Store("atp-x", args, serving=False)
+    assert kept.data["variants"] == stored["variants"] and kept.data["setting"]["n"] == 4
+    assert kept.data["eval"]["tokens"] == 4 * (1024 + 256)  # the stored rows' evaluation, not the arguments'
+    fresh = atp.Store("atp-x", args, serving=True)
+    assert fresh.data["variants"] == {} and fresh.data["setting"]["n"] == 8
