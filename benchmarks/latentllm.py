@@ -107,6 +107,9 @@ def whole_variants(shapes: dict[str, tuple[int, int]], n_layers: int, total: int
                                                                "mlp": "joint_ud", "kv_ratio": 0.5})]
         out[f"latentllm-localmlp-total-{p}"] = [step("latentllm", {"ratio": None, "total_ratio": ratio,
                                                                    "mlp": "local"})]
+        # joint UD against local at the paper's convention: on Gemma-3 the embeddings are 63% of the parameters,
+        # so a total ratio cuts the linears far deeper than the paper's tables do
+        out[f"latentllm-localmlp-linears-{p}"] = [step("latentllm", {"ratio": ratio, "mlp": "local"})]
         kappa = kappa_for_total([shapes] * n_layers, total, ratio, "left")  # the same total with dense factors
         out[f"svdllm-total-{p}"] = [step("svdllm", {"ratio": round(kappa, 6), "linears": ALL_LINEARS})]
     return out
