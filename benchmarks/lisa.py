@@ -37,6 +37,7 @@ from attnslim.analysis.similarity import (
 )
 from attnslim.api import compress
 from attnslim.bench import interleaved
+from attnslim.errors import AttnslimError
 from attnslim.methods.lisa import select_layers, unshareable_layers
 from attnslim.models import load_model
 from attnslim.recipe import recipe_from_dict
@@ -178,12 +179,18 @@ def main() -> None:
         args.steps, args.tokens, args.fractions, args.sim_windows, args.sens_windows = 50, 2048, "0.5", 2, 1
         args.ablation_fraction, args.new_tokens, args.repeats = 0.0, 16, 2
     bench = LisaBench(args)
-    cost = bench.analyses()
     adapter = get_adapter(bench.dense)
     n_layers, skip = adapter.num_layers(), unshareable_layers(adapter)
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    for frac in [*fractions, *([args.ablation_fraction] if args.ablation_fraction else [])]:
+        try:  # a fraction this model cannot share stops here, before the analyses' minutes
+            select_layers(n_layers, frac, skip=skip)
+        except AttnslimError as err:
+            raise SystemExit(f"--fractions/--ablation-fraction: {err}") from err
+    cost = bench.analyses()
     only = {k for k in args.only.split(",") if k}
     jobs: list[tuple[str, str, list[int], dict[str, Any], bool]] = []
-    for frac in (float(f) for f in args.fractions.split(",") if f):
+    for frac in fractions:
         layers = select_layers(n_layers, frac, cost, skip=skip)
         pct = round(100 * frac)
         jobs += [(f"ds-{pct}", "ds", layers, {}, False), (f"lisa-{pct}", "lisa", layers, {}, True)]
