@@ -17,6 +17,8 @@ from report_accuracy import paired_difference
 TITLE = "Evidence at 1.5B: Qwen2.5-Coder-1.5B-Instruct against dense, perplexity and the standard suite"
 GPU_TITLE = "Evidence at 1.5B on a GPU: the standard suite"
 CPU_STEM, GPU_STEM = "scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200"
+# row prefix -> its baseline's prefix (the same suffix: KV point, layer count or size)
+RIVALS = {"mla-kv": "transmla-kv", "nbl-": "drop-", "latentllm-attn-": "svdllm-attn-"}
 
 
 def _avg(row: dict[str, Any]) -> str:
@@ -33,9 +35,8 @@ def _diff(row: dict[str, Any], ref: dict[str, Any]) -> str:
 
 def _verdicts(dense: dict[str, Any], rows: dict[str, dict[str, Any]], sources: list[str]) -> list[str]:
     out = []
-    for key, row in rows.items():  # each method against its baseline row: mla / transmla, nbl / drop (same layers)
-        rival = ("transmla-" + key[4:] if key.startswith("mla-kv") else "drop-" + key[4:] if key.startswith("nbl-")
-                 else "")
+    for key, row in rows.items():  # each method against its baseline row (RIVALS)
+        rival = next((r + key[len(m):] for m, r in RIVALS.items() if key.startswith(m)), "")
         base = rows.get(rival)
         if base is None or "heal" in key:
             continue

@@ -14,7 +14,8 @@ Rows (ROWS, run in that order, each skipped when already measured with the same 
   the refit's token rule asks 73 windows of 512 at hidden size 1536 (methods/output_fits.py), nine times this
   harness's calibration, so every row here shares one smaller calibration (`--windows`, default 8).
 - `nbl` and `drop` of 6 and 12 layers (recipes/nbl.yaml's and recipes/drop.yaml's criterion: similarity), and
-  `latentllm` at 80% of the attention parameters (recipes/latentllm.yaml).
+  `latentllm` at 80% of the attention parameters (recipes/latentllm.yaml) beside its baseline at the same size,
+  SVD-LLM on q/k/v/o (recipes/svdllm.yaml).
 - `--heal`: `mla-kv0.5-heal40`, the KV 0.5 row followed by the standard heal (recipes/default.yaml's heal);
   opt-in because on 2 CPU cores one step of a 1.5B model takes minutes.
 
@@ -70,6 +71,7 @@ def rows(windows: int) -> dict[str, dict[str, Any]]:
         out[f"nbl-{m}"] = recipe(f"nbl-{m}", ("nbl", {**nbl[1], "m": m}))
         out[f"drop-{m}"] = recipe(f"drop-{m}", ("drop", {**drop[1], "count": m}))
     out["latentllm-attn-80"] = recipe("latentllm-attn-80", packaged("latentllm"))
+    out["svdllm-attn-80"] = recipe("svdllm-attn-80", packaged("svdllm"))
     out["mla-kv0.5-heal40"] = recipe("mla-kv0.5-heal40", ("mla", {**mla[1], "kv_ratio": 0.5}),
                                      load_recipe("default").heal)
     return out

@@ -26,11 +26,14 @@ def test_rows_are_the_issues_variants_on_one_calibration() -> None:
                                                           "args": {"kv_ratio": kv}}
     assert rows["nbl-12"]["steps"][0]["args"]["m"] == 12 and rows["drop-12"]["steps"][0]["args"]["count"] == 12
     assert rows["mla-kv0.5-heal40"]["heal"] == load_recipe("default").heal  # the standard heal, not a copy
+    # latentllm beside its baseline at the same kept attention size
+    assert rows["svdllm-attn-80"]["steps"][0]["args"]["ratio"] == rows["latentllm-attn-80"]["steps"][0]["args"]["ratio"]
     assert {r["calibration"]["windows"] for r in rows.values()} == {8}
     for key, row in rows.items():
         recipe = recipe_from_dict(row)
         common.resolved_fingerprint(recipe)  # every method accepts its arguments
-        packaged = {"mla": "mla", "nbl": "nbl", "drop": "drop", "latentllm": "latentllm"}.get(recipe.steps[0].method)
+        packaged = {"mla": "mla", "nbl": "nbl", "drop": "drop", "latentllm": "latentllm",
+                    "svdllm": "svdllm"}.get(recipe.steps[0].method)
         if packaged:  # the packaged recipe's arguments, but the budget
             args = dict(load_recipe(packaged).steps[0].args)
             for budget in ("kv_ratio", "m", "count"):
@@ -63,8 +66,10 @@ def test_section_states_the_verdicts_the_rows_support() -> None:
                                                                     "standard_limit": 4},
             "eval": {"sources": ["wiki", "ptb", "c4"], "tokens": 2048},
             "dense": _row(10.0, [1, 1, 0, 1], kv=160),
-            "variants": {"mla-kv0.625": _row(10.5, [1, 1, 0, 1]), "transmla-kv0.625": _row(12.0, [1, 0, 0, 0])}}
+            "variants": {"mla-kv0.625": _row(10.5, [1, 1, 0, 1]), "transmla-kv0.625": _row(12.0, [1, 0, 0, 0]),
+                         "latentllm-attn-80": _row(11.0, [1, 1, 0, 1]), "svdllm-attn-80": _row(10.8, [1, 1, 0, 0])}}
     text = "\n".join(report_scale_real.scale_real_section(data))
+    assert "latentllm-attn-80 beats svdllm-attn-80 on 0 of 3 sources; average accuracy +25.0" in text
     assert "mla-kv0.625 beats transmla-kv0.625 on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
     assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
     assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
