@@ -71,6 +71,16 @@ SECTIONS = {
                                   "benchmarks/lisa_aligner.py"),
     "lisa-aligner-smollm2-135m-250steps": ("LISA #19 with a 250-step budget", "benchmarks/lisa_aligner.py"),
     "lisa-aligner-gemma3-270m": ("LISA #19 on Gemma-3 270M", "benchmarks/lisa_aligner.py"),
+    "lisa-gemma3": ("LISA on Gemma-3 270M: the analyses, LISA and DS, the ablation", "benchmarks/lisa.py"),
+    "lisa-stability-gemma3-270m": ("LISA #15 on Gemma-3 270M: the adjacent-layer JS profile on easy and hard text",
+                                   "benchmarks/lisa_stability.py"),
+    "atp-gemma3": ("ATP on Gemma-3 270M", "benchmarks/atp.py"),
+    "lisa-qwen2.5-1.5b": ("LISA's analyses on the 1.5B model: layer similarity and sharing sensitivity (no trained "
+                          "variant)", "benchmarks/lisa.py"),
+    "lisa-stability-qwen2.5-1.5b": ("LISA #15 on the 1.5B model: the adjacent-layer JS profile on easy and hard text",
+                                    "benchmarks/lisa_stability.py"),
+    "atp-qwen2.5-1.5b": ("ATP on the 1.5B model: low-rankness of layer inputs, and one layer's speed at its shapes",
+                         "benchmarks/atp.py"),
     "lisa-beta-gemma3-270m": ("LISA #20 on Gemma-3 270M: score distillation (beta 0.25) against LM loss only",
                               "benchmarks/lisa_beta.py"),
     "lisa-beta-smollm2-135m": ("LISA #20: score distillation (beta 0.25) against LM loss only (beta 0)",
@@ -188,7 +198,8 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
          "lisa-stability-gemma3-270m", "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "atp", "atp-boolq",
-         "atp-recovery", "atp-gemma3", "lmeval_check")
+         "atp-recovery", "atp-gemma3", "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b",
+         "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
@@ -229,7 +240,9 @@ ARCHIVE = ("latentllm-head",
            "latentllm-ablations",
            # the claims table's Gemma-3 column: it carries the verdicts
            "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3", "plan-gemma3-270m",
-           "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "nbl-gemma3-speed")
+           "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "nbl-gemma3-speed",
+           # the claims table's 1.5B column (analyses only): it carries the verdicts
+           "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

@@ -17,6 +17,8 @@ additive estimate against the measured whole-plan KL, plan seconds).
 
 `--heal 0.25`: at those budgets the plan and uniform `mla` also get the standard heal (recipes/default.yaml's:
 40 steps of logit distillation on wiki + c4 + TinyStories), rows `plan-kvF-heal40` and `mla-kvF-heal40`.
+`--norefit-heal 0.5`: the same heal after converting without the output refit (the plan's mla steps without refit_o;
+uniform mla as recipes/default.yaml converts), rows `plan-kvF-norefit-heal40` and `mla-kvF-norefit-heal40`.
 `--local 0.25`: at those budgets, the strongest single-method MLA recipe (recipes/mla-kv25.yaml: global ranks,
 o_proj refit, 96 local-fit steps per layer) at that kv_ratio beside the plan given the same local fit on its mla
 layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains each layer alone towards the dense
@@ -53,6 +55,7 @@ from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
 STANDARD_HEAL = load_recipe("default").heal  # the demo recipe's heal
 LOCAL = load_recipe("mla-kv25")  # the strongest single-method MLA recipe: its conversion args and its heal
 LOCAL_ARGS = {k: v for k, v in LOCAL.steps[0].args.items() if k != "kv_ratio"}  # alloc, refit_o, local_steps
+DEFAULT_ARGS = {k: v for k, v in load_recipe("default").steps[0].args.items() if k != "kv_ratio"}  # no refit_o
 
 
 def shape(model_name: str) -> tuple[int, float]:
@@ -72,12 +75,21 @@ def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[s
     removed = math.ceil((1.0 - kv) * layers / (1.0 - marker) - 1e-9)  # (L - m + m·marker) / L <= kv
     args: dict[str, Any] = {
         "mla": {"kv_ratio": kv, "refit_o": True}, "transmla": {"kv_ratio": kv},
-        "mla-local": {"kv_ratio": kv, **LOCAL_ARGS},
+        "mla-local": {"kv_ratio": kv, **LOCAL_ARGS}, "mla-norefit": {"kv_ratio": kv, **DEFAULT_ARGS},
         "nbl": {"m": removed, "criterion": "similarity"}, "drop": {"count": removed, "select": "similarity"},
     }[method]
     base, _, suffix = method.partition("-")
     return {"name": f"{base}-kv{kv:g}{'-' + suffix if suffix else ''}", "calibration": calibration(),
             "steps": [{"method": base, "layers": "all", "args": args}]}
+
+
+def without_refit(recipe: dict[str, Any]) -> dict[str, Any]:
+    """`recipe` with no output refit on its mla steps (widths kept), as recipes/default.yaml converts before its heal:
+    on SmolLM2 at KV 0.5 the refit's one-shot gain turns into a loss after the heal (mla.json, mla-kv50-heal40 rows
+    with and without refit)."""
+    steps = [{**s, "args": {k: v for k, v in s["args"].items() if k != "refit_o"}} if s["method"] == "mla" else s
+             for s in recipe["steps"]]
+    return {**recipe, "name": f"{recipe['name']}-norefit", "steps": steps}
 
 
 def with_local(recipe: dict[str, Any]) -> dict[str, Any]:
@@ -140,12 +152,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="--speed: interleaved repetitions")
     p.add_argument("--plans-from", default="", help="results file stem whose plan-kvF recipes to use (no planning)")
     p.add_argument("--local", default="", help="budgets with the local-fit rows (recipes/mla-kv25.yaml's fit)")
+    p.add_argument("--norefit-heal", default="", help="budgets whose plan (its mla steps without refit_o) and "
+                   "recipes/default.yaml's mla conversion also get the standard heal: rows -norefit-heal40")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
                    "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
     harness = Harness(args.name or f"plan-{args.model}", args.model, tuple(args.sources.split(",")), args.tokens)
     healed = {float(b) for b in args.heal.split(",") if b}
     local = {float(b) for b in args.local.split(",") if b}
+    norefit = {float(b) for b in args.norefit_heal.split(",") if b}
     budgets = [float(b) for b in args.budgets.split(",")]
     layers, marker = shape(args.model)
     if args.baselines_only:
@@ -171,6 +186,9 @@ def main() -> None:
         if kv in healed:
             harness.run(f"plan-kv{kv:g}-heal40", {**recipe, "heal": STANDARD_HEAL}, summary)
             harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv, layers), "heal": STANDARD_HEAL})
+        if kv in norefit:
+            harness.run(f"plan-kv{kv:g}-norefit-heal40", {**without_refit(recipe), "heal": STANDARD_HEAL}, summary)
+            harness.run(f"mla-kv{kv:g}-norefit-heal40", {**baseline("mla-norefit", kv, layers), "heal": STANDARD_HEAL})
         if kv in local:
             for key, row in ((f"mla-kv{kv:g}-local", baseline("mla-local", kv, layers)),
                              (f"plan-kv{kv:g}-local", with_local(recipe))):

@@ -51,14 +51,22 @@ def _rows(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _method(key: str) -> str:
+    """A single-method row's method as the verdicts name it: 'mla', 'mla no refit', 'nbl', ..."""
+    return key.split("-")[0] + (" no refit" if "norefit" in key else "")
+
+
 def _single(key: str) -> bool:
     return not key.startswith("plan")
 
 
 TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
          "-local-heal40-all": "local fit, then heal of every parameter",
-         "-local-planned": "local fit, planned with it (plan --local-steps)"}
-RIVAL_TAIL = {"-local-planned": "-local"}  # a plan measured with the fit meets the uniformly fitted rows
+         "-local-planned": "local fit, planned with it (plan --local-steps)",
+         "-norefit-heal40": "standard, mla converted without the output refit"}
+# a plan measured with the fit meets the uniformly fitted rows; a healed plan meets every healed row (rows ending in
+# -heal40: with and without the refit), whichever way it was converted
+RIVAL_TAIL = {"-local-planned": "-local", "-norefit-heal40": "-heal40"}
 
 
 def verdicts(data: dict[str, Any]) -> list[str]:
@@ -79,7 +87,7 @@ def verdicts(data: dict[str, Any]) -> list[str]:
         best = {s: min(rivals, key=lambda k: rivals[k]["ppl_ratio"][s]) for s in SOURCES}
         wins = [s for s in SOURCES if plan[s] < rivals[best[s]]["ppl_ratio"][s]]
         ours = " / ".join(f"{plan[s]:.3f}" for s in SOURCES)
-        theirs = " / ".join(f"{rivals[best[s]]['ppl_ratio'][s]:.3f} ({best[s].split('-')[0]})" for s in SOURCES)
+        theirs = " / ".join(f"{rivals[best[s]]['ppl_ratio'][s]:.3f} ({_method(best[s])})" for s in SOURCES)
         out.append(f"| {_budget(key):g} | {TAILS.get(tail, tail)} | {ours} | {theirs} | "
                    f"{', '.join(wins) or 'none'} |")
     return out
@@ -150,7 +158,7 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
     for data in files:
         dense = data["dense"]["kv_bytes_per_token"]
         for key, v in data["variants"].items():
-            if "local" in key:
+            if "local" in key or "norefit" in key:  # one point per method and budget: the plan as planned
                 continue
             name = key.split("-")[0] + (" + heal" if "heal" in key else "")
             out.setdefault(name, []).append((v["kv_bytes_per_token"] / dense, v["ppl_ratio"]["wiki"]))

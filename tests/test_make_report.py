@@ -119,17 +119,23 @@ def test_plan_verdict_compares_with_the_best_single_method_of_the_same_budget_an
                          "nbl-kv0.5": row(1.15, 2.0, 1.25), "plan-kv0.5-heal40": row(1.05, 1.2, 1.2),
                          "mla-kv0.5-heal40": row(1.0, 1.3, 1.3), "mla-kv0.25": row(0.5, 0.5, 0.5),
                          "plan-kv0.5-local": row(1.08, 1.3, 1.2), "mla-kv0.5-local": row(1.09, 1.2, 1.3),
-                         "plan-kv0.5-local-planned": row(1.07, 1.25, 1.35)}}
+                         "plan-kv0.5-local-planned": row(1.07, 1.25, 1.35),
+                         "plan-kv0.5-norefit-heal40": row(1.02, 1.25, 1.15),
+                         "mla-kv0.5-norefit-heal40": row(1.03, 1.1, 1.25)}}
     lines = verdicts(data)
     assert lines[2] == "| 0.5 | – | 1.100 / 1.400 / 1.300 | 1.150 (nbl) / 1.300 (mla) / 1.250 (nbl) | wiki |"
-    assert lines[3] == "| 0.5 | standard | 1.050 / 1.200 / 1.200 | 1.000 (mla) / 1.300 (mla) / 1.300 (mla) | ptb, c4 |"
+    # a healed plan meets every healed single-method row, converted with the refit or without (recipes/default.yaml)
+    assert lines[3] == ("| 0.5 | standard | 1.050 / 1.200 / 1.200 | 1.000 (mla) / 1.100 (mla no refit) / "
+                        "1.250 (mla no refit) | c4 |")
+    assert lines[4] == ("| 0.5 | standard, mla converted without the output refit | 1.020 / 1.250 / 1.150 | "
+                        "1.000 (mla) / 1.100 (mla no refit) / 1.250 (mla no refit) | c4 |")
     # a locally fitted plan meets only the locally fitted single-method rows, and they only it
-    assert lines[4] == ("| 0.5 | local fit (one-shot) | 1.080 / 1.300 / 1.200 | 1.090 (mla) / 1.200 (mla) / "
+    assert lines[5] == ("| 0.5 | local fit (one-shot) | 1.080 / 1.300 / 1.200 | 1.090 (mla) / 1.200 (mla) / "
                         "1.300 (mla) | wiki, c4 |")
     # a plan measured with the fit (plan --local-steps) meets the same locally fitted rows
-    assert lines[5] == ("| 0.5 | local fit, planned with it (plan --local-steps) | 1.070 / 1.250 / 1.350 | 1.090 (mla) "
+    assert lines[6] == ("| 0.5 | local fit, planned with it (plan --local-steps) | 1.070 / 1.250 / 1.350 | 1.090 (mla) "
                         "/ 1.200 (mla) / 1.300 (mla) | wiki |")
-    assert len(lines) == 6  # another budget's rows are never the rival
+    assert len(lines) == 7  # another budget's rows are never the rival
 
 
 def _claims(rule: list[object], **extra: object) -> list[object]:
