@@ -84,9 +84,9 @@ def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[s
 
 
 def without_refit(recipe: dict[str, Any]) -> dict[str, Any]:
-    """`recipe` with no output refit on its mla steps (widths kept), as recipes/default.yaml converts before its heal:
-    on SmolLM2 at KV 0.5 the refit's one-shot gain turns into a loss after the heal (mla.json, mla-kv50-heal40 rows
-    with and without refit)."""
+    """`recipe` with no output refit on its mla steps (widths kept), as recipes/default.yaml converts before its heal.
+    The question it answers: uniform mla at KV 0.5 heals further without the refit (mla.json's mla-kv50-heal40 rows);
+    does a plan too? (BENCHMARKS.md, "Planning under a budget", rows -norefit-heal40.)"""
     steps = [{**s, "args": {k: v for k, v in s["args"].items() if k != "refit_o"}} if s["method"] == "mla" else s
              for s in recipe["steps"]]
     return {**recipe, "name": f"{recipe['name']}-norefit", "steps": steps}
