@@ -6,6 +6,9 @@ K-cache bytes per token and decode speed against the dense model in the same run
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --small --out /tmp/lisa_small.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --model gemma3-270m --out benchmarks/results/lisa-gemma3.json\
         --tokens 4096 --steps 100 --fractions 0.5 --ablation-fraction 0.5   # the claims' Gemma-3 cells
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lisa.py --model qwen2.5-1.5b \
+        --out benchmarks/results/lisa-qwen2.5-1.5b.json --tokens 2048 --fractions "" --ablation-fraction 0 \
+        --sens-windows 1   # the analyses only (no fraction: no variant), the claims' 1.5B cells
     .venv/bin/python benchmarks/make_report.py                            # regenerates BENCHMARKS.md
 
 Layers: `select_layers(L, fraction, cost)` with cost = single-layer DS loss increase of the sensitivity sweep (never
