@@ -11,6 +11,7 @@ loaded on CPU, then moved there; every result records its device). Default: the 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -161,10 +162,21 @@ class Harness:
         return result
 
     def save(self) -> None:
+        """Write the results file, keeping the rows another process recorded in it since this one read it: two
+        benchmarks writing one file (e.g. two budgets of plan.py) would otherwise each replace the other's rows
+        with their own copy. A lock on the results folder orders the writers; a row this process measured wins."""
         RESULTS.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=float))
-        tmp.replace(self.path)
+        folder = os.open(RESULTS, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            if self.path.exists():
+                for key, row in json.loads(self.path.read_text()).get("variants", {}).items():
+                    self.data["variants"].setdefault(key, row)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, default=float))
+            tmp.replace(self.path)
+        finally:
+            os.close(folder)  # releases the lock
 
 
 def calibration(windows: int = 32, seq_len: int = 512, source: str = "wiki") -> dict[str, Any]:

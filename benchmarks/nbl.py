@@ -27,6 +27,9 @@ go through `compress` (Harness.run). `--check` also runs the default variant at 
     .venv/bin/python benchmarks/nbl.py --model gemma3-270m --name nbl-gemma3    # once its adapter exists
     .venv/bin/python benchmarks/nbl.py --model gemma3-270m --name nbl-gemma3-speed --groups speed --sources wiki \
         --tokens 2048 --speed-m 6 --selection-from nbl-gemma3-bos --repeats 5   # decode speed on Gemma-3's choice
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/nbl.py --model qwen2.5-1.5b --name nbl-qwen2.5-1.5b --groups sweep \
+        --m 6,12 --only nbl-paper-m6,nbl-random-m6,drop-paper-layers-m6,nbl-paper-m12,nbl-random-m12 --sources wiki \
+        --tokens 4096 --windows 8                                        # the claims table's 1.5B cells
     .venv/bin/python benchmarks/make_report.py                           # regenerates BENCHMARKS.md
 """
 

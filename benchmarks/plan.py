@@ -25,6 +25,9 @@ layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains e
 attention on calibration text); where `--heal` names the budget too, also after mla-kv25's heal (40 steps of every
 parameter at lr 3e-4): rows `-heal40-all`. `--plans-from STEM` takes the plans an earlier run recorded in
 benchmarks/results/STEM.json instead of planning again (e.g. a GPU run's plans, compressed and scored here).
+`--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
+instead of wiki (the heal's own text is unchanged); rows end in `-calibSOURCE`, the report sets them against the
+rows calibrated on wiki. The question: wiki-only costs win the plan wiki and lose it ptb; does broader text?
 `--speed 512,4096`: decode and prefill speed of each budget's plan and uniform mla against dense, interleaved
 (benchmarks/mla.py's speed group), into its own results file (`--name`):
 
@@ -68,8 +71,8 @@ def shape(model_name: str) -> tuple[int, float]:
     return adapter.num_layers(), drop / keep
 
 
-def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[str, Any]:
-    """A single-method row at `kv` for a model of `layers` layers (`marker`: see `shape`).
+def baseline(method: str, kv: float, layers: int, marker: float = 0.0, source: str = "wiki") -> dict[str, Any]:
+    """A single-method row at `kv` for a model of `layers` layers (`marker`: see `shape`), calibrated on `source`.
     mla: with refit_o (recipes/mla-oneshot.yaml's one-shot fit); nbl/drop: the fewest layers whose removed KV
     brings the cache to at most `kv` (similarity-selected, as the packaged recipes)."""
     removed = math.ceil((1.0 - kv) * layers / (1.0 - marker) - 1e-9)  # (L - m + m·marker) / L <= kv
@@ -79,7 +82,7 @@ def baseline(method: str, kv: float, layers: int, marker: float = 0.0) -> dict[s
         "nbl": {"m": removed, "criterion": "similarity"}, "drop": {"count": removed, "select": "similarity"},
     }[method]
     base, _, suffix = method.partition("-")
-    return {"name": f"{base}-kv{kv:g}{'-' + suffix if suffix else ''}", "calibration": calibration(),
+    return {"name": f"{base}-kv{kv:g}{'-' + suffix if suffix else ''}", "calibration": calibration(source=source),
             "steps": [{"method": base, "layers": "all", "args": args}]}
 
 
@@ -107,7 +110,8 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
     mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
     cfg = PlanConfig(kv=min(budgets), kinds=tuple(args.candidates.split(",")),
                      ladder=tuple(float(f) for f in args.ladder.split(",")), score_windows=args.score_windows,
-                     refine_windows=args.score_windows, rounds=args.rounds, calibration=Calibration(**calibration()),
+                     refine_windows=args.score_windows, rounds=args.rounds,
+                     calibration=Calibration(**calibration(source=args.calib_source)),
                      mla_args=mla_args)
     prepared = prepare(model, tokenizer, cfg)
     for kv in budgets:
@@ -123,13 +127,15 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
         yield kv, recipe_to_dict(result.recipe), summary
 
 
-def _stored_plans(stem: str, budgets: list[float]) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
-    """The plans an earlier run recorded in benchmarks/results/STEM.json (rows plan-kvF): (kv, recipe, summary)."""
+def _stored_plans(stem: str, budgets: list[float], cal: str = ""
+                  ) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
+    """The plans an earlier run recorded in benchmarks/results/STEM.json (rows plan-kvF, or plan-kvF-calibSOURCE
+    for `cal`): (kv, recipe, summary)."""
     variants = json.loads((RESULTS / f"{stem}.json").read_text())["variants"]
     for kv in budgets:
-        row = variants.get(f"plan-kv{kv:g}")
+        row = variants.get(f"plan-kv{kv:g}{cal}")
         if row is None:
-            raise SystemExit(f"{stem}.json has no row plan-kv{kv:g}: plan it first (plan.py --budgets {kv:g})")
+            raise SystemExit(f"{stem}.json has no row plan-kv{kv:g}{cal}: plan it first (plan.py --budgets {kv:g})")
         yield kv, row["recipe"], {k: v for k, v in row.items() if k.startswith("plan_")}
 
 
@@ -154,6 +160,8 @@ def main() -> None:
     p.add_argument("--local", default="", help="budgets with the local-fit rows (recipes/mla-kv25.yaml's fit)")
     p.add_argument("--norefit-heal", default="", help="budgets whose plan (its mla steps without refit_o) and "
                    "recipes/default.yaml's mla conversion also get the standard heal: rows -norefit-heal40")
+    p.add_argument("--calib-source", default="wiki", help="the plan's and the baselines' calibration text (the "
+                   "planner's costs and every fit); other than wiki, rows end in -calibSOURCE")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
                    "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
@@ -163,12 +171,14 @@ def main() -> None:
     norefit = {float(b) for b in args.norefit_heal.split(",") if b}
     budgets = [float(b) for b in args.budgets.split(",")]
     layers, marker = shape(args.model)
+    src = args.calib_source
+    cal = "" if src == "wiki" else f"-calib{src}"  # last in every row name: the report reads the rest as before
     if args.baselines_only:
         for kv in budgets:
             for method in filter(None, args.baselines.split(",")):
-                harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers, marker))
+                harness.run(f"{method}-kv{kv:g}{cal}", baseline(method, kv, layers, marker, src))
         return
-    plans = _stored_plans(args.plans_from, budgets) if args.plans_from else _plans(args.model, budgets, args)
+    plans = _stored_plans(args.plans_from, budgets, cal) if args.plans_from else _plans(args.model, budgets, args)
     if args.speed:
         recipes, harness.data["plans"] = {}, {}
         for kv, recipe, summary in plans:
@@ -180,21 +190,23 @@ def main() -> None:
         return
     planned = "-local-planned" if args.local_steps else ""  # its rivals are the -local rows (report_plan)
     for kv, recipe, summary in plans:
-        harness.run(f"plan-kv{kv:g}{planned}", recipe, summary)  # each budget's rows together: a cut run keeps pairs
+        harness.run(f"plan-kv{kv:g}{planned}{cal}", recipe, summary)  # a budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
-            harness.run(f"{method}-kv{kv:g}", baseline(method, kv, layers, marker))
+            harness.run(f"{method}-kv{kv:g}{cal}", baseline(method, kv, layers, marker, src))
         if kv in healed:
-            harness.run(f"plan-kv{kv:g}-heal40", {**recipe, "heal": STANDARD_HEAL}, summary)
-            harness.run(f"mla-kv{kv:g}-heal40", {**baseline("mla", kv, layers), "heal": STANDARD_HEAL})
+            harness.run(f"plan-kv{kv:g}-heal40{cal}", {**recipe, "heal": STANDARD_HEAL}, summary)
+            harness.run(f"mla-kv{kv:g}-heal40{cal}", {**baseline("mla", kv, layers, source=src), "heal": STANDARD_HEAL})
         if kv in norefit:
-            harness.run(f"plan-kv{kv:g}-norefit-heal40", {**without_refit(recipe), "heal": STANDARD_HEAL}, summary)
-            harness.run(f"mla-kv{kv:g}-norefit-heal40", {**baseline("mla-norefit", kv, layers), "heal": STANDARD_HEAL})
+            harness.run(f"plan-kv{kv:g}-norefit-heal40{cal}", {**without_refit(recipe), "heal": STANDARD_HEAL},
+                        summary)
+            harness.run(f"mla-kv{kv:g}-norefit-heal40{cal}", {**baseline("mla-norefit", kv, layers, source=src),
+                                                               "heal": STANDARD_HEAL})
         if kv in local:
-            for key, row in ((f"mla-kv{kv:g}-local", baseline("mla-local", kv, layers)),
-                             (f"plan-kv{kv:g}-local", with_local(recipe))):
+            for key, row in ((f"mla-kv{kv:g}-local{cal}", baseline("mla-local", kv, layers, source=src)),
+                             (f"plan-kv{kv:g}-local{cal}", with_local(recipe))):
                 harness.run(key, row, summary if key.startswith("plan") else None)
                 if kv in healed:
-                    harness.run(f"{key}-heal40-all", {**row, "heal": LOCAL.heal},
+                    harness.run(f"{key.removesuffix(cal)}-heal40-all{cal}", {**row, "heal": LOCAL.heal},
                                 summary if key.startswith("plan") else None)
 
 

@@ -14,6 +14,7 @@ RESULTS = Path(__file__).parent / "results"
 CPU_FILE = "plan-smollm2-135m"  # benchmarks/plan.py's default results file (a CPU run)
 SPEED_FILE = "plan-speed-smollm2-135m"  # plan.py --speed (a CPU run)
 LOCAL_FILE = "plan-local-smollm2-135m"  # plan.py --local (a CPU run)
+CALIB_FILE = "plan-calib-smollm2-135m"  # plan.py --calib-source (a CPU run)
 PLOT = "docs/plan.svg"  # benchmarks/make_plot.py
 
 
@@ -51,9 +52,18 @@ def _rows(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _calibrated(key: str) -> tuple[str, str]:
+    """(the row name without plan.py's calibration suffix, the calibration source): 'mla-kv0.5-calibwiki+c4' ->
+    ('mla-kv0.5', 'wiki+c4'); rows without the suffix were calibrated on wiki."""
+    name, suffix, source = key.partition("-calib")
+    return name, source if suffix else "wiki"
+
+
 def _method(key: str) -> str:
-    """A single-method row's method as the verdicts name it: 'mla', 'mla no refit', 'nbl', ..."""
-    return key.split("-")[0] + (" no refit" if "norefit" in key else "")
+    """A single-method row's method as the verdicts name it: 'mla', 'mla no refit', 'mla on wiki+c4', 'nbl', ..."""
+    name, source = _calibrated(key)
+    return name.split("-")[0] + (" no refit" if "norefit" in name else "") + (f" on {source}" if source != "wiki"
+                                                                               else "")
 
 
 def _single(key: str) -> bool:
@@ -65,7 +75,8 @@ TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
          "-local-planned": "local fit, planned with it (plan --local-steps)",
          "-norefit-heal40": "standard, mla converted without the output refit"}
 # a plan measured with the fit meets the uniformly fitted rows; a healed plan meets every healed row (rows ending in
-# -heal40: with and without the refit), whichever way it was converted
+# -heal40: with and without the refit), whichever way it was converted; every plan meets the single-method rows of its
+# budget and heal whatever their calibration text
 RIVAL_TAIL = {"-local-planned": "-local", "-norefit-heal40": "-heal40"}
 
 
@@ -76,11 +87,13 @@ def verdicts(data: dict[str, Any]) -> list[str]:
     out = ["| KV budget | heal | plan wiki / ptb / c4 | best single method per set | plan better on |",
            "|---|---|---|---|---|"]
     for key in sorted((k for k in variants if k.startswith("plan-kv")),
-                      key=lambda k: (-_budget(k), "local" in k, "heal" in k)):
-        tail = key.removeprefix(f"plan-kv{_budget(key):g}")
+                      key=lambda k: (-_budget(k), "local" in k, "heal" in k, k)):
+        name, source = _calibrated(key)
+        tail = name.removeprefix(f"plan-kv{_budget(key):g}")
         rival = RIVAL_TAIL.get(tail, tail)
         rivals = {k: v for k, v in variants.items() if _single(k) and _budget(k) == _budget(key)
-                  and k.endswith(rival) and ("heal" in k) == ("heal" in key) and ("local" in k) == ("local" in key)}
+                  and _calibrated(k)[0].endswith(rival) and ("heal" in k) == ("heal" in key)
+                  and ("local" in k) == ("local" in key)}
         if not rivals:
             continue
         plan = variants[key]["ppl_ratio"]
@@ -88,9 +101,30 @@ def verdicts(data: dict[str, Any]) -> list[str]:
         wins = [s for s in SOURCES if plan[s] < rivals[best[s]]["ppl_ratio"][s]]
         ours = " / ".join(f"{plan[s]:.3f}" for s in SOURCES)
         theirs = " / ".join(f"{rivals[best[s]]['ppl_ratio'][s]:.3f} ({_method(best[s])})" for s in SOURCES)
-        out.append(f"| {_budget(key):g} | {TAILS.get(tail, tail)} | {ours} | {theirs} | "
+        how = TAILS.get(tail, tail) + (f" (plan calibrated on {source})" if source != "wiki" else "")
+        out.append(f"| {_budget(key):g} | {how} | {ours} | {theirs} | "
                    f"{', '.join(wins) or 'none'} |")
     return out
+
+
+def _chosen(data: dict[str, Any]) -> list[str]:
+    """'What each plan chose, per layer' for the one-shot plan rows of `data`."""
+    plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
+    if not plans:
+        return []
+    return ["What each plan chose, per layer:", "",
+            *(f"- `{k}`: {_layers(v['plan_layers'])}" for k, v in sorted(plans, key=lambda kv: -_budget(kv[0]))), ""]
+
+
+def _block(stem: str, intro: str, chosen: bool = False) -> list[str]:
+    """benchmarks/results/STEM.json's rows and verdicts under `intro` ({command}: the file's last run, {file}: its
+    path), and what its plans chose when `chosen`; nothing when the file is absent."""
+    path = RESULTS / f"{stem}.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    text = intro.format(command=data["environment"]["command"], file=f"benchmarks/results/{stem}.json")
+    return [text, "", *_rows(data), "", *verdicts(data), "", *(_chosen(data) if chosen else [])]
 
 
 def plan_section(data: dict[str, Any]) -> list[str]:
@@ -115,21 +149,17 @@ def plan_section(data: dict[str, Any]) -> list[str]:
            "(planner/starts.py).", "", *_rows(data), "",
            "The plan against the best single-method row of its budget (and heal), set by set:", "",
            *verdicts(data), "", f"![wiki perplexity against the KV cache kept, per method]({PLOT})", ""]
-    cpu = RESULTS / f"{CPU_FILE}.json"
-    if cpu.is_file():
-        other = json.loads(cpu.read_text())
-        out += [f"On this project's 2-core CPU, the budgets the GPU run did not reach and KV 0.5 again for the "
-                f"planner's time there (last run: `python {other['environment']['command']}` → "
-                f"`benchmarks/results/{CPU_FILE}.json`, each row's command in the file; plan s is the planner's wall "
-                "time on this CPU, the issue's 15-minute target):", "", *_rows(other), "", *verdicts(other), ""]
-    local = RESULTS / f"{LOCAL_FILE}.json"
-    if local.is_file():
-        fitted = json.loads(local.read_text())
-        out += ["With recipes/mla-kv25.yaml's local fit (96 Adam steps per layer towards the dense attention's output "
-                "on calibration text, after the output refit) on every mla layer: the GPU run's plans and uniform "
-                f"`mla` with the same fit, on the 2-core CPU (`python {fitted['environment']['command']}` → "
-                f"`benchmarks/results/{LOCAL_FILE}.json`; compress s there includes the fit):", "",
-                *_rows(fitted), "", *verdicts(fitted), ""]
+    out += _block(CPU_FILE, "On this project's 2-core CPU, the budgets the GPU run did not reach and KV 0.5 again for "
+                  "the planner's time there (last run: `python {command}` → `{file}`, each row's command in the "
+                  "file; plan s is the planner's wall time on this CPU, the issue's 15-minute target):")
+    out += _block(LOCAL_FILE, "With recipes/mla-kv25.yaml's local fit (96 Adam steps per layer towards the dense "
+                  "attention's output on calibration text, after the output refit) on every mla layer: the GPU run's "
+                  "plans and uniform `mla` with the same fit, on the 2-core CPU (`python {command}` → `{file}`; "
+                  "compress s there includes the fit):")
+    out += _block(CALIB_FILE, "Calibrated on a mixture of texts instead of wiki alone (the planner's per-layer costs, "
+                  "its whole-plan score and every fit; rows ending in `-calibSOURCE`) beside uniform `mla` calibrated "
+                  "either way, on the 2-core CPU (last run: `python {command}` → `{file}`, each row's command in the "
+                  "file):", chosen=True)
     speed = RESULTS / f"{SPEED_FILE}.json"
     if speed.is_file():
         timed = json.loads(speed.read_text())
@@ -142,11 +172,7 @@ def plan_section(data: dict[str, Any]) -> list[str]:
                 f"`{k}` in {v['plan_seconds']:.0f} s (measuring the candidates: {v['plan_measure_seconds']:.0f} s)"
                 for k, v in planned.items()) + ".", ""]
         out += [*(timed.get("notes") or []), ""]
-    plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
-    if plans:
-        out += ["What each plan chose, per layer:", ""]
-        out += [f"- `{k}`: {_layers(v['plan_layers'])}" for k, v in sorted(plans, key=lambda kv: -_budget(kv[0]))]
-        out.append("")
+    out += _chosen(data)
     for note in data.get("notes") or []:
         out += [note, ""]
     return out
@@ -158,7 +184,7 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
     for data in files:
         dense = data["dense"]["kv_bytes_per_token"]
         for key, v in data["variants"].items():
-            if "local" in key or "norefit" in key:  # one point per method and budget: the plan as planned
+            if "local" in key or "norefit" in key or "calib" in key:  # one point per method and budget: as planned
                 continue
             name = key.split("-")[0] + (" + heal" if "heal" in key else "")
             out.setdefault(name, []).append((v["kv_bytes_per_token"] / dense, v["ppl_ratio"]["wiki"]))
@@ -169,4 +195,5 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
 PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-135m-h100": plan_section,
                                                                    CPU_FILE: lambda data: [],
                                                                    SPEED_FILE: lambda data: [],
-                                                                   LOCAL_FILE: lambda data: []}
+                                                                   LOCAL_FILE: lambda data: [],
+                                                                   CALIB_FILE: lambda data: []}

@@ -67,6 +67,26 @@ def test_harness_refuses_rows_scored_on_other_windows(monkeypatch: pytest.Monkey
     assert "<bos>" in common.Harness("h", **kw).windows(BosTokenizer())["tiny"].description
 
 
+def test_two_harnesses_on_one_results_file_keep_each_others_rows(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Two benchmark processes writing one results file each save their own copy; a save keeps the rows the other
+    recorded since this one read the file, and a row this process measured again replaces the stored one."""
+    import json
+
+    common = _common()
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    kw = {"sources": ("tiny",), "tokens": 128, "seq_len": 64}
+    first, second = common.Harness("h", **kw), common.Harness("h", **kw)  # both read the file before either saved
+    dense = {"ppl": {"tiny": 2.0}, "params": {"attention": 4, "mlp": 4, "total": 8}}
+    measured = {"ppl": {"tiny": 3.0}, "params": {"attention": 2, "mlp": 4, "total": 6}}
+    first.record("a", dict(measured), dense)
+    second.record("b", dict(measured), dense)
+    assert set(json.loads((tmp_path / "h.json").read_text())["variants"]) == {"a", "b"}
+    second.record("a", {**measured, "ppl": {"tiny": 4.0}}, dense)  # measured again by this process: its row wins
+    assert json.loads((tmp_path / "h.json").read_text())["variants"]["a"]["ppl_ratio"]["tiny"] == 2.0
+    assert [p.name for p in tmp_path.iterdir()] == ["h.json"]  # no temporary file left behind
+
+
 def test_harness_row_keeps_the_head_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A recipe with a `head:` section stores the head's record (its plan: ranks, tied or not) in the row, as rows
     keep their heal record; a recipe without one stores none."""

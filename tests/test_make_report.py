@@ -136,6 +136,17 @@ def test_plan_verdict_compares_with_the_best_single_method_of_the_same_budget_an
     assert lines[6] == ("| 0.5 | local fit, planned with it (plan --local-steps) | 1.070 / 1.250 / 1.350 | 1.090 (mla) "
                         "/ 1.200 (mla) / 1.300 (mla) | wiki |")
     assert len(lines) == 7  # another budget's rows are never the rival
+    # a plan calibrated on other text (plan.py --calib-source) meets the single-method rows calibrated either way,
+    # and a plan calibrated on wiki meets them too; healed rows stay apart
+    mixed = {"plan-kv0.5": row(1.1, 1.4, 1.3), "plan-kv0.5-calibwiki+c4": row(1.12, 1.3, 1.2),
+             "mla-kv0.5": row(1.2, 1.35, 1.5), "mla-kv0.5-calibwiki+c4": row(1.25, 1.32, 1.25),
+             "mla-kv0.5-heal40-calibwiki+c4": row(1.0, 1.0, 1.0)}
+    lines = verdicts({"variants": mixed})
+    assert lines[2] == ("| 0.5 | – | 1.100 / 1.400 / 1.300 | 1.200 (mla) / 1.320 (mla on wiki+c4) / "
+                        "1.250 (mla on wiki+c4) | wiki |")
+    assert lines[3] == ("| 0.5 | – (plan calibrated on wiki+c4) | 1.120 / 1.300 / 1.200 | 1.200 (mla) / "
+                        "1.320 (mla on wiki+c4) / 1.250 (mla on wiki+c4) | wiki, ptb, c4 |")
+    assert len(lines) == 4
 
 
 def _claims(rule: list[object], **extra: object) -> list[object]:
