@@ -80,7 +80,8 @@ SECTIONS = {
     "lisa-stability-qwen2.5-1.5b": ("LISA #15 on the 1.5B model: the adjacent-layer JS profile on easy and hard text",
                                     "benchmarks/lisa_stability.py"),
     "nbl-qwen2.5-1.5b": ("NBL on the 1.5B model: the paper's CCA selection against random and against dropping the "
-                         "same layers (4096 wiki tokens, 8 calibration windows)", "benchmarks/nbl.py"),
+                         "same layers (4096 wiki tokens, 8 calibration windows); decode speed with 12 layers "
+                         "linearised", "benchmarks/nbl.py"),
     "atp-qwen2.5-1.5b": ("ATP on the 1.5B model: low-rankness of layer inputs, and one layer's speed at its shapes",
                          "benchmarks/atp.py"),
     "lisa-beta-gemma3-270m": ("LISA #20 on Gemma-3 270M: score distillation (beta 0.25) against LM loss only",

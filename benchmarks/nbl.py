@@ -30,6 +30,8 @@ go through `compress` (Harness.run). `--check` also runs the default variant at 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/nbl.py --model qwen2.5-1.5b --name nbl-qwen2.5-1.5b --groups sweep \
         --m 6,12 --only nbl-paper-m6,nbl-random-m6,drop-paper-layers-m6,nbl-paper-m12,nbl-random-m12 --sources wiki \
         --tokens 4096 --windows 8                                        # the claims table's 1.5B cells
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/nbl.py --model qwen2.5-1.5b --name nbl-qwen2.5-1.5b --groups speed \
+        --speed-m 12 --contexts 512,2048 --repeats 3 --sources wiki --tokens 4096   # its decode-speed cells
     .venv/bin/python benchmarks/make_report.py                           # regenerates BENCHMARKS.md
 """
 
