@@ -182,7 +182,7 @@ def main() -> None:
     if args.speed:
         recipes, harness.data["plans"] = {}, {}
         for kv, recipe, summary in plans:
-            recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers)
+            recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers, source=src)
             if not args.plans_from:  # planned here: the plan seconds are this machine's
                 harness.data["plans"][f"plan-kv{kv:g}"] = summary
         speed(harness, recipes, list(recipes), [int(c) for c in args.speed.split(",")], new_tokens=32,

@@ -63,8 +63,9 @@ def _calibrated(key: str) -> tuple[str, str]:
 def _method(key: str) -> str:
     """A single-method row's method as the verdicts name it: 'mla', 'mla no refit', 'mla on wiki+c4', 'nbl', ..."""
     name, source = _calibrated(key)
-    return name.split("-")[0] + (" no refit" if "norefit" in name else "") + (f" on {source}" if source != "wiki"
-                                                                               else "")
+    refit = " no refit" if "norefit" in name else ""
+    text = "" if source == "wiki" else f" on {source}"
+    return f"{name.split('-')[0]}{refit}{text}"
 
 
 def _single(key: str) -> bool:
