@@ -30,6 +30,11 @@ Groups (--groups, comma-separated; default all):
         --groups attn,precond,kv --only svdllm-attn-80,local-rootcov-dense-80,local-rootcov-blockid-80,latentllm-80,\
         local-rootcov-blockid-spectrum-80,latentllm-vojoint-80,latentllm-jointqkv-80,local-splithead-uniform-80,\
         latentllm-l2-80,latentllm-90,svdllm-attn-50,latentllm-50   # Gemma-3 cells (uniform joint QK: refused)
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/latentllm.py --model qwen2.5-1.5b --name latentllm-qwen2.5-1.5b \
+        --sources wiki --tokens 4096 --windows 8 --groups attn,precond,kv --only latentllm-80,svdllm-attn-80,\
+        local-rootcov-blockid-spectrum-80,latentllm-jointqkv-80,latentllm-vojoint-80,latentllm-l2-80,latentllm-90,\
+        latentllm-uniform-80,local-rootcov-dense-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
+        latentllm-rope8-80   # the 1.5B cells (`make qwen15`; 4-8 min a row on 2 cores)
     .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
 
 Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.

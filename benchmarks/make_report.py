@@ -82,6 +82,9 @@ SECTIONS = {
     "nbl-qwen2.5-1.5b": ("NBL on the 1.5B model: the paper's CCA selection against random and against dropping the "
                          "same layers (4096 wiki tokens, 8 calibration windows); decode speed with 12 layers "
                          "linearised", "benchmarks/nbl.py"),
+    "latentllm-qwen2.5-1.5b": ("LatentLLM's ablations on the 1.5B model at 80% of attention (4096 wiki tokens, 8 "
+                               "calibration windows): pre-conditioners, junctions, joint QK / QKV / V/O, split-head, "
+                               "RoPE-aware", "benchmarks/latentllm.py"),
     "atp-qwen2.5-1.5b": ("ATP on the 1.5B model: low-rankness of layer inputs, and one layer's speed at its shapes",
                          "benchmarks/atp.py"),
     "lisa-beta-gemma3-270m": ("LISA #20 on Gemma-3 270M: score distillation (beta 0.25) against LM loss only",
@@ -202,7 +205,7 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
          "lisa-stability-gemma3-270m", "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "atp", "atp-boolq",
          "atp-recovery", "atp-gemma3", "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b",
-         "nbl-qwen2.5-1.5b", "lmeval_check")
+         "nbl-qwen2.5-1.5b", "latentllm-qwen2.5-1.5b", "lmeval_check")
 # the one-screen summary: (method, result file, headline variant, its baseline in the same run, recipe or command)
 HEADLINES = (
     ("svd / asvd / svdllm", "baselines", "svdllm-attn-80", "svd-attn-80", "--recipe svdllm"),
@@ -245,7 +248,8 @@ ARCHIVE = ("latentllm-head",
            "latentllm-gemma3", "lisa-gemma3", "lisa-stability-gemma3-270m", "atp-gemma3", "plan-gemma3-270m",
            "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "nbl-gemma3-speed",
            # the claims table's 1.5B column (analyses only): it carries the verdicts
-           "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b", "nbl-qwen2.5-1.5b")
+           "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b", "nbl-qwen2.5-1.5b",
+           "latentllm-qwen2.5-1.5b")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 
