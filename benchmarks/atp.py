@@ -30,6 +30,8 @@ Groups (--groups, comma-separated; default all four):
     .venv/bin/python benchmarks/atp.py --groups serving --n 4 --context 256 --continuation 64 --name atp-small
     .venv/bin/python benchmarks/atp.py --model gemma3-270m --name atp-gemma3 --groups lowrank,serving --n 4
     .venv/bin/python benchmarks/atp.py --model qwen2.5-1.5b --name atp-qwen2.5-1.5b --groups lowrank,speed  # 1.5B cells
+    .venv/bin/python benchmarks/atp.py --model qwen2.5-1.5b --name atp-qwen2.5-1.5b --groups serving --n 4 \
+        --sources wiki
     .venv/bin/python benchmarks/make_report.py
 Results are saved after every variant; a rerun skips what its JSON already holds (same settings).
 """

@@ -85,8 +85,8 @@ SECTIONS = {
     "latentllm-qwen2.5-1.5b": ("LatentLLM's ablations on the 1.5B model at 80% of attention (4096 wiki tokens, 8 "
                                "calibration windows): pre-conditioners, junctions, joint QK / QKV / V/O, split-head, "
                                "RoPE-aware", "benchmarks/latentllm.py"),
-    "atp-qwen2.5-1.5b": ("ATP on the 1.5B model: low-rankness of layer inputs, and one layer's speed at its shapes",
-                         "benchmarks/atp.py"),
+    "atp-qwen2.5-1.5b": ("ATP on the 1.5B model: low-rankness of layer inputs, one layer's speed at its shapes, and "
+                         "the serving form's continuation perplexity (4 wiki sequences)", "benchmarks/atp.py"),
     "lisa-beta-gemma3-270m": ("LISA #20 on Gemma-3 270M: score distillation (beta 0.25) against LM loss only",
                               "benchmarks/lisa_beta.py"),
     "lisa-beta-smollm2-135m": ("LISA #20: score distillation (beta 0.25) against LM loss only (beta 0)",
