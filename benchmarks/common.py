@@ -18,6 +18,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,17 @@ class Harness:
             tmp.replace(self.path)
         finally:
             os.close(folder)  # releases the lock
+
+
+def selected(only: str, known: Iterable[str], groups: str) -> set[str]:
+    """The variant keys of a comma-separated `--only` (spaces ignored; empty: every known key). A key no selected
+    group defines stops the run before any work: skipped silently, a requested row would just be missing."""
+    keys = {k.strip() for k in only.split(",") if k.strip()}
+    unknown = sorted(keys - set(known))
+    if unknown:
+        raise SystemExit(f"--only names variants that --groups {groups} does not define: {', '.join(unknown)}; "
+                         "add the group that defines them (the script's docstring lists each group's variants)")
+    return keys or set(known)
 
 
 def calibration(windows: int = 32, seq_len: int = 512, source: str = "wiki") -> dict[str, Any]:

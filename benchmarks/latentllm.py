@@ -23,18 +23,18 @@ Groups (--groups, comma-separated; default all):
     .venv/bin/python benchmarks/latentllm.py                         # the full run (hours on a 2-core CPU)
     .venv/bin/python benchmarks/latentllm.py --groups whole --only latentllm-total-80   # alone: honest peak RSS
     .venv/bin/python benchmarks/latentllm.py --name latentllm-small --tokens 2048 --windows 16 --groups attn
-    .venv/bin/python benchmarks/latentllm.py --name latentllm-ablations --groups attn --only \
+    .venv/bin/python benchmarks/latentllm.py --name latentllm-ablations --groups attn --only "\
         latentllm-uniform-80,latentllm-jointqkv-uniform-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
-        latentllm-80,latentllm-jointqkv-80
+        latentllm-80,latentllm-jointqkv-80"
     .venv/bin/python benchmarks/latentllm.py --model gemma3-270m --name latentllm-gemma3 --sources wiki \
-        --groups attn,precond,kv --only svdllm-attn-80,local-rootcov-dense-80,local-rootcov-blockid-80,latentllm-80,\
+        --groups attn,precond,kv --only "svdllm-attn-80,local-rootcov-dense-80,local-rootcov-blockid-80,latentllm-80,\
         local-rootcov-blockid-spectrum-80,latentllm-vojoint-80,latentllm-jointqkv-80,local-splithead-uniform-80,\
-        latentllm-l2-80,latentllm-90,svdllm-attn-50,latentllm-50   # Gemma-3 cells (uniform joint QK: refused)
+        latentllm-l2-80,latentllm-90,svdllm-attn-50,latentllm-50"   # Gemma-3 cells (uniform joint QK: refused)
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/latentllm.py --model qwen2.5-1.5b --name latentllm-qwen2.5-1.5b \
-        --sources wiki --tokens 4096 --windows 8 --groups attn,precond,kv --only latentllm-80,svdllm-attn-80,\
+        --sources wiki --tokens 4096 --windows 8 --groups attn,precond,kv --only "latentllm-80,svdllm-attn-80,\
         local-rootcov-blockid-spectrum-80,latentllm-jointqkv-80,latentllm-vojoint-80,latentllm-l2-80,latentllm-90,\
         latentllm-uniform-80,local-rootcov-dense-80,local-rootcov-blockid-80,local-splithead-uniform-80,\
-        latentllm-rope8-80   # the 1.5B cells (`make qwen15`; 4-8 min a row on 2 cores)
+        latentllm-rope8-80"   # the 1.5B cells (`make qwen15`; 4-8 min a row on 2 cores)
     .venv/bin/python benchmarks/make_report.py                       # regenerates BENCHMARKS.md
 
 Peak RSS is the process maximum (ru_maxrss): only a variant run alone in its process gives its own number.
@@ -47,7 +47,7 @@ import time
 import warnings
 from typing import Any
 
-from common import Harness, calibration
+from common import Harness, calibration, selected
 from torch import nn
 
 from attnslim.adapters import get_adapter
@@ -233,13 +233,12 @@ def main() -> None:
                                       "steps": [step("latentllm", {"ratio": 0.8, "cache": "values"})]}
     recipes["svdllm-attn-80"] = {"name": "svdllm-attn-80", "calibration": cal,
                                  "steps": [step("svdllm", {"ratio": 0.8, "linears": ["q", "k", "v", "o"]})]}
-    only = {k for k in args.only.split(",") if k}
+    only = selected(args.only, variants, args.groups)
     h.dense()
-    for key in variants:
-        if not only or key in only:
-            start = time.time()
-            h.run(key, recipes[key])
-            print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+    for key in (k for k in variants if k in only):
+        start = time.time()
+        h.run(key, recipes[key])
+        print(f"  {key}: {time.time() - start:.0f} s", flush=True)
     if "speed" in groups:
         contexts = [int(c) for c in args.contexts.split(",")]
         speed(h, args.speed_variants.split(","), recipes, contexts, args.new_tokens, args.repeats)

@@ -127,3 +127,13 @@ def test_atp_results_keep_their_serving_rows_when_another_group_runs(tmp_path: P
     assert kept.data["eval"]["tokens"] == 4 * (1024 + 256)  # the stored rows' evaluation, not the arguments'
     fresh = atp.Store("atp-x", args, serving=True)
     assert fresh.data["variants"] == {} and fresh.data["setting"]["n"] == 8
+
+
+def test_only_refuses_a_variant_the_selected_groups_do_not_define() -> None:
+    # the 1.5B LatentLLM run asked for latentllm-90 (group kv) under --groups attn,precond and silently skipped it
+    selected = _common().selected
+    known = ["latentllm-80", "svdllm-attn-80", "latentllm-l2-80"]
+    assert selected("latentllm-80, svdllm-attn-80", known, "attn") == {"latentllm-80", "svdllm-attn-80"}
+    assert selected("", known, "attn") == set(known)
+    with pytest.raises(SystemExit, match="--groups attn,precond does not define: latentllm-90"):
+        selected("latentllm-80,latentllm-90", known, "attn,precond")
