@@ -171,7 +171,8 @@ def run_serving(store: Store, model: Any, tokenizer: Any, dense: dict[int, Any],
             ppl[source] = math.exp(total / count)
         probe = windows[args.sources[0]].ids[:1, : args.context]
         result = {"ppl": ppl, "kv_bytes_per_token": kv_bytes_per_token(model, probe),
-                  "seconds": round(time.time() - start, 1)}
+                  "seconds": round(time.time() - start, 1),
+                  "command": store.data["environment"]["command"]}  # the file's environment names the last run only
         if key == "dense":
             store.data["dense"] = result
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import Harness, calibration
+from common import Harness, calibration, selected
 
 
 def main() -> None:
@@ -31,10 +31,10 @@ def main() -> None:
             "name": f"drop-{count}", "calibration": calibration(),
             "steps": [{"method": "drop", "layers": "all", "args": {"count": count, "select": "similarity"}}],
         }
-    only = {k for k in args.only.split(",") if k}
+    only = selected(args.only, variants)
     h.dense()
     for key, recipe in variants.items():
-        if not only or key in only:
+        if key in only:
             h.run(key, recipe)
 
 

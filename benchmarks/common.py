@@ -180,14 +180,17 @@ class Harness:
             os.close(folder)  # releases the lock
 
 
-def selected(only: str, known: Iterable[str], groups: str) -> set[str]:
-    """The variant keys of a comma-separated `--only` (spaces ignored; empty: every known key). A key no selected
-    group defines stops the run before any work: skipped silently, a requested row would just be missing."""
-    keys = {k.strip() for k in only.split(",") if k.strip()}
+def selected(only: str, known: Iterable[str], groups: str | None = None) -> set[str]:
+    """The variant keys of a comma-separated `--only` (spaces ignored; empty: every known key). A key the run does not
+    define (`groups`: the script's --groups, where it has them) stops the run before any work: skipped silently, a
+    requested row would just be missing."""
+    keys, known = {k.strip() for k in only.split(",") if k.strip()}, list(known)
     unknown = sorted(keys - set(known))
     if unknown:
-        raise SystemExit(f"--only names variants that --groups {groups} does not define: {', '.join(unknown)}; "
-                         "add the group that defines them (the script's docstring lists each group's variants)")
+        scope = f"--groups {groups}" if groups else "this run"
+        fix = ("add the group that defines them (the script's docstring lists each group's variants)" if groups
+               else f"it defines {', '.join(known[:12])}{', ...' if len(known) > 12 else ''}")
+        raise SystemExit(f"--only names variants that {scope} does not define: {', '.join(unknown)}; {fix}")
     return keys or set(known)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common import Harness, calibration
+from common import Harness, calibration, selected
 
 from attnslim.api import compress
 from attnslim.bench import interleaved
@@ -99,11 +99,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated variant keys")
     ap.add_argument("--task-limit", type=int, default=None, help="zero-shot items per task (all if omitted)")
     args = ap.parse_args()
+    todo = variants(args.windows)
+    only = selected(args.only, todo)  # before the model loads
     h = Harness(args.name, tokens=args.tokens)
     dense_model, tokenizer = load_model(h.model_name)
     dense = dense_with_accuracy(h, dense_model, tokenizer, args.task_limit)
-    todo = variants(args.windows)
-    for key in [k for k in args.only.split(",") if k] or list(todo):
+    for key in [k for k in todo if k in only]:
         recipe = recipe_from_dict(todo[key])
         model, tokenizer = load_model(h.model_name)
         report = compress(model, tokenizer, recipe)

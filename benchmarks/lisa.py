@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import Harness
+from common import Harness, selected
 
 from attnslim import _compat
 from attnslim.adapters import get_adapter
@@ -181,29 +181,27 @@ def main() -> None:
     if args.small:
         args.steps, args.tokens, args.fractions, args.sim_windows, args.sens_windows = 50, 2048, "0.5", 2, 1
         args.ablation_fraction, args.new_tokens, args.repeats = 0.0, 16, 2
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    jobs: list[tuple[str, str, float, dict[str, Any], bool]] = []  # (key, method, fraction, args, train)
+    for frac in fractions:
+        pct = round(100 * frac)
+        jobs += [(f"ds-{pct}", "ds", frac, {}, False), (f"lisa-{pct}", "lisa", frac, {}, True)]
+    if args.ablation_fraction:
+        pct = round(100 * args.ablation_fraction)
+        jobs += [(f"{k}-{pct}", "lisa", args.ablation_fraction, a, True) for k, a in ABLATIONS.items()]
+    only = selected(args.only, [job[0] for job in jobs])  # before the model loads
     bench = LisaBench(args)
     adapter = get_adapter(bench.dense)
     n_layers, skip = adapter.num_layers(), unshareable_layers(adapter)
-    fractions = [float(f) for f in args.fractions.split(",") if f]
     for frac in [*fractions, *([args.ablation_fraction] if args.ablation_fraction else [])]:
         try:  # a fraction this model cannot share stops here, before the analyses' minutes
             select_layers(n_layers, frac, skip=skip)
         except AttnslimError as err:
             raise SystemExit(f"--fractions/--ablation-fraction: {err}") from err
     cost = bench.analyses()
-    only = {k for k in args.only.split(",") if k}
-    jobs: list[tuple[str, str, list[int], dict[str, Any], bool]] = []
-    for frac in fractions:
-        layers = select_layers(n_layers, frac, cost, skip=skip)
-        pct = round(100 * frac)
-        jobs += [(f"ds-{pct}", "ds", layers, {}, False), (f"lisa-{pct}", "lisa", layers, {}, True)]
-    if args.ablation_fraction:
-        layers = select_layers(n_layers, args.ablation_fraction, cost, skip=skip)
-        pct = round(100 * args.ablation_fraction)
-        jobs += [(f"{k}-{pct}", "lisa", layers, a, True) for k, a in ABLATIONS.items()]
-    for key, method, layers, margs, train in jobs:
-        if not only or key in only:
-            bench.variant(key, method, layers, margs, train)
+    for key, method, frac, margs, train in jobs:
+        if key in only:
+            bench.variant(key, method, select_layers(n_layers, frac, cost, skip=skip), margs, train)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any
 
-from common import Harness, calibration
+from common import Harness, calibration, selected
 
 from attnslim._compat import CACHE_KINDS
 from attnslim.api import compress
@@ -262,10 +262,10 @@ def main() -> None:
                 heals[f"{base}-heal40-{tag}"] = {**recipes[base], "name": f"{base}-heal40-{tag}",
                                                  "heal": {**HEAL, **change}}
     todo = (set(variants) if "oneshot" in groups else set()) | (set(heals) if "heal" in groups else set())
-    only = {k for k in args.only.split(",") if k}
+    only = selected(args.only, [k for k in recipes | heals if k in todo], args.groups)
     h.dense()
     for key, recipe in (recipes | heals).items():
-        if key in todo and (not only or key in only):
+        if key in todo and key in only:
             start = time.time()
             h.run(key, recipe)
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)

@@ -40,10 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import RESULTS, Harness, calibration
+from common import RESULTS, Harness, calibration, selected
 
 from attnslim.adapters import get_adapter
 from attnslim.bench import interleaved
@@ -232,61 +233,74 @@ def main() -> None:
     h = Harness(args.name, model=args.model, tokens=args.tokens, sources=tuple(args.sources.split(",")))
     cal = calibration(args.windows, args.seq_len)
     groups = set(args.groups.split(","))
-    only = {k for k in args.only.split(",") if k}
     ms = [int(m) for m in args.m.split(",") if m]  # in the order given (run the important ones first)
     seq_ms = {int(m) for m in args.seq_m.split(",") if m}
     default = f"nbl-{DEFAULT_CRITERION}"
+    shared: list[SharedFits] = []  # the sweep's dense statistics, collected once after the dense model is scored
+    jobs: list[tuple[str, Callable[[], None]]] = []  # (variant key, its run), in run order
 
-    def wanted(key: str) -> bool:
-        return not only or key in only
-
-    def run(key: str, steps: list[dict[str, Any]], calib: dict[str, Any] = cal) -> None:
-        if wanted(key):
+    def run(key: str, steps: Callable[[], list[dict[str, Any]] | None], calib: dict[str, Any] = cal) -> None:
+        def job() -> None:
+            chosen = steps()
+            if chosen is None:  # a drop of layers no variant of this run (or its file) selected
+                return
             start = time.time()
-            h.run(key, recipe(key, calib, steps))
+            h.run(key, recipe(key, calib, chosen))
             print(f"  {key}: {time.time() - start:.0f} s", flush=True)
+        jobs.append((key, job))
 
-    def drop(key: str, layers: list[int] | None) -> None:
-        if layers:
-            run(key, [{"method": "drop", "layers": layers, "args": {"select": "given"}}])
+    def given(steps: list[dict[str, Any]]) -> Callable[[], list[dict[str, Any]]]:
+        return lambda: steps
 
-    h.dense()
-    shared: SharedFits | None = None
-    if groups & {"stats", "sweep"}:
-        shared = SharedFits(h, cal)
-        h.data["linearity"] = {"calibration": shared.calibration, "seconds": round(shared.seconds, 1),
-                               "layers": {str(i): d for i, d in shared.diagnostics.items()}}
-        h.save()
-    if "stats" in groups and shared is not None:
-        damage = shared.single_layer_damage(h, cal)
-        for i, v in damage.items():
-            h.data["linearity"]["layers"][str(i)]["damage_nll"] = v
-        h.save()
-    if "sweep" in groups and shared is not None:
+    def drop(key: str, source: str) -> None:  # attention drop of the layers variant `source` linearized
+        def steps() -> list[dict[str, Any]] | None:
+            layers = chosen_layers(h, source)
+            return [{"method": "drop", "layers": layers, "args": {"select": "given"}}] if layers else None
+        run(key, steps)
+
+    def one_shot(key: str, nbl_args: dict[str, Any]) -> None:
+        jobs.append((key, lambda: run_shared(h, shared[0], key, cal, nbl_args)))
+
+    if "sweep" in groups:
         for m in ms:
-            variants = {f"{default}-m{m}": {"m": m}, f"nbl-paper-m{m}": {"m": m, **PAPER}}
-            variants |= {f"nbl-{c}-m{m}": {"m": m, "criterion": c} for c in SELECTIONS}
-            for key, nbl_args in variants.items():
-                if wanted(key):
-                    run_shared(h, shared, key, cal, nbl_args)
+            one_shot(f"{default}-m{m}", {"m": m})
+            one_shot(f"nbl-paper-m{m}", {"m": m, **PAPER})
+            for c in SELECTIONS:
+                one_shot(f"nbl-{c}-m{m}", {"m": m, "criterion": c})
             for source in dict.fromkeys((default, "nbl-paper", "nbl-similarity")):  # attention drop, same layers
-                drop(f"drop-{source.removeprefix('nbl-')}-layers-m{m}", chosen_layers(h, f"{source}-m{m}"))
+                drop(f"drop-{source.removeprefix('nbl-')}-layers-m{m}", f"{source}-m{m}")
             if m in seq_ms:
-                run(f"nbl-seq-{DEFAULT_CRITERION}-m{m}", nbl({"m": m, "sequential": True}))
+                run(f"nbl-seq-{DEFAULT_CRITERION}-m{m}", given(nbl({"m": m, "sequential": True})))
         if args.check and ms:
-            run(f"{default}-m{ms[0]}-compress", nbl({"m": ms[0]}))
+            run(f"{default}-m{ms[0]}-compress", given(nbl({"m": ms[0]})))
     if "probe" in groups:  # the measured criterion (calibration NLL of each single-layer trial), through compress
         for m in ms:
-            run(f"nbl-probe-m{m}", nbl({"m": m, "criterion": "probe", "probe": args.probe_windows}))
-            drop(f"drop-probe-layers-m{m}", chosen_layers(h, f"nbl-probe-m{m}"))
+            run(f"nbl-probe-m{m}", given(nbl({"m": m, "criterion": "probe", "probe": args.probe_windows})))
+            drop(f"drop-probe-layers-m{m}", f"nbl-probe-m{m}")
     if "calib" in groups:
         for m in [int(m) for m in args.calib_m.split(",") if m]:
             for windows in [int(w) for w in args.calib_windows.split(",") if w]:
-                run(f"{default}-m{m}-cal{windows}", nbl({"m": m}), calibration(windows, args.seq_len))
+                run(f"{default}-m{m}-cal{windows}", given(nbl({"m": m})), calibration(windows, args.seq_len))
     if "ridge" in groups:
         for m in [int(m) for m in args.calib_m.split(",") if m]:
             for ridge in [float(r) for r in args.ridges.split(",") if r]:
-                run(f"{default}-m{m}-ridge{ridge:g}", nbl({"m": m, "ridge": ridge}))
+                run(f"{default}-m{m}-ridge{ridge:g}", given(nbl({"m": m, "ridge": ridge})))
+    only = selected(args.only, [key for key, _ in jobs], args.groups)  # before any work
+
+    h.dense()
+    if groups & {"stats", "sweep"}:
+        shared.append(SharedFits(h, cal))
+        h.data["linearity"] = {"calibration": shared[0].calibration, "seconds": round(shared[0].seconds, 1),
+                               "layers": {str(i): d for i, d in shared[0].diagnostics.items()}}
+        h.save()
+    if "stats" in groups and shared:
+        damage = shared[0].single_layer_damage(h, cal)
+        for i, v in damage.items():
+            h.data["linearity"]["layers"][str(i)]["damage_nll"] = v
+        h.save()
+    for key, job in jobs:
+        if key in only:
+            job()
     if "speed" in groups:
         contexts = [int(c) for c in args.contexts.split(",")]
         selection = (json.loads((RESULTS / f"{args.selection_from}.json").read_text())["variants"]

@@ -36,7 +36,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from common import RESULTS, environment
+from common import RESULTS, environment, selected
 from lisa import recipe as lisa_recipe
 from make_report import HEADLINES
 
@@ -118,9 +118,9 @@ def main() -> int:
     check_limit(names, args.limit)  # bad tasks or limit fail before any model loads
     keys = ([(k.split(":", 1)[0], k.split(":", 1)[-1]) for k in args.keys.split(",") if k] if args.keys
             else headline_keys(args.model))
-    only = {k for k in args.only.split(",") if k}
+    only = selected(args.only, [key for _, key in keys])
     jobs: list[tuple[str, Recipe | None]] = [(DENSE, None)] + [
-        (key, recorded_recipe(name, key)) for name, key in keys if not only or key in only]
+        (key, recorded_recipe(name, key)) for name, key in keys if key in only]
     data: dict[str, Any] = json.loads(PATH.read_text()) if PATH.exists() else {}
     entry_key = f"{args.model}@limit{args.limit}"
     header: dict[str, Any] = {"model": args.model, "limit": args.limit, "tasks": names, "models": {}}

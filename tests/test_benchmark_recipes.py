@@ -94,3 +94,43 @@ def test_plan_benchmark_baselines_are_valid_and_remove_the_fewest_layers_under_t
         return (layers - m + m * marker) / layers
 
     assert kept(removed) <= kv < kept(removed - 1)
+
+
+@pytest.mark.parametrize(("name", "argv"), [
+    ("baselines", ["--only", "svd-attn-80,no-such-variant"]),
+    ("mla", ["--groups", "oneshot", "--only", "mla-kv50, no-such-variant"]),
+    ("nbl", ["--groups", "sweep,probe", "--m", "6", "--only", "nbl-paper-m6,drop-probe-layers-m6,no-such-variant"]),
+    ("lisa", ["--only", "lisa-50,no-such-variant"]),
+    ("composed", ["--only", "no-such-variant"]),
+    ("summary_accuracy", ["--only", "no-such-variant"]),
+    ("latentllm", ["--groups", "attn", "--only", "latentllm-80,no-such-variant"]),
+])
+def test_every_benchmark_refuses_an_unknown_only_key_before_any_model_loads(
+        script: Any, monkeypatch: pytest.MonkeyPatch, name: str, argv: list[str]) -> None:
+    # a misspelt or out-of-group --only key used to be skipped silently: hours later its row was simply missing
+    import transformers
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model loaded before --only was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    module: ModuleType = script(name)
+    if name == "summary_accuracy":  # the lm-eval task files are not what this test is about
+        monkeypatch.setattr(module, "check_limit", lambda names, limit: {})
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(SystemExit, match="does not define: no-such-variant; "):
+        module.main()
+
+
+def test_nbl_benchmark_accepts_every_key_its_groups_define(script: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # nbl.py names its rows while it runs (drops follow the layers a variant chose): its key list is built first
+    import transformers
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model loads: --only was accepted")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    keys = "nbl-similarity-m6,nbl-paper-m6,nbl-random-m6,drop-paper-layers-m6,nbl-seq-similarity-m6,nbl-probe-m6"
+    monkeypatch.setattr(sys, "argv", ["nbl.py", "--groups", "sweep,probe", "--m", "6", "--only", keys])
+    with pytest.raises(AssertionError, match="--only was accepted"):
+        script("nbl").main()
