@@ -4,11 +4,15 @@ projection without a bias and skips `*.bias` tensors it has no parameter for (do
 
 The dense model is scored as it is and with the q, k or v biases of every layer set to zero (and all three), on
 the same wiki windows; each variant is compared with the dense logits (relative max |Δ logit|, top-1 agreement)
-and by perplexity. The dense model stands for the attnslim MLA model here: mla keeps q_proj and its bias as they
-are and carries the v bias exactly through o_proj's bias, so these are the costs an export without biases adds.
+and by perplexity. `folded` rows keep no bias either, but fold each into its weight by least squares: no input
+carries a constant, yet the normalised attention input x has a large common part, so a constant is nearly a linear
+function of it, 1 ≈ aᵀx with a = (C + λI)⁻¹μ (C = E[xxᵀ], μ = E[x] on calibration windows), and W x + b becomes
+(W + b aᵀ) x. `rho` = μᵀa, the fraction of the constant's energy the fit reproduces.
+The dense model stands for the attnslim MLA model here: mla keeps q_proj and its bias as they are and carries the v
+bias exactly through o_proj's bias, so these are the costs an export without biases adds.
 
     .venv/bin/python benchmarks/bias_drop.py --model qwen2.5-1.5b --tokens 512
-writes benchmarks/results/bias-drop-MODEL.json (about 2 minutes and 9 GB of memory for qwen2.5-1.5b).
+writes benchmarks/results/bias-drop-MODEL.json (about 8 minutes on one thread and 9 GB of memory for qwen2.5-1.5b).
 """
 
 from __future__ import annotations
@@ -27,10 +31,43 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, environment  # noqa: E402
 
 from attnslim.adapters import get_adapter  # noqa: E402
-from attnslim.data import eval_windows  # noqa: E402
+from attnslim.data import calib_windows, eval_windows  # noqa: E402
 from attnslim.models import load_model  # noqa: E402
 
 VARIANTS = {"q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
+FOLDED = {"q": ("q",), "k": ("k",), "v": ("v",), "qv": ("q", "v")}
+RIDGE = 1e-6  # λ relative to the mean diagonal of C
+
+
+def constant_fit(corr: torch.Tensor, mean: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, float]:
+    """(a (d,), rho): the least-squares a with aᵀx ≈ 1 for inputs of second moment corr (d, d) and mean (d,),
+    and rho = μᵀa = 1 − E[(1 − aᵀx)²] at ridge 0."""
+    eye = torch.eye(corr.shape[0], dtype=corr.dtype)
+    a = torch.linalg.solve(corr + ridge * corr.diagonal().mean() * eye, mean)
+    return a, float(mean @ a)
+
+
+def input_moments(model: Any, adapter: Any, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (E[xxᵀ], E[x]) of the attention input x, float64, over every token of `windows`."""
+    sums: dict[int, list[Any]] = {}
+
+    def hook(i: int) -> Any:
+        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().double().flatten(0, 1)
+            acc = sums.setdefault(i, [0.0, 0.0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + x.T @ x, acc[1] + x.sum(0), acc[2] + x.shape[0]
+        return record
+
+    handles = [adapter.attention(i).register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i in range(adapter.num_layers())]
+    try:
+        with torch.no_grad():
+            for window in windows.split(2):
+                model(window)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [(sums[i][0] / sums[i][2], sums[i][1] / sums[i][2]) for i in range(adapter.num_layers())]
 
 
 def nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
@@ -42,6 +79,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=8, help="calibration windows of the folds")
+    ap.add_argument("--calib-seq-len", type=int, default=512)
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model(a.model)
@@ -54,6 +93,18 @@ def main() -> None:
     out: dict[str, Any] = {"environment": environment(), "model": a.model, "dtype": "float32",
                            "evaluated_on": f"{ids.numel()} tokens of wiki (evaluation split), windows of {a.seq_len}",
                            "dense": {"nll": base, "ppl": math.exp(base)}, "dropped": {}}
+    def score(label: str, group: str, saved: list[tuple[torch.Tensor, torch.Tensor]], extra: dict[str, Any]) -> None:
+        with torch.no_grad():
+            got = model(ids).logits.double()
+        for tensor, value in saved:
+            tensor.data.copy_(value)
+        loss = nll(got, ids)
+        row = {**extra, "nll": loss, "ppl": math.exp(loss), "ppl_ratio": math.exp(loss - base),
+               "relative_logit_error": float((got - ref).abs().max() / ref.abs().max()),
+               "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).double().mean())}
+        out[group][label] = row
+        print(group, label, json.dumps(row), flush=True)
+
     for label, names in VARIANTS.items():
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(adapter.num_layers()):
@@ -62,16 +113,22 @@ def main() -> None:
                 if isinstance(bias, torch.Tensor):
                     saved.append((bias, bias.detach().clone()))
                     bias.data.zero_()
-        with torch.no_grad():
-            got = model(ids).logits.double()
-        for bias, value in saved:
-            bias.data.copy_(value)
-        loss = nll(got, ids)
-        row = {"biases_zeroed": len(saved), "nll": loss, "ppl": math.exp(loss), "ppl_ratio": math.exp(loss - base),
-               "relative_logit_error": float((got - ref).abs().max() / ref.abs().max()),
-               "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).double().mean())}
-        out["dropped"][label] = row
-        print(label, json.dumps(row), flush=True)
+        score(label, "dropped", saved, {"biases_zeroed": len(saved)})
+    cal = calib_windows("wiki", tokenizer, a.windows, a.calib_seq_len).ids
+    fits = [constant_fit(corr, mean) for corr, mean in input_moments(model, adapter, cal)]
+    out["folded"] = {}
+    out["fold"] = {"calibration": f"{cal.numel()} tokens of wiki (calibration split), windows of {a.calib_seq_len}",
+                   "ridge": RIDGE, "rho": [rho for _, rho in fits]}
+    for label, names in FOLDED.items():
+        saved = []
+        for i, (vec, _) in enumerate(fits):
+            for name in names:
+                weight, bias = adapter.linear(i, name).weight, getattr(adapter.linear(i, name), "bias", None)
+                if isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor):
+                    saved += [(weight, weight.detach().clone()), (bias, bias.detach().clone())]
+                    weight.data += (bias.double()[:, None] * vec[None, :]).to(weight.dtype)
+                    bias.data.zero_()
+        score(label, "folded", saved, {"biases_folded": len(saved) // 2})
     out["seconds"] = round(time.perf_counter() - start, 1)
     path = RESULTS / f"bias-drop-{Path(a.model).name}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -24,6 +24,13 @@ def bias_drop_section(data: dict[str, Any]) -> list[str]:
             f"| none (dense) | {data['dense']['ppl']:.2f} | 1.00 | 1.000 |"]
     out += [f"| {name} | {r['ppl']:,.0f} | {r['ppl_ratio']:,.0f} | {r['top1_agreement']:.3f} |"
             for name, r in data["dropped"].items()]
+    if "folded" in data:  # each bias folded into its weight by least squares (bias_drop.py's docstring)
+        fold = data["fold"]
+        out += ["", f"Folded instead (W x + b → (W + b aᵀ) x, aᵀx ≈ 1 fitted on {fold['calibration']}; ρ = μᵀa "
+                f"{min(fold['rho']):.4f}–{max(fold['rho']):.4f} over the layers):", "",
+                "| biases folded | perplexity | ×dense | top-1 agreement with dense |", "|---|---|---|---|"]
+        out += [f"| {name} | {r['ppl']:,.2f} | {r['ppl_ratio']:,.3f} | {r['top1_agreement']:.3f} |"
+                for name, r in data["folded"].items()]
     return out + [""]
 
 

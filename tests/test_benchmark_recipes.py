@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from attnslim.api import check_recipe
 from attnslim.recipe import recipe_from_dict
@@ -134,3 +135,16 @@ def test_nbl_benchmark_accepts_every_key_its_groups_define(script: Any, monkeypa
     monkeypatch.setattr(sys, "argv", ["nbl.py", "--groups", "sweep,probe", "--m", "6", "--only", keys])
     with pytest.raises(AssertionError, match="--only was accepted"):
         script("nbl").main()
+
+
+def test_bias_fold_reproduces_a_constant_from_inputs_that_carry_one(script: Any) -> None:
+    # bias_drop.py's folded rows: W x + b -> (W + b aᵀ) x with aᵀx ≈ 1 by least squares over the inputs
+    constant_fit = script("bias_drop").constant_fit
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(16, generator=gen, dtype=torch.float64)
+    x = common + 0.05 * torch.randn(4096, 16, generator=gen, dtype=torch.float64)  # a large common part
+    a, rho = constant_fit(x.T @ x / len(x), x.mean(0))
+    assert rho > 0.99 and float((1 - x @ a).abs().max()) < 0.2
+    centred = x - x.mean(0)  # no common part: no constant to reproduce
+    _, rho0 = constant_fit(centred.T @ centred / len(x), centred.mean(0))
+    assert abs(rho0) < 1e-6
