@@ -6,7 +6,7 @@ The dense model is scored as it is and with the q, k or v biases of every layer 
 the same wiki windows; each variant is compared with the dense logits (relative max |Δ logit|, top-1 agreement)
 and by perplexity. `folded` rows keep no bias either, but fold each into its weight by least squares: no input
 carries a constant, yet the normalised attention input x has a large common part, so a constant is nearly a linear
-function of it, 1 ≈ aᵀx with a = (C + λI)⁻¹μ (C = E[xxᵀ], μ = E[x] on calibration windows), and W x + b becomes
+function of it, 1 ≈ aᵀx by least squares on calibration windows (linalg/bias_fold.py), and W x + b becomes
 (W + b aᵀ) x. `rho` = μᵀa, the fraction of the constant's energy the fit reproduces.
 The dense model stands for the attnslim MLA model here: mla keeps q_proj and its bias as they are and carries the v
 bias exactly through o_proj's bias, so these are the costs an export without biases adds.
@@ -32,19 +32,11 @@ from common import RESULTS, environment  # noqa: E402
 
 from attnslim.adapters import get_adapter  # noqa: E402
 from attnslim.data import calib_windows, eval_windows  # noqa: E402
+from attnslim.linalg.bias_fold import RIDGE, constant_fit, fold_bias  # noqa: E402
 from attnslim.models import load_model  # noqa: E402
 
 VARIANTS = {"q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 FOLDED = {"q": ("q",), "k": ("k",), "v": ("v",), "qv": ("q", "v")}
-RIDGE = 1e-6  # λ relative to the mean diagonal of C
-
-
-def constant_fit(corr: torch.Tensor, mean: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, float]:
-    """(a (d,), rho): the least-squares a with aᵀx ≈ 1 for inputs of second moment corr (d, d) and mean (d,),
-    and rho = μᵀa = 1 − E[(1 − aᵀx)²] at ridge 0."""
-    eye = torch.eye(corr.shape[0], dtype=corr.dtype)
-    a = torch.linalg.solve(corr + ridge * corr.diagonal().mean() * eye, mean)
-    return a, float(mean @ a)
 
 
 def input_moments(model: Any, adapter: Any, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -126,7 +118,7 @@ def main() -> None:
                 weight, bias = adapter.linear(i, name).weight, getattr(adapter.linear(i, name), "bias", None)
                 if isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor):
                     saved += [(weight, weight.detach().clone()), (bias, bias.detach().clone())]
-                    weight.data += (bias.double()[:, None] * vec[None, :]).to(weight.dtype)
+                    weight.data.copy_(fold_bias(weight, bias, vec))
                     bias.data.zero_()
         score(label, "folded", saved, {"biases_folded": len(saved) // 2})
     out["seconds"] = round(time.perf_counter() - start, 1)

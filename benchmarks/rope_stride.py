@@ -7,6 +7,14 @@ same wiki windows (perplexity, top-1 agreement with the dense logits).
 
     .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.25
 writes benchmarks/results/rope-stride-MODEL.json (qwen2.5-1.5b: about 10 minutes, 9 GB of memory).
+
+`deepseek+fold` is the whole servable form of a Qwen-family model: the 32 fastest frequencies, `layout: deepseek`
+and `biases: fold` (its q/k/v biases folded into the weights by least squares; docs/serving.md, "Biased models"),
+set against `rope_fastest=32` in the free layout, which carries the biases exactly. At the width vLLM's GPU backends
+serve on the 1.5B model (256 + 64 = 320 of 512 values, KV 0.625):
+
+    .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.625 \
+        --variants rope_fastest=32,deepseek+fold --name rope-stride-kv0.625-qwen2.5-1.5b
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from attnslim.recipe import recipe_from_dict  # noqa: E402
 # any frequency (what the export cannot serve on 128-dim heads), the even ones (a 64-dim key at θ), the 32 fastest
 # (a 64-dim key at √θ)
 VARIANTS: dict[str, dict[str, Any]] = {"free": {}, "rope_stride=2": {"rope_stride": 2},
-                                       "rope_fastest=32": {"rope_fastest": 32}}
+                                       "rope_fastest=32": {"rope_fastest": 32},
+                                       "deepseek+fold": {"rope_fastest": 32, "layout": "deepseek", "biases": "fold"}}
 
 
 def main() -> None:
@@ -44,7 +53,13 @@ def main() -> None:
     ap.add_argument("--rope-dims", type=int, default=64)
     ap.add_argument("--calib-windows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--variants", default="free,rope_stride=2,rope_fastest=32", help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--name", default=None, help="results file stem (default rope-stride-MODEL)")
     a = ap.parse_args()
+    labels = [v for v in a.variants.split(",") if v]
+    unknown = [v for v in labels if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants {', '.join(unknown)}: unknown; known: {', '.join(VARIANTS)}")
     model, tokenizer = load_model(a.model)
     ids = eval_windows("wiki", tokenizer, tokens=a.tokens, seq_len=256).ids
     with torch.no_grad():
@@ -55,7 +70,7 @@ def main() -> None:
                            "evaluated_on": f"{ids.numel()} tokens of wiki (evaluation split), windows of 256",
                            "calibration": f"{a.calib_windows} wiki windows of 256", "dense": {"ppl": math.exp(base)},
                            "variants": {}}
-    for label, extra in VARIANTS.items():
+    for label, extra in ((v, VARIANTS[v]) for v in labels):
         args = {"kv_ratio": a.kv_ratio, "rope_dims": a.rope_dims, "rope_spread": True, "rope_fold": 1, **extra}
         recipe = recipe_from_dict({
             "name": label, "calibration": {"source": "wiki", "windows": a.calib_windows, "seq_len": 256,
@@ -76,7 +91,7 @@ def main() -> None:
                "compress_seconds": round(seconds, 1)}
         out["variants"][label] = row
         print(label, json.dumps(row), flush=True)
-    path = RESULTS / f"rope-stride-{Path(a.model).name}.json"
+    path = RESULTS / f"{a.name or 'rope-stride-' + Path(a.model).name}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
 from attnslim.api import check_recipe
 from attnslim.recipe import recipe_from_dict
@@ -137,14 +136,10 @@ def test_nbl_benchmark_accepts_every_key_its_groups_define(script: Any, monkeypa
         script("nbl").main()
 
 
-def test_bias_fold_reproduces_a_constant_from_inputs_that_carry_one(script: Any) -> None:
-    # bias_drop.py's folded rows: W x + b -> (W + b aᵀ) x with aᵀx ≈ 1 by least squares over the inputs
-    constant_fit = script("bias_drop").constant_fit
-    gen = torch.Generator().manual_seed(0)
-    common = torch.randn(16, generator=gen, dtype=torch.float64)
-    x = common + 0.05 * torch.randn(4096, 16, generator=gen, dtype=torch.float64)  # a large common part
-    a, rho = constant_fit(x.T @ x / len(x), x.mean(0))
-    assert rho > 0.99 and float((1 - x @ a).abs().max()) < 0.2
-    centred = x - x.mean(0)  # no common part: no constant to reproduce
-    _, rho0 = constant_fit(centred.T @ centred / len(x), centred.mean(0))
-    assert abs(rho0) < 1e-6
+def test_rope_stride_benchmark_variants_are_valid_mla_steps(script: Any) -> None:
+    rope_stride: ModuleType = script("rope_stride")
+    _check({label: {"name": label, "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
+                    "steps": [{"method": "mla", "layers": "all", "args": {"kv_ratio": 0.625, "rope_dims": 64,
+                                                                          "rope_spread": True, "rope_fold": 1,
+                                                                          **extra}}]}
+            for label, extra in rope_stride.VARIANTS.items()})

@@ -105,10 +105,10 @@ def test_non_mla_layers_and_other_families_are_refused_by_name(tmp_path):
                                                    layers=[0, 2]), progress=False)
     with pytest.raises(AttnslimError, match=r"layers 1, 3 are not MLA \(LlamaAttention\)"):
         export_deepseek(model, SavingTokenizer(), tmp_path / "o", ExportOptions())
-    from conftest import tiny_qwen2
+    from conftest import tiny_phi3
 
-    with pytest.raises(AttnslimError, match="supports llama, mistral models; this one is 'qwen2'"):
-        export_deepseek(tiny_qwen2(), SavingTokenizer(), tmp_path / "o", ExportOptions())
+    with pytest.raises(AttnslimError, match="supports llama, mistral, qwen2 models; this one is 'phi3'"):
+        export_deepseek(tiny_phi3(), SavingTokenizer(), tmp_path / "o", ExportOptions())
 
 
 def test_cli_export_writes_a_replaceable_output_and_refuses_an_mla_free_model(tmp_path, capsys):

@@ -27,7 +27,8 @@ Approximate, with a bound:
 Refused, naming the layers: non-MLA layers, sliding-window layers, a factorised q_proj or MLP, QK-norm, RoPE types
 other than the plain one (vLLM's DeepSeek model reads them as DeepSeek's YaRN variants), attention biases
 (DeepSeek-V3 and vLLM have none; with --drop-biases they are dropped and the verification measures what that
-costs), float16 (α A underflows it).
+costs; a Qwen-family model exports when compressed with `layout: deepseek, biases: fold`, which folds its q/k/v
+biases into the weights), float16 (α A underflows it).
 Verified before the output appears: the written directory is loaded by transformers alone and its logits compared
 with the source model's on wiki text; the numbers go to attnslim-export.json, and a float32 export whose logits
 differ by more than TOLERANCE is refused (a bug, not a rounding).
@@ -68,7 +69,7 @@ ROPE_TYPES = ("default",)
 # kv_a_layernorm bound (tests/test_export.py's real test bounds the export itself at 1e-4), far below the O(1)
 # errors of a wrong map
 TOLERANCE = 1e-3
-FAMILIES = ("llama", "mistral")
+FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: its q/k/v biases folded by mla `biases: fold`, or refused
 VERIFY_SOURCE = "wiki"
 
 
@@ -213,9 +214,10 @@ def _check_biases(layers: list[MLAAttention], drop: bool) -> list[str]:
                             "serves cannot hold: vLLM 0.32 builds q_proj, kv_a_proj_with_mqa (the rotary key) and "
                             "o_proj without biases, and DeepSeek-V3 has no q_proj bias at all. Compress with `layout: "
                             "deepseek` (no bias: the latent is fitted without the mean correction; recipes/"
-                            "mla-deepseek.yaml) where the model has no q/k/v biases; a Qwen-family model is served by "
-                            "transformers (attnslim.load). --drop-biases drops them and writes the cost to "
-                            "attnslim-export.json")
+                            "mla-deepseek.yaml) where the model has no q/k/v biases; with q/k/v biases (Qwen), add "
+                            "`biases: fold` (folded into the weights by least squares, approximate; docs/serving.md, "
+                            "'Biased models'), or serve the free layout with transformers (attnslim.load). "
+                            "--drop-biases drops them and writes the cost to attnslim-export.json")
     return found
 
 

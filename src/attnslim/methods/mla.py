@@ -82,7 +82,7 @@ class MLA(OutputFits, Selecting[MLAStats], MLABase):
     refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output (OutputFits)
     local_steps: int = 0  # then train the converted attention towards the dense one's output (pipeline/local_fit.py)
     local_lr: float = 3.0e-3  # relative to each tensor's RMS (pipeline/local_fit.py)
-    later_args = ("refit_o", "local_steps", "local_lr")  # added after the MLA tables were measured (Method.args)
+    later_args = ("refit_o", "local_steps", "local_lr", "biases")  # added after the MLA tables were measured
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -149,7 +149,7 @@ class MLA(OutputFits, Selecting[MLAStats], MLABase):
         _, rope = self._sizes(adapter, layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        spec = fit_spec(adapter.attention_spec(layer), st)
+        spec = fit_spec(self._folded(adapter.attention_spec(layer), st)[0], st)
         split = self._split(adapter, spec, st, rope, where)
         found = latent_spectrum(*self._objective(spec, split, st)[:3], self.damp, where)
         return MLAStats({} if self.sequential else stats.grams, found)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.adapters.rotary import rotary_angles
 from attnslim.errors import AttnslimError
+from attnslim.linalg.bias_fold import constant_fit, fold_bias
 from attnslim.linalg.mla import (
     MLAFactors,
     head_moments,
@@ -30,6 +32,8 @@ from attnslim.modules.mla import MLAAttention, MLAShape
 from attnslim.plan import LayerEntry, StepPlan
 
 LAYOUTS = ("free", "deepseek")
+BIASES = ("keep", "fold")
+FOLDED = ("q", "k", "v")  # the projections whose biases `biases: fold` folds (o_proj's input has no common part)
 
 
 
@@ -55,7 +59,14 @@ class MLABase(Method[MLAEntry, MLAStats]):
     # measurable where rope_stride 2 is ruinous (docs/serving.md, "Served widths")
     rope_stride: int = 1
     rope_fastest: int | None = None
+    # "fold" (layout deepseek only): the q and v biases and the rotary key's bias folded into their weights by least
+    # squares on the layer's calibration input (linalg/bias_fold.py), so that a Qwen-family model takes the bias-free
+    # DeepSeek-V3 form vLLM loads; the non-rotary key bias is dropped exactly, as always (softmax ignores it).
+    # Approximate: what it costs is in docs/serving.md, "Biased models". "keep": every bias carried exactly (layout
+    # free); layout deepseek then refuses a biased model
+    biases: str = "keep"
     entry_type = MLAEntry
+    later_args: ClassVar[tuple[str, ...]] = ("biases",)  # added after the MLA tables were measured (Method.args)
 
     def __post_init__(self) -> None:
         n = self.name
@@ -80,6 +91,9 @@ class MLABase(Method[MLAEntry, MLAStats]):
             "null or an integer >= 1 (frequencies kept rotary: the fastest this many)")
         require(isinstance(self.damp, int | float) and math.isfinite(self.damp) and self.damp > 0, n, "damp",
                 self.damp, "> 0 (relative to the mean diagonal; 1e-2 default)")
+        require(self.biases in BIASES, n, "biases", self.biases, " | ".join(BIASES))
+        require(self.biases == "keep" or self.layout == "deepseek", n, "biases", self.biases,
+                "keep with layout: free, which carries every bias exactly (fold is for layout: deepseek)")
 
     # --- decisions --------------------------------------------------------------------------------------
     def collector(self, adapter: Adapter, layer: int) -> Collector[MLAStats]:
@@ -111,13 +125,17 @@ class MLABase(Method[MLAEntry, MLAStats]):
             _rotary_info(adapter, spec, where)  # checks that the adapter knows the rotary width
         if self.layout == "deepseek":
             biased = [name for name in ("q", "k", "v", "o") if spec.bias(name) is not None]
-            if biased:
-                projections = ", ".join(f"{n}_proj" for n in biased)
-                raise AttnslimError(f"{where} has {'/'.join(biased)} biases ({projections}); layout: deepseek writes "
+            refused = [name for name in biased if self.biases == "keep" or name not in FOLDED]
+            if refused:
+                projections = ", ".join(f"{n}_proj" for n in refused)
+                fix = ("biases: fold folds q, k and v biases into their weights, not an o_proj bias; use layout: "
+                       "free" if self.biases == "fold" else "Fold them into the weights with biases: fold (q, k and "
+                       "v; least squares, approximate), or use layout: free")
+                raise AttnslimError(f"{where} has {'/'.join(refused)} biases ({projections}); layout: deepseek writes "
                                     "the DeepSeek-V3 form vLLM serves, whose attention has no biases (vLLM 0.32 builds "
                                     "q_proj, kv_a_proj_with_mqa and o_proj without them), and dropping them is no "
-                                    "rounding (docs/serving.md, 'Biased models'). Use layout: free, served by "
-                                    "transformers through attnslim.load")
+                                    f"rounding (docs/serving.md, 'Biased models'). {fix}, which transformers serves "
+                                    "through attnslim.load")
         dense = 2 * spec.n_kv_heads * spec.head_dim
         rope = self.rope_dims if self.rope_dims is not None else self._default_rope(
             d_rot, None if self.kv_ratio is None else int(self.kv_ratio * dense), dense)
@@ -173,15 +191,31 @@ class MLABase(Method[MLAEntry, MLAStats]):
         spec = adapter.attention_spec(layer)
         where = f"{self.name}: layer {layer}"
         st = attn_in(stats, layer, where)
-        linear = fit_spec(spec, st)
+        folded, a, rho = self._folded(spec, st)
+        linear = fit_spec(folded, st)
         split = self._split(adapter, linear, st, entry.rope_dims, where)
         factors = self._fit(linear, split, st, entry.rank, where)
-        module = self._install(adapter, layer, spec, entry)
+        if a is not None and factors.k_rope_bias is not None:  # the rotary key's bias: folded like q's and v's
+            factors = replace(factors, k_rope=fold_bias(factors.k_rope, factors.k_rope_bias, a), k_rope_bias=None)
+        module = self._install(adapter, layer, spec, entry, q_weight=folded.q)
         _load(module, factors, spec)
         if module.key_norm is not None:  # the scales are the model's own: its pre-norm key projection
             with torch.no_grad():
                 module.key_norm.weight.copy_(spec.k)
-        return {"rope_freq": [int(f) for f in factors.freq]}
+        return {"rope_freq": [int(f) for f in factors.freq], **({} if a is None else {"bias_fold_rho": rho})}
+
+    def _folded(self, spec: AttentionSpec, st: InputStats) -> tuple[AttentionSpec, torch.Tensor | None, float]:
+        """(spec, a, ρ): with `biases: fold` and any q/k/v bias, the spec on the statistics' device with the q and v
+        biases folded into their weights by a, the least-squares aᵀx ≈ 1 (ρ = μᵀa; linalg/bias_fold.py); the key
+        keeps its bias, whose non-rotary part the fit drops exactly and whose rotary part `convert` folds. Else
+        (spec, None, 1.0)."""
+        if self.biases != "fold" or all(spec.bias(name) is None for name in FOLDED):
+            return spec, None, 1.0
+        spec = spec.to(st.sxx.device)
+        a, rho = constant_fit(st.corr, st.mean)
+        q = spec.q if spec.q_bias is None else fold_bias(spec.q, spec.q_bias, a)
+        v = spec.v if spec.v_bias is None else fold_bias(spec.v, spec.v_bias, a)
+        return replace(spec, q=q, q_bias=None, v=v, v_bias=None), a, rho
 
     def _split(self, adapter: Adapter, spec: AttentionSpec, st: InputStats, rope: int, where: str) -> RotarySplit:
         d_rot = 0 if spec.rope is None else spec.rope.rotary_dims
@@ -192,13 +226,22 @@ class MLABase(Method[MLAEntry, MLAStats]):
     def _fit(self, spec: AttentionSpec, split: RotarySplit, st: InputStats, rank: int, where: str) -> MLAFactors:
         raise NotImplementedError
 
-    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: MLAEntry) -> MLAAttention:
+    def _install(self, adapter: Adapter, layer: int, spec: AttentionSpec, entry: MLAEntry,
+                 q_weight: torch.Tensor | None = None) -> MLAAttention:
+        """Installs the MLA module of `entry` at `layer`. q_proj is the model's own; with `biases: fold` and a q bias,
+        a bias-free Linear instead, holding q_weight (the folded weight; None: a skeleton, whose weights load)."""
         dtype = spec.q.dtype
         o_proj = nn.Linear(spec.o.shape[1], spec.o.shape[0], bias=self.layout == "free", dtype=dtype)
         rotary = adapter.rotary_embedding(spec.rope.layer_type) if spec.rope is not None else None
-        mla = MLAShape(entry.rank, entry.rope_dims, k_rope_bias=spec.k_bias is not None,
+        mla = MLAShape(entry.rank, entry.rope_dims, k_rope_bias=spec.k_bias is not None and self.biases == "keep",
                        key_norm_eps=None if spec.k_norm_rms is None else spec.k_norm_rms.eps)
-        module = MLAAttention(AttnShape.of(spec), mla, q_proj=adapter.linear(layer, "q"), o_proj=o_proj,
+        q_proj = adapter.linear(layer, "q")
+        if self.biases == "fold" and spec.q_bias is not None:
+            q_proj = nn.Linear(spec.q.shape[1], spec.q.shape[0], bias=False, dtype=dtype, device=spec.q.device)
+            if q_weight is not None:
+                with torch.no_grad():
+                    q_proj.weight.copy_(q_weight)
+        module = MLAAttention(AttnShape.of(spec), mla, q_proj=q_proj, o_proj=o_proj,
                               q_norm=spec.q_norm, rotary=rotary, dtype=dtype)
         adapter.replace_attention(layer, module)
         return module.to(spec.q.device)
