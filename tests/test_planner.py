@@ -338,3 +338,14 @@ def test_planning_a_model_attnslim_compressed_already_is_refused() -> None:
     compress(model, ByteTokenizer(), recipe, progress=False, methods=methods)
     with pytest.raises(AttnslimError, match="already compressed by attnslim"):
         plan_model(model, ByteTokenizer(), _config(kv=0.5))
+
+
+def test_vllm_engine_offers_mla_on_a_biased_model_by_folding_its_biases() -> None:
+    from attnslim.planner.run import layer_options
+    from conftest import tiny_qwen25
+
+    model = tiny_qwen25(hidden_size=512, num_key_value_heads=4)  # head_dim 128: dense KV 1,024 values per layer
+    cands = candidate_set(("keep", "mla"), engine="vllm", rotary_dims=128)
+    assert [c.args["biases"] for c in cands if c.kind == "mla"] == ["fold", "fold"]
+    rows, refused = layer_options(get_adapter(model), cands, 64, "vllm")
+    assert [c.label for c, _ in rows[0]] == ["keep", "mla@256+64", "mla@512+64"] and not refused

@@ -90,7 +90,10 @@ def candidate_set(kinds: Sequence[str] = DEFAULT_KINDS, ladder: Sequence[float] 
             out += [Candidate("mla", {"kv_ratio": f, **mla}, f"mla@{f:g}") for f in _check_ladder(ladder)]
         elif kind == "mla":
             fastest = {"rope_fastest": VLLM_ROPE // 2} if rotary_dims is not None and rotary_dims > VLLM_ROPE else {}
-            out += [Candidate("mla", {"rank": r, "rope_dims": VLLM_ROPE, "layout": "deepseek", **fastest, **mla},
+            # biases: fold: vLLM's DeepSeek model has no attention bias, so a Qwen-family model's are folded into the
+            # weights (methods/mla_base.py; a no-op without biases)
+            out += [Candidate("mla", {"rank": r, "rope_dims": VLLM_ROPE, "layout": "deepseek", "biases": "fold",
+                                      **fastest, **mla},
                               f"mla@{r}+{VLLM_ROPE}") for r in VLLM_LORA_RANKS]
         elif kind == "nbl":
             out.append(Candidate("nbl", {"criterion": "given", **nbl}, "nbl"))
