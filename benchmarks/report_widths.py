@@ -12,7 +12,8 @@ from typing import Any
 def _head(title: str, data: dict[str, Any]) -> list[str]:
     env = data["environment"]
     return [f"## {title}", "",
-            f"Command: `OMP_NUM_THREADS={env['threads']} .venv/bin/python {env['command']}`.  ",
+            f"Command (latest run; the script's docstring gives the full one): `OMP_NUM_THREADS={env['threads']} "
+            f".venv/bin/python {env['command']}`.  ",
             f"Model `{data['model']}` ({data['dtype']}), evaluated on {data['evaluated_on']}; device {env['device']} "
             f"({env.get('cpu', '')}), torch {env['torch']}, transformers {env['transformers']}.", ""]
 
@@ -41,10 +42,26 @@ def rope_stride_section(data: dict[str, Any]) -> list[str]:
             "DeepSeek's key rotates at fixed frequencies); `rope_fastest=32` the 32 fastest (exported with "
             "rope_theta √θ), `rope_stride=2` every other frequency.", "",
             "| rotary frequencies | perplexity | ×dense | top-1 agreement | compress s |", "|---|---|---|---|---|"]
-    out += [f"| {name} | {r['ppl']:.1f} | {r['ppl_ratio_to_dense']:.2f} | {r['top1_agreement']:.3f} | "
+    return out + _variant_rows(data) + [""]
+
+
+def bias_fold_section(data: dict[str, Any]) -> list[str]:
+    kv = next(iter(data["variants"].values()))["args"]["kv_ratio"]
+    out = _head("Qwen2.5's biases folded: the 1.5B MLA model in the bias-free DeepSeek-V3 layout vLLM loads", data)
+    out += [f"`mla` at KV {kv:g} one-shot with the 32 fastest rotary frequencies (the servable 64-dim key), "
+            f"calibration {data['calibration']}; dense perplexity {data['dense']['ppl']:.2f}. `rope_fastest=32`: the "
+            "free layout (every bias exact, mean correction); `uncentred`: the same without the mean correction; "
+            "`deepseek+fold`: layout deepseek with `biases: fold`, the form that exports (its cost beside "
+            "`uncentred` is the fold's own).", "",
+            "| variant | perplexity | ×dense | top-1 agreement | compress s |", "|---|---|---|---|---|"]
+    return out + _variant_rows(data) + [""]
+
+
+def _variant_rows(data: dict[str, Any]) -> list[str]:
+    return [f"| {name} | {r['ppl']:.1f} | {r['ppl_ratio_to_dense']:.2f} | {r['top1_agreement']:.3f} | "
             f"{r['compress_seconds']:.0f} |" for name, r in data["variants"].items()]
-    return out + [""]
 
 
 WIDTH_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "bias-drop-qwen2.5-1.5b": bias_drop_section, "rope-stride-qwen2.5-1.5b": rope_stride_section}
+    "bias-drop-qwen2.5-1.5b": bias_drop_section, "rope-stride-qwen2.5-1.5b": rope_stride_section,
+    "rope-stride-kv0.625-qwen2.5-1.5b": bias_fold_section}

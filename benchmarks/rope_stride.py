@@ -10,11 +10,13 @@ writes benchmarks/results/rope-stride-MODEL.json (qwen2.5-1.5b: about 10 minutes
 
 `deepseek+fold` is the whole servable form of a Qwen-family model: the 32 fastest frequencies, `layout: deepseek`
 and `biases: fold` (its q/k/v biases folded into the weights by least squares; docs/serving.md, "Biased models"),
-set against `rope_fastest=32` in the free layout, which carries the biases exactly. At the width vLLM's GPU backends
-serve on the 1.5B model (256 + 64 = 320 of 512 values, KV 0.625):
+set against `rope_fastest=32` in the free layout, which carries the biases exactly, and against `uncentred`, the
+same without the mean correction (layout deepseek fits uncentred: it has no o_proj bias to carry the mean), so the
+fold's own cost is deepseek+fold ÷ uncentred. At the width vLLM's GPU backends serve on the 1.5B model (256 + 64 =
+320 of 512 values, KV 0.625):
 
     .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.625 \
-        --variants rope_fastest=32,deepseek+fold --name rope-stride-kv0.625-qwen2.5-1.5b
+        --variants rope_fastest=32,uncentred,deepseek+fold --name rope-stride-kv0.625-qwen2.5-1.5b
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from attnslim.recipe import recipe_from_dict  # noqa: E402
 # (a 64-dim key at √θ)
 VARIANTS: dict[str, dict[str, Any]] = {"free": {}, "rope_stride=2": {"rope_stride": 2},
                                        "rope_fastest=32": {"rope_fastest": 32},
+                                       "uncentred": {"rope_fastest": 32, "center": False},
                                        "deepseek+fold": {"rope_fastest": 32, "layout": "deepseek", "biases": "fold"}}
 
 
@@ -70,6 +73,11 @@ def main() -> None:
                            "evaluated_on": f"{ids.numel()} tokens of wiki (evaluation split), windows of 256",
                            "calibration": f"{a.calib_windows} wiki windows of 256", "dense": {"ppl": math.exp(base)},
                            "variants": {}}
+    path = RESULTS / f"{a.name or 'rope-stride-' + Path(a.model).name}.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    if {k: stored.get(k) for k in ("model", "evaluated_on", "calibration", "dense")} == {
+            k: out[k] for k in ("model", "evaluated_on", "calibration", "dense")}:
+        out["variants"] = stored["variants"]  # the same windows and dense model: other variants' rows stay
     for label, extra in ((v, VARIANTS[v]) for v in labels):
         args = {"kv_ratio": a.kv_ratio, "rope_dims": a.rope_dims, "rope_spread": True, "rope_fold": 1, **extra}
         recipe = recipe_from_dict({
@@ -88,11 +96,10 @@ def main() -> None:
         loss = nll(got, ids)
         row = {"args": args, "ppl": math.exp(loss), "ppl_ratio_to_dense": math.exp(loss - base),
                "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).double().mean()),
-               "compress_seconds": round(seconds, 1)}
+               "compress_seconds": round(seconds, 1), "command": environment()["command"]}
         out["variants"][label] = row
         print(label, json.dumps(row), flush=True)
-    path = RESULTS / f"{a.name or 'rope-stride-' + Path(a.model).name}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+        path.write_text(json.dumps(out, indent=1) + "\n")  # after every row: a cut run keeps what it measured
     print(f"wrote {path}")
 
 

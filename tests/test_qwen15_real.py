@@ -2,13 +2,15 @@
 as .ci/run does, else skips and says so): the parts join into the published GGUF, the cached float32 model loads
 with its Qwen2 shape (q/k/v biases, head_dim 128, untied head), and `mla` at half the dense KV cache on its first
 layers beats the plain truncated SVD of the same keys and values (its baseline, same rotary split) on wiki
-perplexity (1,024 tokens), with cached generation equal to uncached. Short by design (4 layers, 8 calibration windows
+perplexity (1,024 tokens), with cached generation equal to uncached, and `biases: fold` (the bias-free DeepSeek layout)
+stays near the exact layout where dropped biases do not. Short by design (4 layers, 8 calibration windows
 of 256): CI time."""
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ pytestmark = [
 ]
 NAME = "qwen2.5-1.5b"
 LAYERS = [0, 1, 2, 3]
+FOLD_BOUND = 1.5  # perplexity of the folded model ÷ the exact one on those layers (measured 1.37; dropped: 4e4)
 
 
 def test_real_qwen15_parts_join_into_the_published_gguf(tmp_path):
@@ -50,3 +53,30 @@ def test_real_qwen15_loads_as_qwen2_and_mla_beats_plain_svd_on_its_first_layers(
 
     ppl = _real_half_cache(NAME, LAYERS, check, REAL_VARIANTS[:2])  # mla, and the plain SVD of the same k/v
     assert ppl["mla"] < ppl["svd"] and ppl["mla"] < 1.2, ppl
+
+
+def test_real_qwen15_folded_biases_stay_near_the_exact_layout_where_dropped_biases_do_not():
+    """`biases: fold` (layout deepseek, the bias-free form vLLM loads) against the free layout with the same rotary
+    choice and the same uncentred fit, which carries every bias exactly; the baseline is that free model with its
+    biases dropped (what `export --drop-biases` serves)."""
+    dropped: dict[str, float] = {}
+
+    def check(model, ids):  # the exact model: zero its remaining biases (q_proj, rotary key, o_proj) in place
+        with torch.no_grad():
+            exact = _nll(model(ids).logits, ids)
+            for layer in model.model.layers[: len(LAYERS)]:
+                for module in (layer.self_attn.q_proj, layer.self_attn.k_rope, layer.self_attn.o_proj):
+                    if module.bias is not None:
+                        module.bias.zero_()
+            dropped["ratio"] = math.exp(_nll(model(ids).logits, ids) - exact)
+
+    served = {"rope_dims": 64, "rope_fastest": 32}  # the 64-dim DeepSeek key vLLM serves (docs/serving.md)
+    same = {**served, "rope_spread": True, "center": False}  # what layout deepseek does, in the free layout
+    ppl = _real_half_cache(NAME, LAYERS, check, (("mla", "mla", same),
+                                                 ("fold", "mla", {**served, "layout": "deepseek", "biases": "fold"})))
+    folded = ppl["fold"] / ppl["mla"]
+    assert folded < FOLD_BOUND and dropped["ratio"] > 10 * folded, (ppl, dropped)
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()))

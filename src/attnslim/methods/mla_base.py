@@ -62,8 +62,9 @@ class MLABase(Method[MLAEntry, MLAStats]):
     # "fold" (layout deepseek only): the q and v biases and the rotary key's bias folded into their weights by least
     # squares on the layer's calibration input (linalg/bias_fold.py), so that a Qwen-family model takes the bias-free
     # DeepSeek-V3 form vLLM loads; the non-rotary key bias is dropped exactly, as always (softmax ignores it).
-    # Approximate: what it costs is in docs/serving.md, "Biased models". "keep": every bias carried exactly (layout
-    # free); layout deepseek then refuses a biased model
+    # Approximate: what it costs is in docs/serving.md, "Biased models"; use it with the servable key (rope_fastest:
+    # 32 on 128-dim heads): a bias on slow rotary frequencies neither folds nor drops. "keep": every bias carried
+    # exactly (layout free); layout deepseek then refuses a biased model
     biases: str = "keep"
     entry_type = MLAEntry
     later_args: ClassVar[tuple[str, ...]] = ("biases",)  # added after the MLA tables were measured (Method.args)
