@@ -199,7 +199,7 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "plan-gemma3-270m",
          "calib-source-smollm2-135m",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "rope-stride-kv0.625-qwen2.5-1.5b",
-         "nbl", "nbl-calib",
+         "bias-fold-local-qwen2.5-1.5b", "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3-speed", "nbl-gemma3",
          "nbl-gemma3-small", "lisa", "lisa-250steps", "lisa-mix", "lisa-stability-smollm2-135m",
          "lisa-aligner-smollm2-135m", "lisa-aligner-smollm2-135m-250steps", "lisa-beta-smollm2-135m", "lisa-gemma3",
@@ -232,7 +232,8 @@ ARCHIVE = ("latentllm-head",
            "latentllm-table", "mla-kv25-ablations", "decode-ops-smollm2-135m", "mla-speed-512", "lmeval_serve",
            "nbl-gemma3-bos", "latentllm-whole", "mla-gemma3-speed",
            # one-off studies whose conclusions live in docs/serving.md; a probe re-run (the GPU fixes hold)
-           "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "rope-stride-kv0.625-qwen2.5-1.5b", "gpu-probe-h100",
+           "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "rope-stride-kv0.625-qwen2.5-1.5b",
+           "bias-fold-local-qwen2.5-1.5b", "gpu-probe-h100",
            # settled a default (wiki calibration stays; the heal's bf16 teacher), superseded by the 1.5B measurement
            "calib-source-smollm2-135m", "heal-memory",
            # LISA properties whose verdicts the claims table carries; the 250-step aligner run supersedes the 100-step

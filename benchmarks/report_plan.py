@@ -157,8 +157,10 @@ def plan_section(data: dict[str, Any]) -> list[str]:
                   "file; plan s is the planner's wall time on this CPU, the issue's 15-minute target):")
     out += _block(LOCAL_FILE, "With recipes/mla-kv25.yaml's local fit (96 Adam steps per layer towards the dense "
                   "attention's output on calibration text, after the output refit) on every mla layer: the GPU run's "
-                  "plans and uniform `mla` with the same fit, on the 2-core CPU (`python {command}` → `{file}`; "
-                  "compress s there includes the fit):")
+                  "plans fitted after planning (`-local`), plans whose every mla candidate was measured after the fit "
+                  "(`-local-planned`: `plan --local-steps 96`, ladder 0.125/0.25/0.5/0.75), and uniform `mla` with the "
+                  "same fit and its global rank allocation, on the 2-core CPU (last run: `python {command}` → "
+                  "`{file}`, each row's command in the file; compress s there includes the fit):", chosen=True)
     out += _block(CALIB_FILE, "Calibrated on a mixture of texts instead of wiki alone (the planner's per-layer costs, "
                   "its whole-plan score and every fit; rows ending in `-calibSOURCE`) beside uniform `mla` calibrated "
                   "either way, on the 2-core CPU (last run: `python {command}` → `{file}`, each row's command in the "

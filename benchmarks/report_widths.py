@@ -46,9 +46,13 @@ def rope_stride_section(data: dict[str, Any]) -> list[str]:
 
 
 def bias_fold_section(data: dict[str, Any]) -> list[str]:
-    kv = next(iter(data["variants"].values()))["args"]["kv_ratio"]
-    out = _head("Qwen2.5's biases folded: the 1.5B MLA model in the bias-free DeepSeek-V3 layout vLLM loads", data)
-    out += [f"`mla` at KV {kv:g} one-shot with the 32 fastest rotary frequencies (the servable 64-dim key), "
+    first = next(iter(data["variants"].values()))
+    kv, steps, layers = first["args"]["kv_ratio"], first["args"].get("local_steps", 0), first.get("layers", "all")
+    where = "every layer" if layers == "all" else f"layers {', '.join(map(str, layers))} (the rest dense)"
+    fit = f"after {steps} local-fit steps per layer" if steps else "one-shot"
+    out = _head("Qwen2.5's biases folded: the 1.5B MLA model in the bias-free DeepSeek-V3 layout vLLM loads"
+                + (f" ({where}, {fit})" if steps or layers != "all" else ""), data)
+    out += [f"`mla` at KV {kv:g} on {where}, {fit}, with the 32 fastest rotary frequencies (the servable 64-dim key), "
             f"calibration {data['calibration']}; dense perplexity {data['dense']['ppl']:.2f}. `rope_fastest=32`: the "
             "free layout (every bias exact, mean correction); `uncentred`: the same without the mean correction; "
             "`deepseek+fold`: layout deepseek with `biases: fold`, the form that exports (its cost beside "
@@ -64,4 +68,4 @@ def _variant_rows(data: dict[str, Any]) -> list[str]:
 
 WIDTH_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bias-drop-qwen2.5-1.5b": bias_drop_section, "rope-stride-qwen2.5-1.5b": rope_stride_section,
-    "rope-stride-kv0.625-qwen2.5-1.5b": bias_fold_section}
+    "rope-stride-kv0.625-qwen2.5-1.5b": bias_fold_section, "bias-fold-local-qwen2.5-1.5b": bias_fold_section}

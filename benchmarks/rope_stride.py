@@ -17,6 +17,12 @@ fold's own cost is deepseek+fold ÷ uncentred. At the width vLLM's GPU backends 
 
     .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.625 \
         --variants rope_fastest=32,uncentred,deepseek+fold --name rope-stride-kv0.625-qwen2.5-1.5b
+
+and what mla's local fit (96 steps per layer towards the dense attention's output) recovers, on the first four
+layers (the hardest: tests/test_qwen15_real.py), about 10 minutes:
+
+    .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.5 --layers 0,1,2,3 \
+        --local-steps 96 --tokens 1024 --variants uncentred,deepseek+fold --name bias-fold-local-qwen2.5-1.5b
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--variants", default="free,rope_stride=2,rope_fastest=32", help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--name", default=None, help="results file stem (default rope-stride-MODEL)")
+    ap.add_argument("--layers", default="all", help="converted layers, e.g. 0,1,2,3 (default all)")
+    ap.add_argument("--local-steps", type=int, default=0, help="mla's local fit on every converted layer")
     a = ap.parse_args()
     labels = [v for v in a.variants.split(",") if v]
     unknown = [v for v in labels if v not in VARIANTS]
@@ -79,11 +87,13 @@ def main() -> None:
             k: out[k] for k in ("model", "evaluated_on", "calibration", "dense")}:
         out["variants"] = stored["variants"]  # the same windows and dense model: other variants' rows stay
     for label, extra in ((v, VARIANTS[v]) for v in labels):
-        args = {"kv_ratio": a.kv_ratio, "rope_dims": a.rope_dims, "rope_spread": True, "rope_fold": 1, **extra}
+        args = {"kv_ratio": a.kv_ratio, "rope_dims": a.rope_dims, "rope_spread": True, "rope_fold": 1, **extra,
+                **({"local_steps": a.local_steps} if a.local_steps else {})}
+        layers: str | list[int] = "all" if a.layers == "all" else [int(i) for i in a.layers.split(",")]
         recipe = recipe_from_dict({
             "name": label, "calibration": {"source": "wiki", "windows": a.calib_windows, "seq_len": 256,
                                                        "seed": 0},
-            "steps": [{"method": "mla", "layers": "all", "args": args}]})
+            "steps": [{"method": "mla", "layers": layers, "args": args}]})
         model, _ = load_model(a.model)
         start = time.perf_counter()
         with warnings.catch_warnings():
@@ -96,7 +106,7 @@ def main() -> None:
         loss = nll(got, ids)
         row = {"args": args, "ppl": math.exp(loss), "ppl_ratio_to_dense": math.exp(loss - base),
                "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).double().mean()),
-               "compress_seconds": round(seconds, 1), "command": environment()["command"]}
+               "compress_seconds": round(seconds, 1), "layers": layers, "command": environment()["command"]}
         out["variants"][label] = row
         print(label, json.dumps(row), flush=True)
         path.write_text(json.dumps(out, indent=1) + "\n")  # after every row: a cut run keeps what it measured
