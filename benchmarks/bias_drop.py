@@ -11,8 +11,8 @@ function of it, 1 ≈ aᵀx by least squares on calibration windows (linalg/bias
 The dense model stands for the attnslim MLA model here: mla keeps q_proj and its bias as they are and carries the v
 bias exactly through o_proj's bias, so these are the costs an export without biases adds.
 
-    .venv/bin/python benchmarks/bias_drop.py --model qwen2.5-1.5b --tokens 512
-writes benchmarks/results/bias-drop-MODEL.json (about 8 minutes on one thread and 9 GB of memory for qwen2.5-1.5b).
+    .venv/bin/python benchmarks/bias_drop.py --model qwen2.5-1.5b --tokens 512 --ridge 1e-4
+writes benchmarks/results/bias-drop-MODEL.json (about 10 minutes on one thread and 9 GB of memory for qwen2.5-1.5b).
 """
 
 from __future__ import annotations
@@ -37,6 +37,21 @@ from attnslim.models import load_model  # noqa: E402
 
 VARIANTS = {"q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 FOLDED = {"q": ("q",), "k": ("k",), "v": ("v",), "qv": ("q", "v")}
+RIDGES = (1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 1e-2)
+
+
+def ridge_sweep(fit: list[tuple[torch.Tensor, torch.Tensor]], held: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> dict[str, dict[str, float]]:
+    """Per ridge: the residual energy E[(1 − aᵀx)²] = 1 − 2μᵀa + aᵀCa on held-out calibration tokens (other windows
+    of the calibration split) of the a fitted on `fit`, mean and max over the layers."""
+    out = {}
+    for ridge in RIDGES:
+        res = []
+        for (corr, mean), (held_corr, held_mean) in zip(fit, held, strict=True):
+            a, _ = constant_fit(corr, mean, ridge)
+            res.append(float(1 - 2 * held_mean @ a + a @ held_corr @ a))
+        out[f"{ridge:g}"] = {"mean": sum(res) / len(res), "max": max(res)}
+    return out
 
 
 def input_moments(model: Any, adapter: Any, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -73,6 +88,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--windows", type=int, default=8, help="calibration windows of the folds")
     ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--ridge", type=float, default=RIDGE, help="the folds' ridge (default mla's, linalg/bias_fold.py)")
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model(a.model)
@@ -107,10 +123,12 @@ def main() -> None:
                     bias.data.zero_()
         score(label, "dropped", saved, {"biases_zeroed": len(saved)})
     cal = calib_windows("wiki", tokenizer, a.windows, a.calib_seq_len).ids
-    fits = [constant_fit(corr, mean) for corr, mean in input_moments(model, adapter, cal)]
+    moments = input_moments(model, adapter, cal)
+    held = input_moments(model, adapter, calib_windows("wiki", tokenizer, a.windows, a.calib_seq_len, seed=1).ids)
+    fits = [constant_fit(corr, mean, a.ridge) for corr, mean in moments]
     out["folded"] = {}
     out["fold"] = {"calibration": f"{cal.numel()} tokens of wiki (calibration split), windows of {a.calib_seq_len}",
-                   "ridge": RIDGE, "rho": [rho for _, rho in fits]}
+                   "ridge": a.ridge, "rho": [rho for _, rho in fits], "ridge_sweep": ridge_sweep(moments, held)}
     for label, names in FOLDED.items():
         saved = []
         for i, (vec, _) in enumerate(fits):

@@ -32,6 +32,11 @@ def bias_drop_section(data: dict[str, Any]) -> list[str]:
                 "| biases folded | perplexity | ×dense | top-1 agreement with dense |", "|---|---|---|---|"]
         out += [f"| {name} | {r['ppl']:,.2f} | {r['ppl_ratio']:,.3f} | {r['top1_agreement']:.3f} |"
                 for name, r in data["folded"].items()]
+        if "ridge_sweep" in fold:  # how the fold's ridge was chosen: residual on other calibration windows
+            out += ["", f"Ridge {fold['ridge']:g} here (`--ridge`; `mla` keeps its own, linalg/bias_fold.RIDGE: "
+                    "docs/serving.md says why). The residual E[(1 − aᵀx)²] on other calibration windows per ridge "
+                    "(mean / max over the layers): " + "; ".join(
+                        f"{k}: {v['mean']:.4f} / {v['max']:.4f}" for k, v in fold["ridge_sweep"].items()) + "."]
     return out + [""]
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-RIDGE = 1e-6  # λ relative to the mean diagonal of C: a guard against singular C, far below the signal
+# λ relative to the mean diagonal of C: a guard against singular C, far below the signal. 1e-4 generalises better
+# for the dense model's q biases but made the folded MLA model worse (docs/serving.md, "Biased models")
+RIDGE = 1e-6
 
 
 def constant_fit(corr: torch.Tensor, mean: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, float]:
