@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, environment  # noqa: E402
 
 from attnslim.adapters import get_adapter  # noqa: E402
+from attnslim.calib.hooks import Callback, capture_sites  # noqa: E402
 from attnslim.data import calib_windows, eval_windows  # noqa: E402
 from attnslim.linalg.bias_fold import RIDGE, constant_fit, fold_bias  # noqa: E402
+from attnslim.linalg.stats import InputStats  # noqa: E402
 from attnslim.models import load_model  # noqa: E402
 
 VARIANTS = {"q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
@@ -56,25 +59,18 @@ def ridge_sweep(fit: list[tuple[torch.Tensor, torch.Tensor]], held: list[tuple[t
 
 def input_moments(model: Any, adapter: Any, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (E[xxᵀ], E[x]) of the attention input x, float64, over every token of `windows`."""
-    sums: dict[int, list[Any]] = {}
+    stats = [InputStats.empty(model.config.hidden_size) for _ in range(adapter.num_layers())]
+    def add(s: InputStats) -> Callback:
+        return lambda _site, x: s.update(x)
 
-    def hook(i: int) -> Any:
-        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().double().flatten(0, 1)
-            acc = sums.setdefault(i, [0.0, 0.0, 0])
-            acc[0], acc[1], acc[2] = acc[0] + x.T @ x, acc[1] + x.sum(0), acc[2] + x.shape[0]
-        return record
-
-    handles = [adapter.attention(i).register_forward_pre_hook(hook(i), with_kwargs=True)
-               for i in range(adapter.num_layers())]
-    try:
-        with torch.no_grad():
-            for window in windows.split(2):
-                model(window)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [(sums[i][0] / sums[i][2], sums[i][1] / sums[i][2]) for i in range(adapter.num_layers())]
+    with ExitStack() as hooks, torch.no_grad():
+        for i, s in enumerate(stats):
+            hooks.enter_context(capture_sites(adapter, i, {"attn_in"}, add(s)))
+        for window in windows.split(2):
+            model(window)
+    for i, s in enumerate(stats):
+        s.check(f"layer {i} attention input")
+    return [(s.corr, s.mean) for s in stats]
 
 
 def nll(logits: torch.Tensor, ids: torch.Tensor) -> float:

@@ -33,10 +33,10 @@ def _biased(zero_biases: bool = False) -> torch.nn.Module:
     return model
 
 
-def _mla(model: torch.nn.Module, **args: object) -> dict:
+def _mla(model: torch.nn.Module, method: str = "mla", **args: object) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny calibration sets are rank-deficient by design
-        done = compress(model, SavingTokenizer(), one_step("mla", {"kv_ratio": 0.5, "rope_dims": 16, **args},
+        done = compress(model, SavingTokenizer(), one_step(method, {"kv_ratio": 0.5, "rope_dims": 16, **args},
                                                            windows=8), progress=False)
     return done.to_json()
 
@@ -46,14 +46,15 @@ def _error(model: torch.nn.Module, ref: torch.Tensor) -> float:
         return float((model(IDS).logits - ref).norm() / ref.norm())
 
 
-def test_folded_biases_keep_the_exact_layout_s_logits_where_dropping_them_does_not():
+@pytest.mark.parametrize("method", ["mla", "transmla"])  # transmla inherits the fold from MLABase
+def test_folded_biases_keep_the_exact_layout_s_logits_where_dropping_them_does_not(method):
     exact = _biased()
-    _mla(exact, layout="free")  # carries every bias exactly (o_proj's bias, the rotary key's bias)
+    _mla(exact, method, layout="free")  # carries every bias exactly (o_proj's bias, the rotary key's bias)
     with torch.no_grad():
         ref = exact(IDS).logits
     folded, dropped = _biased(), _biased(zero_biases=True)
-    report = _mla(folded, layout="deepseek", biases="fold")
-    _mla(dropped, layout="deepseek", biases="fold")  # zero biases: folding them is dropping them
+    report = _mla(folded, method, layout="deepseek", biases="fold")
+    _mla(dropped, method, layout="deepseek", biases="fold")  # zero biases: folding them is dropping them
     assert _error(folded, ref) < _error(dropped, ref) / 20
     for layer in folded.model.layers:
         attn = layer.self_attn
@@ -84,3 +85,16 @@ def test_bias_options_that_cannot_work_are_refused_before_any_work():
     llama = tiny_llama(attention_bias=True)  # q, k, v and o biases: o_proj's input carries no common part
     with pytest.raises(AttnslimError, match=r"layer 0 has o biases \(o_proj\).*not an o_proj bias"):
         _mla(llama, layout="deepseek", biases="fold")
+
+
+def test_fold_ridge_reaches_the_fit_and_is_refused_without_a_fold():
+    rhos = {}
+    for ridge in (None, 1.0):  # 1.0: λ as large as the mean diagonal, a fit far from least squares
+        report = _mla(_biased(), layout="deepseek", biases="fold", **({} if ridge is None else {"fold_ridge": ridge}))
+        rhos[ridge] = [layer["fit"]["bias_fold_rho"] for layer in report["steps"][0]["plan"]["layers"].values()]
+        assert ("fold_ridge" in report["steps"][0]["args"]) == (ridge is not None)  # recorded only when set
+    assert max(rhos[1.0]) < min(rhos[None])  # a larger ridge shrinks a: the fit reproduces less of the constant
+    with pytest.raises(AttnslimError, match=r"fold_ridge=0.0001 is invalid.*null unless biases: fold"):
+        _mla(_biased(), layout="free", fold_ridge=1e-4)
+    with pytest.raises(AttnslimError, match=r"fold_ridge=-1 is invalid.*a number > 0"):
+        _mla(_biased(), layout="deepseek", biases="fold", fold_ridge=-1)

@@ -82,7 +82,7 @@ class MLA(OutputFits, Selecting[MLAStats], MLABase):
     refit_o: bool = False  # after each layer's conversion, refit o_proj to the dense attention's output (OutputFits)
     local_steps: int = 0  # then train the converted attention towards the dense one's output (pipeline/local_fit.py)
     local_lr: float = 3.0e-3  # relative to each tensor's RMS (pipeline/local_fit.py)
-    later_args = ("refit_o", "local_steps", "local_lr", "biases")  # added after the MLA tables were measured
+    later_args = ("refit_o", "local_steps", "local_lr", *MLABase.later_args)  # added after the MLA tables were measured
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -15,7 +15,7 @@ from torch import nn
 from attnslim.adapters.base import Adapter, AttentionSpec
 from attnslim.adapters.rotary import rotary_angles
 from attnslim.errors import AttnslimError
-from attnslim.linalg.bias_fold import constant_fit, fold_bias
+from attnslim.linalg.bias_fold import RIDGE, constant_fit, fold_bias
 from attnslim.linalg.mla import (
     MLAFactors,
     head_moments,
@@ -66,8 +66,11 @@ class MLABase(Method[MLAEntry, MLAStats]):
     # 32 on 128-dim heads): a bias on slow rotary frequencies neither folds nor drops. "keep": every bias carried
     # exactly (layout free); layout deepseek then refuses a biased model
     biases: str = "keep"
+    # the fold's ridge λ, relative to the mean diagonal of E[xxᵀ] (null: linalg/bias_fold.RIDGE); biases: fold only
+    fold_ridge: float | None = None
     entry_type = MLAEntry
-    later_args: ClassVar[tuple[str, ...]] = ("biases",)  # added after the MLA tables were measured (Method.args)
+    # added after the MLA tables were measured (Method.args)
+    later_args: ClassVar[tuple[str, ...]] = ("biases", "fold_ridge")
 
     def __post_init__(self) -> None:
         n = self.name
@@ -95,6 +98,11 @@ class MLABase(Method[MLAEntry, MLAStats]):
         require(self.biases in BIASES, n, "biases", self.biases, " | ".join(BIASES))
         require(self.biases == "keep" or self.layout == "deepseek", n, "biases", self.biases,
                 "keep with layout: free, which carries every bias exactly (fold is for layout: deepseek)")
+        require(self.fold_ridge is None or (isinstance(self.fold_ridge, int | float) and not isinstance(
+            self.fold_ridge, bool) and math.isfinite(self.fold_ridge) and self.fold_ridge > 0), n, "fold_ridge",
+            self.fold_ridge, f"null or a number > 0 (relative to the mean diagonal; default {RIDGE:g})")
+        require(self.fold_ridge is None or self.biases == "fold", n, "fold_ridge", self.fold_ridge,
+                "null unless biases: fold (the ridge of the fold's least squares)")
 
     # --- decisions --------------------------------------------------------------------------------------
     def collector(self, adapter: Adapter, layer: int) -> Collector[MLAStats]:
@@ -213,7 +221,7 @@ class MLABase(Method[MLAEntry, MLAStats]):
         if self.biases != "fold" or all(spec.bias(name) is None for name in FOLDED):
             return spec, None, 1.0
         spec = spec.to(st.sxx.device)
-        a, rho = constant_fit(st.corr, st.mean)
+        a, rho = constant_fit(st.corr, st.mean, RIDGE if self.fold_ridge is None else self.fold_ridge)
         q = spec.q if spec.q_bias is None else fold_bias(spec.q, spec.q_bias, a)
         v = spec.v if spec.v_bias is None else fold_bias(spec.v, spec.v_bias, a)
         return replace(spec, q=q, q_bias=None, v=v, v_bias=None), a, rho
