@@ -23,8 +23,12 @@ uniform mla as recipes/default.yaml converts), rows `plan-kvF-norefit-heal40` an
 o_proj refit, 96 local-fit steps per layer) at that kv_ratio beside the plan given the same local fit on its mla
 layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains each layer alone towards the dense
 attention on calibration text); where `--heal` names the budget too, also after mla-kv25's heal (40 steps of every
-parameter at lr 3e-4): rows `-heal40-all`. `--plans-from STEM` takes the plans an earlier run recorded in
-benchmarks/results/STEM.json instead of planning again (e.g. a GPU run's plans, compressed and scored here).
+parameter at lr 3e-4): rows `-heal40-all`.
+`--global-alloc 0.5`: at those budgets the plan with its mla layers joined in one `mla` step under `alloc: global`
+at their mean width (with_global; the plan still chooses which layers keep attention or lose their cache), row
+`plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
+`--plans-from STEM` takes the plans an earlier run recorded in benchmarks/results/STEM.json instead of planning
+again (e.g. a GPU run's plans, compressed and scored here).
 `--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
 instead of wiki (the heal's own text is unchanged); rows end in `-calibSOURCE`, the report sets them against the
 rows calibrated on wiki. The question: wiki-only costs win the plan wiki and lose it ptb; does broader text?
@@ -102,6 +106,24 @@ def with_local(recipe: dict[str, Any]) -> dict[str, Any]:
     return {**recipe, "name": f"{recipe['name']}-local", "steps": steps}
 
 
+def with_global(recipe: dict[str, Any]) -> dict[str, Any]:
+    """`recipe` with its mla layers in one mla step under `alloc: global` at their mean kv_ratio: the plan chooses which
+    layers keep attention, lose their cache or take a latent, and the latent budget the plan gave those layers is
+    spread over them by their spectra, as uniform `mla` spreads its own (the plan's ladder widths are coarser). The
+    mean is over layers: the same total KV where every layer's dense cache is the same size (SmolLM2, Gemma-3)."""
+    mla = [s for s in recipe["steps"] if s["method"] == "mla"]
+    if len({json.dumps({k: v for k, v in s["args"].items() if k != "kv_ratio"}, sort_keys=True) for s in mla}) != 1:
+        raise SystemExit(f"{recipe['name']}: its mla steps differ beyond kv_ratio; one global step cannot join them")
+    layers = sorted(i for s in mla for i in s["layers"])
+    kv = sum(s["args"]["kv_ratio"] * len(s["layers"]) for s in mla) / len(layers)
+    args = {**mla[0]["args"], "kv_ratio": round(kv, 6), "alloc": "global"}  # rounded: at most the plan's KV
+    joined = {"method": "mla", "layers": layers, "args": args}
+    first = recipe["steps"].index(mla[0])  # a sharing step stays last (the recipe's own check)
+    steps = [s for s in recipe["steps"][:first] if s["method"] != "mla"] + [joined] + [
+        s for s in recipe["steps"][first:] if s["method"] != "mla"]
+    return {**recipe, "name": f"{recipe['name']}-global", "steps": steps}
+
+
 def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
            ) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
     """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary),
@@ -162,6 +184,9 @@ def main() -> None:
                    "recipes/default.yaml's mla conversion also get the standard heal: rows -norefit-heal40")
     p.add_argument("--calib-source", default="wiki", help="the plan's and the baselines' calibration text (the "
                    "planner's costs and every fit); other than wiki, rows end in -calibSOURCE")
+    p.add_argument("--global-alloc", default="", help="budgets whose plan also runs with its mla layers under one "
+                   "global rank allocation (with_global): rows plan-kvF-global, and plan-kvF-global-local where "
+                   "--local names the budget")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
                    "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
@@ -169,6 +194,7 @@ def main() -> None:
     healed = {float(b) for b in args.heal.split(",") if b}
     local = {float(b) for b in args.local.split(",") if b}
     norefit = {float(b) for b in args.norefit_heal.split(",") if b}
+    joined = {float(b) for b in args.global_alloc.split(",") if b}
     budgets = [float(b) for b in args.budgets.split(",")]
     layers, marker = shape(args.model)
     src = args.calib_source
@@ -201,9 +227,14 @@ def main() -> None:
                         summary)
             harness.run(f"mla-kv{kv:g}-norefit-heal40{cal}", {**baseline("mla-norefit", kv, layers, source=src),
                                                                "heal": STANDARD_HEAL})
+        if kv in joined:
+            harness.run(f"plan-kv{kv:g}-global{cal}", with_global(recipe), summary)
         if kv in local:
-            for key, row in ((f"mla-kv{kv:g}-local{cal}", baseline("mla-local", kv, layers, source=src)),
-                             (f"plan-kv{kv:g}-local{cal}", with_local(recipe))):
+            pairs = [(f"plan-kv{kv:g}-local{cal}", with_local(recipe))]  # the plan first: a cut run has it
+            if kv in joined:  # the global step takes the local fit as uniform mla-local does (its alloc is global)
+                pairs.append((f"plan-kv{kv:g}-global-local{cal}", with_local(with_global(recipe))))
+            pairs.append((f"mla-kv{kv:g}-local{cal}", baseline("mla-local", kv, layers, source=src)))
+            for key, row in pairs:
                 harness.run(key, row, summary if key.startswith("plan") else None)
                 if kv in healed:
                     harness.run(f"{key.removesuffix(cal)}-heal40-all{cal}", {**row, "heal": LOCAL.heal},

@@ -75,11 +75,13 @@ def _single(key: str) -> bool:
 TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
          "-local-heal40-all": "local fit, then heal of every parameter",
          "-local-planned": "local fit, planned with it (plan --local-steps)",
-         "-norefit-heal40": "standard, mla converted without the output refit"}
+         "-norefit-heal40": "standard, mla converted without the output refit",
+         "-global": "–, the plan's mla layers under one global rank allocation (plan.py --global-alloc)",
+         "-global-local": "local fit, the plan's mla layers under one global rank allocation"}
 # a plan measured with the fit meets the uniformly fitted rows; a healed plan meets every healed row (rows ending in
 # -heal40: with and without the refit), whichever way it was converted; every plan meets the single-method rows of its
 # budget and heal whatever their calibration text
-RIVAL_TAIL = {"-local-planned": "-local", "-norefit-heal40": "-heal40"}
+RIVAL_TAIL = {"-local-planned": "-local", "-norefit-heal40": "-heal40", "-global": "", "-global-local": "-local"}
 
 
 def verdicts(data: dict[str, Any]) -> list[str]:
@@ -111,7 +113,8 @@ def verdicts(data: dict[str, Any]) -> list[str]:
 
 def _chosen(data: dict[str, Any]) -> list[str]:
     """'What each plan chose, per layer' for the one-shot plan rows of `data`."""
-    plans = [(k, v) for k, v in data["variants"].items() if "plan_layers" in v and "heal" not in k]
+    plans = [(k, v) for k, v in data["variants"].items()  # -global rows re-spread the widths (plan.py with_global)
+             if "plan_layers" in v and "heal" not in k and "global" not in k]
     if not plans:
         return []
     return ["What each plan chose, per layer:", "",
@@ -192,7 +195,7 @@ def plan_series(files: tuple[dict[str, Any], ...]) -> dict[str, list[tuple[float
     for data in files:
         dense = data["dense"]["kv_bytes_per_token"]
         for key, v in data["variants"].items():
-            if "local" in key or "norefit" in key or "calib" in key:  # one point per method and budget: as planned
+            if any(part in key for part in ("local", "norefit", "calib", "global")):  # one point per method, budget
                 continue
             name = key.split("-")[0] + (" + heal" if "heal" in key else "")
             out.setdefault(name, []).append((v["kv_bytes_per_token"] / dense, v["ppl_ratio"]["wiki"]))

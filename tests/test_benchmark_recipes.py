@@ -143,3 +143,22 @@ def test_rope_stride_benchmark_variants_are_valid_mla_steps(script: Any) -> None
                                                                           "rope_spread": True, "rope_fold": 1,
                                                                           **extra}}]}
             for label, extra in rope_stride.VARIANTS.items()})
+
+
+def test_plan_benchmark_joins_a_plans_mla_layers_under_one_global_allocation_at_their_kv(script: Any) -> None:
+    plan: ModuleType = script("plan")
+    cal = {"source": "wiki", "windows": 32, "seq_len": 512, "seed": 0}
+    recipe = {"name": "plan-kv0.25", "calibration": cal, "steps": [
+        {"method": "mla", "layers": [0, 5], "args": {"kv_ratio": 0.125, "refit_o": True}},
+        {"method": "nbl", "layers": [8, 9], "args": {"criterion": "given", "sequential": True}},
+        {"method": "mla", "layers": [2, 3, 4], "args": {"kv_ratio": 0.5, "refit_o": True}}]}
+    joined = plan.with_local(plan.with_global(recipe))
+    _check({joined["name"]: joined})
+    mla = [s for s in joined["steps"] if s["method"] == "mla"]
+    assert len(mla) == 1 and mla[0]["layers"] == [0, 2, 3, 4, 5]
+    assert mla[0]["args"]["alloc"] == "global" and mla[0]["args"]["local_steps"] == 96
+    assert mla[0]["args"]["kv_ratio"] == pytest.approx((2 * 0.125 + 3 * 0.5) / 5)  # the plan's mla KV, re-spread
+    assert [s["method"] for s in joined["steps"]] == ["mla", "nbl"]  # the nbl step kept, after the first mla step's
+    recipe["steps"][2]["args"]["refit_o"] = False
+    with pytest.raises(SystemExit, match="differ beyond kv_ratio"):
+        plan.with_global(recipe)
