@@ -61,9 +61,10 @@ def bias_fold_section(data: dict[str, Any]) -> list[str]:
             f"calibration {data['calibration']}; dense perplexity {data['dense']['ppl']:.2f}. `rope_fastest=32`: the "
             "free layout (every bias exact, mean correction); `uncentred`: the same without the mean correction; "
             "`deepseek+fold`: layout deepseek with `biases: fold`, the form that exports (its cost beside "
-            "`uncentred` is the fold's own)" + ("; `deepseek+fold@1e-4` the same with the fold's ridge at 1e-4 "
-                                               "(`fold_ridge`; default 1e-6)" if "deepseek+fold@1e-4" in
-                                               data["variants"] else "") + ".", "",
+            "`uncentred` is the fold's own)" + ("; `deepseek+fold@R` the same with the fold's ridge at R "
+                                               "(`fold_ridge`; default 1e-6)" if any(
+                                                   k.startswith("deepseek+fold@") for k in data["variants"]) else "")
+            + ".", "",
             "| variant | perplexity | ×dense | top-1 agreement | compress s |", "|---|---|---|---|---|"]
     return out + _variant_rows(data) + [""]
 

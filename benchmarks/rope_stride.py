@@ -18,7 +18,7 @@ fold's own cost is deepseek+fold ÷ uncentred. At the width vLLM's GPU backends 
     .venv/bin/python benchmarks/rope_stride.py --model qwen2.5-1.5b --kv-ratio 0.625 \
         --variants rope_fastest=32,uncentred,deepseek+fold --name rope-stride-kv0.625-qwen2.5-1.5b
 
-(`--variants deepseek+fold@1e-4` adds the fold at the ridge bias_drop.py's sweep prefers for the dense q fold),
+(`--variants deepseek+fold@1e-4,deepseek+fold@1e-8`: the fold at other ridges than the default 1e-6),
 and what mla's local fit (96 steps per layer towards the dense attention's output) recovers, on the first four
 layers (the hardest: tests/test_qwen15_real.py), about 10 minutes:
 
@@ -54,9 +54,11 @@ VARIANTS: dict[str, dict[str, Any]] = {"free": {}, "rope_stride=2": {"rope_strid
                                        "rope_fastest=32": {"rope_fastest": 32},
                                        "uncentred": {"rope_fastest": 32, "center": False},
                                        "deepseek+fold": {"rope_fastest": 32, "layout": "deepseek", "biases": "fold"},
-                                       # the ridge that suits the dense model's q fold (bias_drop.py's ridge sweep)
-                                       "deepseek+fold@1e-4": {"rope_fastest": 32, "layout": "deepseek",
-                                                              "biases": "fold", "fold_ridge": 1e-4}}
+                                       # the fold's ridge on either side of the default 1e-6: 1e-4 suits the dense
+                                       # model's q fold (bias_drop.py's ridge sweep)
+                                       **{f"deepseek+fold@{label}": {"rope_fastest": 32, "layout": "deepseek",
+                                                                       "biases": "fold", "fold_ridge": float(label)}
+                                          for label in ("1e-4", "1e-8")}}
 
 
 def main() -> None:

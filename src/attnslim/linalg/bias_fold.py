@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 # λ relative to the mean diagonal of C: a guard against singular C, far below the signal. 1e-4 generalises better
-# for the dense model's q biases but made the folded MLA model worse (docs/serving.md, "Biased models")
+# for the dense model's q biases but makes the folded MLA model worse, 1e-8 barely better (docs/serving.md, "Biased
+# models"; mla's `fold_ridge` sets it)
 RIDGE = 1e-6
 
 
