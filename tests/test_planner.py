@@ -349,3 +349,51 @@ def test_vllm_engine_offers_mla_on_a_biased_model_by_folding_its_biases() -> Non
     assert [c.args["biases"] for c in cands if c.kind == "mla"] == ["fold", "fold"]
     rows, refused = layer_options(get_adapter(model), cands, 64, "vllm")
     assert [c.label for c, _ in rows[0]] == ["keep", "mla@256+64", "mla@512+64"] and not refused
+
+
+def _wide_llama() -> torch.nn.Module:
+    """Dense KV 512 values per layer: MLA at vLLM's 256 + 64 keeps 0.625 of it."""
+    return tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("kv", [0.7, 0.5])
+def test_a_vllm_plan_holds_the_layer_kinds_of_one_route_that_serves_it(kv: float) -> None:
+    """No vLLM model mixes MLA layers with others: the plan is all MLA (the DeepSeek-V3 export) or keep/nbl/drop
+    (attnslim's plugin), whichever measures better; at KV 0.5 the all-MLA route (0.625) cannot hold the budget."""
+    cal = Calibration(source="tiny", windows=10, seq_len=32, seed=0, batch_size=4)  # NBL: > 256 tokens at width 256
+    cfg = _config(kv=kv, engine="vllm", kinds=("keep", "mla", "nbl", "drop"), calibration=cal)
+    result = plan_model(_wide_llama(), ByteTokenizer(), cfg, progress=False)
+    report = result.report
+    kinds = {row["choice"].split("@")[0] for row in report["layers"]}  # keep, mla@256+64, nbl, drop
+    assert kinds == {"mla"} or kinds <= {"keep", "nbl", "drop"}
+    assert report["route"] in report["serving"] and "transformers" in report["serving"]
+    assert set(report["routes"]) == {"plugin", "deepseek-v3"}
+    if kv == 0.5:
+        assert report["route"] == "plugin" and "0.625" in report["routes"]["deepseek-v3"]["refused"]
+    else:  # both routes planned and measured whole; the lower measured cost won
+        costs = {route: r["measured"] for route, r in report["routes"].items()}
+        assert report["route"] == min(costs, key=lambda route: costs[route])
+
+
+def test_a_vllm_plan_for_a_family_no_route_can_hold_is_refused_before_any_measurement() -> None:
+    from conftest import tiny_qwen25
+
+    model = tiny_qwen25(hidden_size=512, num_key_value_heads=4)  # head_dim 128: MLA at 320 keeps 0.3125 of 1,024
+    with pytest.raises(AttnslimError, match=r"no vLLM route .* plugin: it serves llama models; this one is 'qwen2'.*"
+                                            r"deepseek-v3: .*0\.3125"):
+        plan_model(model, ByteTokenizer(), _config(kv=0.25, engine="vllm"), progress=False)
+
+
+def test_every_plan_report_names_the_routes_that_serve_it() -> None:
+    from attnslim.engines import routes
+
+    assert routes(["keep", "drop", "nbl"], "llama", mla_served=False) == ["transformers", "plugin"]
+    assert routes(["keep", "drop"], "llama", mla_served=False) == ["transformers", "plugin", "deci"]
+    assert routes(["drop", "keep"], "llama", mla_served=False) == ["transformers", "plugin"]  # DeciLM keeps layer 0
+    assert routes(["mla", "mla"], "qwen2", mla_served=True) == ["transformers", "deepseek-v3"]
+    assert routes(["mla", "mla"], "llama", mla_served=False) == ["transformers"]  # widths vLLM does not take
+    assert routes(["mla", "keep"], "llama", mla_served=True) == ["transformers"]
+    assert routes(["keep", "nbl"], "gemma3_text", mla_served=False) == ["transformers"]
+    report = plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.5), progress=False).report
+    assert report["route"] == "any" and list(report["routes"]) == ["any"]
+    assert "transformers" in report["serving"]

@@ -86,8 +86,9 @@ def add_plan_options(p: Any) -> None:
     p.add_argument("--decode-bytes", type=float, default=None, help="also read at most this fraction of the bytes "
                    "a dense decode step reads at --decode-at tokens of context")
     p.add_argument("--decode-at", type=int, default=4096, help="context of --decode-bytes (default 4096)")
-    p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="hf: every candidate; vllm: only what stock "
-                   "vLLM's MLA kernels (widths 320/576, DeepSeek layout) and attnslim's plugin (nbl, drop) serve")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="hf: every candidate; vllm: a plan one vLLM "
+                   "route serves: keep/nbl/drop (attnslim's plugin, Llama family) or MLA at every layer (stock "
+                   "vLLM's DeepSeek-V3 kernels: widths 320/576)")
     p.add_argument("--candidates", default=None, help="comma-separated kinds among keep,mla,nbl,drop,ds (default all)")
     p.add_argument("--ladder", default=None, help="mla's kept KV fractions per layer, comma-separated "
                    "(default 0.125,0.25,0.375,0.5,0.625,0.75)")

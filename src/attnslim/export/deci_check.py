@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.disk_format import BASE_TYPE_KEY, COMPRESSION_JSON, MODEL_TYPE
+from attnslim.engines import DECI_BASES
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json
 
-FAMILIES = ("llama",)  # model types whose layers are vLLM's Llama layers (no sliding window, Llama's biases)
+FAMILIES = DECI_BASES  # model types whose layers are vLLM's Llama layers (no sliding window, Llama's biases)
 METHOD = "drop"
 SERVE = "`attnslim serve DIR` (attnslim's vLLM plugin)"
 _SHARED = ("shares attention scores across layers, which no stock engine computes: run it with attnslim.load "

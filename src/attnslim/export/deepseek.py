@@ -52,6 +52,7 @@ from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
 from attnslim.data import eval_windows
 from attnslim.disk_format import EXPORT_MARKER
+from attnslim.engines import DEEPSEEK_BASES
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span, weight, write_weights
 from attnslim.export.deepseek_layer import MLALayer, attention_tensors, latent_scale
@@ -69,7 +70,7 @@ ROPE_TYPES = ("default",)
 # kv_a_layernorm bound (tests/test_export.py's real test bounds the export itself at 1e-4), far below the O(1)
 # errors of a wrong map
 TOLERANCE = 1e-3
-FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: its q/k/v biases folded by mla `biases: fold`, or refused
+FAMILIES = DEEPSEEK_BASES  # qwen2: its q/k/v biases folded by mla `biases: fold`, or refused
 VERIFY_SOURCE = "wiki"
 
 

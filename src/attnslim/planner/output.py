@@ -16,6 +16,7 @@ import yaml
 from attnslim.calib.residency import Residency
 from attnslim.errors import AttnslimError
 from attnslim.offload.compute import compute_target
+from attnslim.planner.routes import ANY
 from attnslim.planner.run import PlanConfig, PlanResult, plan_model
 from attnslim.recipe import recipe_to_dict
 from attnslim.safe_files import write_text_atomic
@@ -35,6 +36,11 @@ def plan_table(report: dict[str, Any]) -> list[str]:
     starts = ", ".join(f"{name} {s['measured']:.5f}" for name, s in report["starts"].items())
     lines.append(f"starts measured whole: {starts}; refined from {report['start']}: {est['measured']:.5f} "
                  f"(additive {est['additive']:.5f})")
+    if report["route"] != ANY:  # --engine vllm: the plan holds one route's kinds (planner/routes.py)
+        other = "; ".join(f"{name} {r['measured']:.5f}" if "measured" in r else f"{name} not possible ({r['refused']})"
+                          for name, r in report["routes"].items() if name != report["route"])
+        lines.append(f"vLLM route: {report['route']}" + (f" (other routes: {other})" if other else ""))
+    lines += [f"served by {how}" for how in report["serving"].values()]
     return lines
 
 

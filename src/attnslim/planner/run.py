@@ -32,15 +32,18 @@ from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.data import calib_windows
 from attnslim.data.generated import SELF
 from attnslim.data.sources import mixture
+from attnslim.engines import HOW
+from attnslim.engines import routes as serving_routes
 from attnslim.errors import AttnslimError
 from attnslim.methods import Method
 from attnslim.planner.assemble import choice_table, installed, plan_recipe
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, SHARING, Candidate, candidate_set
 from attnslim.planner.costs import Resources, method_of, resources
 from attnslim.planner.measure import Measured, measure
-from attnslim.planner.refine import refine
+from attnslim.planner.refine import Refined, refine
+from attnslim.planner.routes import ANY, route_rows
 from attnslim.planner.score import ScoreSet, kl, score_set
-from attnslim.planner.solve import Budget, Option, solve
+from attnslim.planner.solve import Budget, Option, Solution, solve
 from attnslim.planner.starts import start_plans
 from attnslim.recipe import Calibration, Recipe, load_recipe
 
@@ -155,7 +158,7 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
     rows, refused = layer_options(adapter, cands, cfg.decode_at, cfg.engine)
     keep = Candidate("keep", {}, "keep")
     dense = [resources(adapter, i, keep, cfg.decode_at) for i in range(adapter.num_layers())]
-    solve(_as_options(rows, {}), _budgets(model, adapter, cfg, dense))  # refused here, before any measurement
+    _solved(rows, {}, _budgets(model, adapter, cfg, dense), cfg.engine, adapter)  # refused before any measurement
     cal = raised_calibration(cfg.calibration, [(f"the planner's candidate {c.label}", method_of(c))
                                                for c in cands if c.method is not None], adapter)
     fit = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed, model=model)
@@ -192,21 +195,15 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
     """The plan under `cfg`'s budgets from `prepared`'s measurements: solved, re-scored whole, refined."""
     start = time.time()
     adapter = get_adapter(model)
-    rows, measured = prepared.rows, prepared.measured
+    measured = prepared.measured
     budgets = _budgets(model, adapter, cfg, prepared.dense)
-    options = _as_options(rows, measured.quality)
-    first = solve(options, budgets)
-
-    def whole(choice: list[int]) -> float:
-        with (installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], measured.bank),
-              prepared.residency.streamed()):
-            return kl(model, prepared.held_out)
-
-    starts = start_plans(options, [[c.kind for c, _ in row] for row in rows], budgets, first.choice)
-    start_cost = {name: whole(choice) for name, choice in starts.items()}
-    best = min(start_cost, key=lambda name: start_cost[name])
-    refined = refine(options, starts[best], budgets, whole, cfg.rounds, cfg.tries, progress, start_cost[best],
-                     {tuple(c) for c in starts.values()})
+    solved, why = _solved(prepared.rows, measured.quality, budgets, cfg.engine, adapter)
+    searched = {route: _search(model, adapter, prepared, rows, options, first, budgets, cfg, progress)
+                for route, (rows, options, first) in solved.items()}
+    route = min(searched, key=lambda name: searched[name].refined.measured)
+    found = searched[route]
+    rows, options, first, starts, start_cost = found.rows, found.options, found.first, found.starts, found.start_cost
+    refined, best = found.refined, found.best
     chosen = [rows[i][o][0] for i, o in enumerate(refined.choice)]
     recipe, methods = plan_recipe(chosen, f"plan-{cfg.budgets_text().replace(' ', '')}",
                          f"attnslim plan: {cfg.budgets_text()} (engine {cfg.engine}); per-layer choice by "
@@ -227,6 +224,10 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                      "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
                      "measured": refined.measured,
                      "measured_over_additive_first": start_cost["additive"] / max(first.quality, 1e-12)},
+        "route": route, "routes": {**{name: {"measured": found.refined.measured} for name, found in searched.items()},
+                                   **{name: {"refused": reason} for name, reason in why.items()}},
+        "serving": {name: HOW[name] for name in serving_routes(
+            [c.kind for c in chosen], str(adapter.config.model_type), mla_served=cfg.engine == "vllm")},
         "refine": refined.history, "windows": prepared.windows, "bank_mb": measured.bank.disk_bytes() / 2**20,
         "config": {k: v for k, v in asdict(cfg).items() if k != "calibration"},
         "calibration": asdict(prepared.calibration),
@@ -234,6 +235,63 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                     "total": prepared.seconds + time.time() - start},
     }
     return PlanResult(recipe, report, methods)
+
+
+@dataclass
+class Searched:
+    """One route's plan: its candidate rows and options, the solver's plan, the starts and their measured costs,
+    the refinement from the best start."""
+
+    rows: list[list[tuple[Candidate, Resources]]]
+    options: list[list[Option]]
+    first: Solution
+    starts: dict[str, list[int]]
+    start_cost: dict[str, float]
+    best: str
+    refined: Refined
+
+
+def _solved(rows: list[list[tuple[Candidate, Resources]]], quality: dict[tuple[int, str], float],
+            budgets: list[Budget], engine: str, adapter: Adapter
+            ) -> tuple[dict[str, tuple[list[list[tuple[Candidate, Resources]]], list[list[Option]], Solution]],
+                       dict[str, str]]:
+    """Per serving route (planner/routes.py) that can hold the model under `budgets`: (its rows, options, the
+    solver's plan); and why each other route cannot. The solver's own refusal (the reachable minimum) where no route
+    is left and there was one to try; else a refusal naming every route's reason."""
+    sets, why = route_rows(rows, engine, str(adapter.config.model_type))
+    out = {}
+    for route, kept in sets.items():
+        options = _as_options(kept, quality)
+        try:
+            out[route] = (kept, options, solve(options, budgets))
+        except AttnslimError as err:
+            if route == ANY:
+                raise
+            why[route] = str(err)
+    if not out:
+        raise AttnslimError("no vLLM route serves a plan of this model under the budgets: "
+                            + "; ".join(f"{route}: {reason}" for route, reason in why.items())
+                            + ". No vLLM model mixes MLA with other layers yet (docs/serving.md); plan with "
+                            "--engine hf (attnslim.load serves any plan) or relax the budget")
+    return out, why
+
+
+def _search(model: Any, adapter: Adapter, prepared: Prepared, rows: list[list[tuple[Candidate, Resources]]],
+            options: list[list[Option]], first: Solution, budgets: list[Budget], cfg: PlanConfig,
+            progress: bool) -> Searched:
+    """The starts (planner/starts.py) of one route's options measured whole, the best refined."""
+
+    def whole(choice: list[int]) -> float:
+        with (installed(model, adapter, [rows[i][o][0] for i, o in enumerate(choice)], prepared.measured.bank),
+              prepared.residency.streamed()):
+            return kl(model, prepared.held_out)
+
+    starts = start_plans(options, [[c.kind for c, _ in row] for row in rows], budgets, first.choice)
+    start_cost = {name: whole(choice) for name, choice in starts.items()}
+    best = min(start_cost, key=lambda name: start_cost[name])
+    refined = refine(options, starts[best], budgets, whole, cfg.rounds, cfg.tries, progress, start_cost[best],
+                     {tuple(c) for c in starts.values()})
+    return Searched(rows, options, first, starts, start_cost, best, refined)
 
 
 def standard_heal(calibration_source: str) -> dict[str, Any]:

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from attnslim.disk_format import BASE_TYPE_KEY, COMPRESSION_JSON, MODEL_TYPE
+from attnslim.engines import PLUGIN_BASES
 from attnslim.errors import AttnslimError
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json as read_json_file
 
 ARCHITECTURE = "AttnslimForCausalLM"
-SERVABLE_BASES = ("llama",)
+SERVABLE_BASES = PLUGIN_BASES
 SERVABLE_METHODS = ("nbl", "drop")
 MAKE_TARGET = "make serve-setup"
 NBL_INPUTS = ("normed", "residual")  # modules/linearized.py's INPUTS (a 5.23-side module; a test ties the two)
