@@ -375,13 +375,15 @@ def test_a_vllm_plan_holds_the_layer_kinds_of_one_route_that_serves_it(kv: float
         assert report["route"] == min(costs, key=lambda route: costs[route])
 
 
-def test_a_vllm_plan_for_a_family_no_route_can_hold_is_refused_before_any_measurement() -> None:
-    from conftest import tiny_qwen25
+def test_a_vllm_plan_no_route_can_hold_is_refused_before_any_measurement() -> None:
+    from conftest import tiny_qwen3, tiny_qwen25
 
+    with pytest.raises(AttnslimError, match=r"no vLLM route .* plugin: it serves llama, qwen2 models; this one is "
+                                            r"'qwen3'; deepseek-v3: it serves llama, mistral, qwen2 models"):
+        plan_model(tiny_qwen3(), ByteTokenizer(), _config(kv=0.5, engine="vllm"), progress=False)
     model = tiny_qwen25(hidden_size=512, num_key_value_heads=4)  # head_dim 128: MLA at 320 keeps 0.3125 of 1,024
-    with pytest.raises(AttnslimError, match=r"no vLLM route .* plugin: it serves llama models; this one is 'qwen2'.*"
-                                            r"deepseek-v3: .*0\.3125"):
-        plan_model(model, ByteTokenizer(), _config(kv=0.25, engine="vllm"), progress=False)
+    with pytest.raises(AttnslimError, match=r"no vLLM route .* plugin: .*budget 0.05 .*deepseek-v3: .*0\.3125"):
+        plan_model(model, ByteTokenizer(), _config(kv=0.05, engine="vllm", kinds=("keep", "mla")), progress=False)
 
 
 def test_every_plan_report_names_the_routes_that_serve_it() -> None:
@@ -393,6 +395,8 @@ def test_every_plan_report_names_the_routes_that_serve_it() -> None:
     assert routes(["mla", "mla"], "qwen2", mla_served=True) == ["transformers", "deepseek-v3"]
     assert routes(["mla", "mla"], "llama", mla_served=False) == ["transformers"]  # widths vLLM does not take
     assert routes(["mla", "keep"], "llama", mla_served=True) == ["transformers"]
+    assert routes(["keep", "nbl"], "qwen2", mla_served=False) == ["transformers", "plugin"]
+    assert routes(["keep", "drop"], "qwen2", mla_served=False) == ["transformers", "plugin"]  # DeciLM: Llama only
     assert routes(["keep", "nbl"], "gemma3_text", mla_served=False) == ["transformers"]
     report = plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.5), progress=False).report
     assert report["route"] == "any" and list(report["routes"]) == ["any"]

@@ -32,6 +32,22 @@ def test_nbl_and_drop_layers_are_read_from_the_output(tmp_path):
     assert kinds.count(LayerKind("attention")) == 2
 
 
+@pytest.mark.parametrize(("family", "served"), [("qwen2", True), ("gemma3", False)])
+def test_the_plugin_serves_llama_and_qwen2_outputs_and_names_them_for_another_family(tmp_path, family, served):
+    from attnslim.api import compress
+    from attnslim.io import save
+    from conftest import TINY_BUILDERS
+
+    model = TINY_BUILDERS[family]()
+    report = compress(model, ByteTokenizer(), one_step("drop", {"count": 1, "select": "similarity"}), progress=False)
+    out = save(model, SavingTokenizer(), tmp_path / family, report.to_json())
+    if served:
+        assert layer_kinds(out).count(LayerKind("dropped")) == 1
+    else:
+        with pytest.raises(AttnslimError, match=r"serving supports attnslim outputs of llama, qwen2 models"):
+            layer_kinds(out)
+
+
 def test_unservable_method_is_named_with_its_layers(tmp_path, capsys, monkeypatch):
     out = _compressed(tmp_path, "svd", "svd", {"ratio": 0.5}, layers="1:3")
     monkeypatch.setenv(launch.VENV_ENV, str(tmp_path / "no-venv"))  # the method check comes first

@@ -87,7 +87,7 @@ def add_plan_options(p: Any) -> None:
                    "a dense decode step reads at --decode-at tokens of context")
     p.add_argument("--decode-at", type=int, default=4096, help="context of --decode-bytes (default 4096)")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="hf: every candidate; vllm: a plan one vLLM "
-                   "route serves: keep/nbl/drop (attnslim's plugin, Llama family) or MLA at every layer (stock "
+                   "route serves: keep/nbl/drop (attnslim's plugin: Llama, Qwen2) or MLA at every layer (stock "
                    "vLLM's DeepSeek-V3 kernels: widths 320/576)")
     p.add_argument("--candidates", default=None, help="comma-separated kinds among keep,mla,nbl,drop,ds (default all)")
     p.add_argument("--ladder", default=None, help="mla's kept KV fractions per layer, comma-separated "

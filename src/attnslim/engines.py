@@ -4,7 +4,8 @@ stdlib (a leaf: code that runs inside vLLM's environment imports it too).
 
     transformers  `attnslim.load` (and `attnslim serve` refuses nothing it loads): every kind, every family
     plugin        attnslim's vLLM model (serving/vllm_model.py: vLLM's own Llama with linearised and dropped
-                  layers), through `attnslim serve DIR`: kept, `nbl` and `drop` layers of a Llama-family output
+                  layers), through `attnslim serve DIR`: kept, `nbl` and `drop` layers of a Llama-family or Qwen2
+                  output (Qwen2's q/k/v biases are vLLM's Llama `qkv_bias`: serving/vllm_config.py)
     deci          `attnslim export --to deci`: stock vLLM's DeciLM (nemotron-nas `no_op` attention), no plugin:
                   kept and dropped layers of a Llama-family output
     deepseek-v3   `attnslim export --to deepseek-v3`: stock vLLM's DeepSeek model, every layer MLA in DeepSeek's
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PLUGIN_BASES = ("llama",)  # the families attnslim's vLLM model builds (vLLM's Llama layers)
+PLUGIN_BASES = ("llama", "qwen2")  # the families attnslim's vLLM model builds (vLLM's Llama layers)
 DECI_BASES = ("llama",)  # vLLM's DeciLM layers are Llama's (no sliding window, Llama's biases)
 DEEPSEEK_BASES = ("llama", "mistral", "qwen2")  # qwen2: its q/k/v biases folded by mla `biases: fold`
 # the vLLM routes a planner chooses among, with the layer kinds each serves
