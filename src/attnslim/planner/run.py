@@ -224,7 +224,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
                      "additive": sum(options[i][o].quality for i, o in enumerate(refined.choice)),
                      "measured": refined.measured,
                      "measured_over_additive_first": start_cost["additive"] / max(first.quality, 1e-12)},
-        "route": route, "routes": {**{name: {"measured": found.refined.measured} for name, found in searched.items()},
+        "route": route, "routes": {**{name: {"measured": done.refined.measured} for name, done in searched.items()},
                                    **{name: {"refused": reason} for name, reason in why.items()}},
         "serving": {name: HOW[name] for name in serving_routes(
             [c.kind for c in chosen], str(adapter.config.model_type), mla_served=cfg.engine == "vllm")},
