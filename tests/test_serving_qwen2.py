@@ -4,8 +4,8 @@ HF runs it (marker `serving`: `make test-serve`).
 The plugin builds vLLM's own Llama layers; a Qwen2 model is one with q/k/v biases and no o_proj bias, which vLLM's
 Llama takes as `qkv_bias` (serving/vllm_config.py). The model here is SmolLM2-135M's weights in transformers'
 Qwen2 class with q/k/v biases drawn at random: a real tokenizer and peaked outputs at the size of the other serving
-checks (the packaged Qwen2 model, 1.5B parameters, costs minutes per start on CI's 2-core CPU). float32 on both
-sides, the 8 wiki prompts of tests/test_serving.py, 64 greedy tokens each.
+checks (the packaged Qwen2 model has 1.5B parameters: 7 GB in float32 on each side, beside CI's other jobs). float32
+on both sides, the 8 wiki prompts of tests/test_serving.py, 64 greedy tokens each.
 """
 
 from __future__ import annotations
