@@ -116,7 +116,7 @@ def with_global(recipe: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"{recipe['name']}: its mla steps differ beyond kv_ratio; one global step cannot join them")
     layers = sorted(i for s in mla for i in s["layers"])
     kv = sum(s["args"]["kv_ratio"] * len(s["layers"]) for s in mla) / len(layers)
-    args = {**mla[0]["args"], "kv_ratio": round(kv, 6), "alloc": "global"}  # rounded: at most the plan's KV
+    args = {**mla[0]["args"], "kv_ratio": round(kv, 6), "alloc": "global"}  # the row measures its KV
     joined = {"method": "mla", "layers": layers, "args": args}
     first = recipe["steps"].index(mla[0])  # a sharing step stays last (the recipe's own check)
     steps = [s for s in recipe["steps"][:first] if s["method"] != "mla"] + [joined] + [

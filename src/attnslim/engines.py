@@ -2,7 +2,7 @@
 plans only what one route serves; every plan's report names its routes), `attnslim serve` and the exporters. Only
 stdlib (a leaf: code that runs inside vLLM's environment imports it too).
 
-    transformers  `attnslim.load` (and `attnslim serve` refuses nothing it loads): every kind, every family
+    transformers  `attnslim.load`: every kind, every family
     plugin        attnslim's vLLM model (serving/vllm_model.py: vLLM's own Llama with linearised and dropped
                   layers), through `attnslim serve DIR`: kept, `nbl` and `drop` layers of a Llama-family or Qwen2
                   output (Qwen2's q/k/v biases are vLLM's Llama `qkv_bias`: serving/vllm_config.py)
