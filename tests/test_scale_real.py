@@ -67,11 +67,15 @@ def test_section_states_the_verdicts_the_rows_support() -> None:
             "eval": {"sources": ["wiki", "ptb", "c4"], "tokens": 2048},
             "dense": _row(10.0, [1, 1, 0, 1], kv=160),
             "variants": {"mla-kv0.625": _row(10.5, [1, 1, 0, 1]), "transmla-kv0.625": _row(12.0, [1, 0, 0, 0]),
-                         "latentllm-attn-80": _row(11.0, [1, 1, 0, 1]), "svdllm-attn-80": _row(10.8, [1, 1, 0, 0])}}
+                         "latentllm-attn-80": _row(11.0, [1, 1, 0, 1]), "svdllm-attn-80": _row(10.8, [1, 1, 0, 0]),
+                         "mla-kv0.5": _row(11.0, [1, 0, 0, 1]), "mla-kv0.5-heal40": _row(10.4, [1, 1, 0, 1])}}
     text = "\n".join(report_scale_real.scale_real_section(data))
     assert "latentllm-attn-80 beats svdllm-attn-80 on 0 of 3 sources; average accuracy +25.0" in text
     assert "mla-kv0.625 beats transmla-kv0.625 on 3 of 3 sources (wiki, ptb, c4); average accuracy +50.0" in text
     assert "wiki 1.050× (target ≤ 1.10×: met); average accuracy +0.0 ± 0.0 points against dense" in text
+    assert ("mla-kv0.5-heal40 against mla-kv0.5 (the heal alone): wiki 1.100× → 1.040×, ptb 1.100× → 1.040×, "
+            "c4 1.100× → 1.040×; average accuracy +25.0") in text
+    assert "mla-kv0.5-heal40 beats" not in text  # a healed row has no rival of its own
     assert "| mla-kv0.625 | 10.500 (1.050×)" in text and "| 0.625 |" in text
     assert "`OMP_NUM_THREADS=2 .venv/bin/python benchmarks/scale_real.py --limit=4`" in text  # the parent's call
 
