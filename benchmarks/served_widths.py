@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS  # noqa: E402
 
 from attnslim.adapters import get_adapter  # noqa: E402
-from attnslim.export.deepseek import FAMILIES  # noqa: E402
+from attnslim.engines import DEEPSEEK_BASES  # noqa: E402
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK, VLLM_LORA_RANKS, VLLM_ROPE  # noqa: E402
 from attnslim.models.load import checkpoint_directory, load_skeleton  # noqa: E402
 
@@ -48,7 +48,7 @@ def meta_model(model_type: str, fields: dict[str, Any]) -> Any:
 
 def _reach(rope: int, model_type: str) -> str:
     """How `attnslim export --kv-lora-rank auto` reaches a served width for this model, or why it does not."""
-    why = [f"{model_type} is not exported"] if model_type not in FAMILIES else []
+    why = [f"{model_type} is not exported"] if model_type not in DEEPSEEK_BASES else []
     if rope % VLLM_ROPE or rope < VLLM_ROPE:
         why.append(f"rotary key {rope} is no multiple of {VLLM_ROPE}")
     if why:

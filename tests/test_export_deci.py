@@ -99,8 +99,11 @@ def test_other_methods_layers_are_refused_naming_what_serves_them(tmp_path, meth
 def test_layer_0_dropped_non_llama_and_factorised_linears_are_refused(tmp_path):
     first = _compressed(tiny_llama(), ("drop", {"select": "given"}, [0, 2]))[0]
     _refused(first, r"layer 0 has no attention .* `attnslim serve DIR`", tmp_path)
-    mistral = _compressed(tiny_mistral(), ("drop", {"select": "given"}, [1]))[0]
+    mistral, record = _compressed(tiny_mistral(), ("drop", {"select": "given"}, [1]))
     _refused(mistral, r"supports llama models .* this one is 'mistral'", tmp_path)
+    saved = save(mistral, SavingTokenizer(), tmp_path / "mistral", record)  # the CLI's check, before any load
+    with pytest.raises(AttnslimError, match=r"supports llama models .*mistral is 'mistral'"):
+        check_directory(saved)
     svd = _compressed(tiny_llama(), ("drop", {"select": "given"}, [1]), ("svd", {"ratio": 0.5, "linears": ["up"]},
                                                                           [2]))[0]
     _refused(svd, r"layer 2 up are not dense Linears", tmp_path)

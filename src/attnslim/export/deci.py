@@ -34,7 +34,7 @@ from attnslim.deci_format import ARCHITECTURE, AUTO_MAP, CONFIG_CODE, MODEL_TYPE
 from attnslim.disk_format import EXPORT_MARKER
 from attnslim.errors import AttnslimError
 from attnslim.export.common import span, weight, write_weights
-from attnslim.export.deci_check import FAMILIES, check_first_layer, refuse_methods
+from attnslim.export.deci_check import check_family, check_first_layer, refuse_methods
 from attnslim.modules.base import ReplacementAttention
 from attnslim.modules.dropped import DroppedAttention
 from attnslim.modules.linearized import LinearizedAttention
@@ -86,10 +86,7 @@ def export_deci(model: Any, tokenizer: Any, out: Path, dtype: str = "float32", o
 
 def attention_kept(adapter: Adapter) -> list[bool]:
     """Per layer, True for dense attention, False for dropped; a refusal naming every layer DeciLM cannot hold."""
-    model_type = str(adapter.config.model_type)
-    if model_type not in FAMILIES:
-        raise AttnslimError(f"export --to deci supports {', '.join(FAMILIES)} models (vLLM's DeciLM layers are "
-                            f"Llama's); this one is {model_type!r}")
+    check_family(str(adapter.config.model_type), "this one")
     kept: list[bool] = []
     refused: dict[str, list[int]] = {}
     for i in range(adapter.num_layers()):

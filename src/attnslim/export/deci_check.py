@@ -24,7 +24,6 @@ from attnslim.export.common import span
 from attnslim.plan import layer_index
 from attnslim.safe_files import read_json
 
-FAMILIES = DECI_BASES  # model types whose layers are vLLM's Llama layers (no sliding window, Llama's biases)
 METHOD = "drop"
 SERVE = "`attnslim serve DIR` (attnslim's vLLM plugin)"
 _SHARED = ("shares attention scores across layers, which no stock engine computes: run it with attnslim.load "
@@ -51,6 +50,14 @@ def refuse_methods(found: dict[str, list[int]]) -> None:
     raise AttnslimError(f"export --to deci writes only dropped attention (method {METHOD}) and dense layers: {named}")
 
 
+def check_family(family: object, what: str) -> None:
+    """Refuse a base model whose layers vLLM's DeciLM cannot hold (engines.DECI_BASES: Llama's layers, no sliding
+    window, Llama's biases); `what` names the model in the message."""
+    if family not in DECI_BASES:
+        raise AttnslimError(f"export --to deci supports {', '.join(DECI_BASES)} models (vLLM's DeciLM layers are "
+                            f"Llama's); {what} is {family!r}")
+
+
 def check_directory(directory: Path) -> list[int]:
     """The dropped layers of the attnslim output `directory`, or a refusal, read from its JSON files alone."""
     recreate = "re-create it with attnslim compress"
@@ -59,10 +66,7 @@ def check_directory(directory: Path) -> list[int]:
         raise AttnslimError(f"{directory} is not an attnslim output (no {COMPRESSION_JSON} or config.json model_type "
                             f"{config.get('model_type')!r}); export --to deci takes the directory `attnslim compress` "
                             "wrote (a dense checkpoint is served by vLLM as it is)")
-    family = config.get(BASE_TYPE_KEY)
-    if family not in FAMILIES:
-        raise AttnslimError(f"export --to deci supports {', '.join(FAMILIES)} models (vLLM's DeciLM layers are "
-                            f"Llama's); {directory} is a {family!r} model")
+    check_family(config.get(BASE_TYPE_KEY), str(directory))
     record = directory / COMPRESSION_JSON
     info = _object(record, recreate)
     if info.get("head") is not None:

@@ -70,7 +70,6 @@ ROPE_TYPES = ("default",)
 # kv_a_layernorm bound (tests/test_export.py's real test bounds the export itself at 1e-4), far below the O(1)
 # errors of a wrong map
 TOLERANCE = 1e-3
-FAMILIES = DEEPSEEK_BASES  # qwen2: its q/k/v biases folded by mla `biases: fold`, or refused
 VERIFY_SOURCE = "wiki"
 
 
@@ -126,8 +125,9 @@ def _dtype(name: str) -> torch.dtype:
 def mla_layers(adapter: Adapter) -> list[MLAAttention]:
     """Every decoder layer's MLAAttention, or a refusal naming the layers that are not."""
     model_type = str(adapter.config.model_type)
-    if model_type not in FAMILIES:
-        raise AttnslimError(f"export to deepseek-v3 supports {', '.join(FAMILIES)} models; this one is {model_type!r}")
+    if model_type not in DEEPSEEK_BASES:
+        raise AttnslimError(f"export to deepseek-v3 supports {', '.join(DEEPSEEK_BASES)} models; "
+                            f"this one is {model_type!r}")
     found = [adapter.attention(i) for i in range(adapter.num_layers())]
     other = [i for i, m in enumerate(found) if not isinstance(m, MLAAttention)]
     if other:

@@ -21,7 +21,6 @@ from attnslim.plan import layer_index
 from attnslim.safe_files import read_json as read_json_file
 
 ARCHITECTURE = "AttnslimForCausalLM"
-SERVABLE_BASES = PLUGIN_BASES
 SERVABLE_METHODS = ("nbl", "drop")
 MAKE_TARGET = "make serve-setup"
 NBL_INPUTS = ("normed", "residual")  # modules/linearized.py's INPUTS (a 5.23-side module; a test ties the two)
@@ -62,8 +61,8 @@ def layer_kinds(directory: Path) -> list[LayerKind]:
         raise AttnslimError(f"{directory} is not an attnslim output (config.json model_type is "
                             f"{config.get('model_type')!r}, not {MODEL_TYPE!r})")
     base = config.get(BASE_TYPE_KEY)
-    if base not in SERVABLE_BASES:
-        raise AttnslimError(f"{directory}: serving supports attnslim outputs of {', '.join(SERVABLE_BASES)} models; "
+    if base not in PLUGIN_BASES:
+        raise AttnslimError(f"{directory}: serving supports attnslim outputs of {', '.join(PLUGIN_BASES)} models; "
                             f"this one is {base!r}")
     layers = config.get("num_hidden_layers")
     if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_LAYERS:
