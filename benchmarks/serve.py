@@ -2,6 +2,9 @@
 conversion: offline throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
 
     .venv/bin/python benchmarks/serve.py [--rounds 2] [--dtype bfloat16]     (needs `make serve-setup`)
+    .venv/bin/python benchmarks/serve.py --model qwen2.5-1.5b --prompts 8 --input-len 256 --output-len 64
+        # the 1.5B model (`make qwen15`) dense and NBL-12 through attnslim's plugin (vLLM's Llama with qkv_bias),
+        # a smaller workload: on 2 CPU cores the default one takes tens of minutes per variant and round
 
 Each round serves every variant once, in turn, in one vLLM process (benchmarks' order alternates between rounds:
 interleaved, so drift of a shared machine's load hits every variant alike). Per variant and round: 32 random-token
@@ -29,10 +32,16 @@ from serve_latency import latency
 
 from attnslim.serving.launch import serving_python
 from attnslim.serving.variants import MODEL, SEQ_LEN, WINDOWS, build
+from attnslim.serving.variants import VARIANTS as KNOWN
 
 VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek")
+OTHER_VARIANTS = ("dense", "nbl-12")  # another --model's default: the serving issue's 1.5B rows
 KV_GIB = "2"
 SPEC = {"prompts": 32, "input_len": 512, "output_len": 128}
+
+
+def results_name(model: str) -> str:
+    return "serve" if model == MODEL else f"serve-{model}"
 
 
 def _serving_versions() -> dict[str, str]:
@@ -43,8 +52,8 @@ def _serving_versions() -> dict[str, str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _round(models: list[str], dtype: str, work: Path, index: int) -> dict[str, Any]:
-    request = {"models": models, "dtype": dtype, "max_model_len": 1024, "throughput": SPEC}
+def _round(models: list[str], dtype: str, work: Path, index: int, spec: dict[str, int]) -> dict[str, Any]:
+    request = {"models": models, "dtype": dtype, "max_model_len": 1024, "throughput": spec}
     req, out = work / f"request{index}.json", work / f"out{index}.json"
     req.write_text(json.dumps(request))
     log = work / f"round{index}.log"
@@ -57,13 +66,13 @@ def _round(models: list[str], dtype: str, work: Path, index: int) -> dict[str, A
     return dict(json.loads(out.read_text()))
 
 
-def latency_only(dtype: str) -> None:
-    path = RESULTS / "serve.json"
+def latency_only(dtype: str, model: str) -> None:
+    path = RESULTS / f"{results_name(model)}.json"
     data = json.loads(path.read_text())
     with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
         work = Path(tmp)
         for name in data["variants"]:
-            directory = str(build(name, work / name))
+            directory = str(build(name, work / name, model))
             data["variants"][name]["latency"] = latency(directory, dtype, KV_GIB, work / f"server-{name}.log")
             print(name, {k: round(v, 1) for k, v in data["variants"][name]["latency"].items() if "median" in k},
                   flush=True)
@@ -77,27 +86,38 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-latency", action="store_true", help="skip the OpenAI-server latency phase")
-    parser.add_argument("--latency-only", action="store_true", help="rerun only the latency phase into serve.json")
+    parser.add_argument("--latency-only", action="store_true", help="rerun only the latency phase into the results")
+    parser.add_argument("--model", default=MODEL, help="a packaged model (results: serve.json for the default, "
+                        "serve-MODEL.json for another)")
+    parser.add_argument("--variants", default="", help="comma-separated (default: every SmolLM2 variant, or dense "
+                        f"and nbl-12 for another model); known: {', '.join(KNOWN)}")
+    parser.add_argument("--prompts", type=int, default=SPEC["prompts"])
+    parser.add_argument("--input-len", type=int, default=SPEC["input_len"])
+    parser.add_argument("--output-len", type=int, default=SPEC["output_len"])
     args = parser.parse_args()
+    names = [v for v in args.variants.split(",") if v] or list(VARIANTS if args.model == MODEL else OTHER_VARIANTS)
+    if unknown := sorted(set(names) - set(KNOWN)):  # before any model loads
+        parser.error(f"unknown variants {unknown}; known: {', '.join(KNOWN)}")
     if args.latency_only:
-        return latency_only(args.dtype)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+        return latency_only(args.dtype, args.model)
+    spec = {"prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="attnslim-serve-bench-") as tmp:
         work = Path(tmp)
-        dirs = {name: str(build(name, work / name)) for name in VARIANTS}
+        dirs = {name: str(build(name, work / name, args.model)) for name in names}
         for r in range(args.rounds):
-            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-            results = _round([dirs[name] for name in order], args.dtype, work, r)
+            order = names if r % 2 == 0 else list(reversed(names))
+            results = _round([dirs[name] for name in order], args.dtype, work, r, spec)
             for name in order:
                 runs[name].append(results[dirs[name]])
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {results[dirs[n]]['throughput']['output_tokens_per_s']:.1f} tok/s" for n in order), flush=True)
         lat = {} if args.no_latency else {
-            name: latency(dirs[name], args.dtype, KV_GIB, work / f"server-{name}.log") for name in VARIANTS}
+            name: latency(dirs[name], args.dtype, KV_GIB, work / f"server-{name}.log") for name in names}
     dense_tp = statistics.median(run["throughput"]["output_tokens_per_s"] for run in runs["dense"])
     dense_kv = runs["dense"][0]["kv_tokens"]
     variants = {}
-    for name in VARIANTS:
+    for name in names:
         per_round = [run["throughput"]["output_tokens_per_s"] for run in runs[name]]
         total = [run["throughput"]["total_tokens_per_s"] for run in runs[name]]
         kv = {run["kv_tokens"] for run in runs[name]}
@@ -115,14 +135,15 @@ def main() -> None:
             variants[name]["latency"] = lat[name]
     result = {
         "environment": {**environment(), "serving": _serving_versions(), "cpu_count": os.cpu_count()},
-        "model": MODEL, "dtype": args.dtype, "rounds": args.rounds, "workload": SPEC,
+        "model": args.model, "dtype": args.dtype, "rounds": args.rounds, "workload": spec,
         "latency_workload": None if args.no_latency else LATENCY_SPEC,
         "kv_cache_space_gib": float(KV_GIB), "calibration": {"source": "wiki", "windows": WINDOWS, "seq_len": SEQ_LEN},
         "variants": variants,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'serve.json'}")
+    path = RESULTS / f"{results_name(args.model)}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

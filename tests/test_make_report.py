@@ -272,3 +272,24 @@ def test_demo_time_lines_say_met_or_missed_against_the_budget_per_run() -> None:
     assert rows[0].endswith("| 50 | 250 | 330 | met |") and "| bfloat16 |" in rows[0]
     assert rows[1].endswith("| 458 | missed |") and "| 3.9 |" in rows[1]
     assert demo_time_lines({"budget_s": 360, "runs": []}) == []
+
+
+def test_serve_section_names_its_model_file_and_that_models_target() -> None:
+    import report_serve
+
+    def variant(tp: float, kv: int) -> dict[str, object]:
+        return {"output_tokens_per_s": [tp, tp], "median_output_tokens_per_s": tp, "throughput_vs_dense": tp / 10,
+                "kv_tokens": kv, "kv_vs_dense": kv / 1000}
+
+    data = {"environment": {"command": "benchmarks/serve.py --model qwen2.5-1.5b", "cpu_count": 2,
+                            "serving": {"vllm": "v", "torch": "t", "transformers": "x"}},
+            "workload": {"prompts": 8, "input_len": 256, "output_len": 64}, "dtype": "bfloat16", "rounds": 2,
+            "kv_cache_space_gib": 2.0, "calibration": {"source": "wiki", "windows": 16, "seq_len": 256},
+            "model": "qwen2.5-1.5b", "variants": {"dense": variant(10.0, 1000), "nbl-12": variant(12.0, 1750)}}
+    text = "\n".join(report_serve.serve_section(data))
+    assert text.startswith("## Serving with vLLM (CPU build): throughput and KV capacity, qwen2.5-1.5b")
+    assert "→ `benchmarks/results/serve-qwen2.5-1.5b.json`" in text
+    assert "throughput ≥ 1.25× dense, measured 1.200× (missed); KV capacity ≥ 1.6×, measured 1.750× (met)" in text
+    data["model"] = "smollm2-135m"  # the default model: its own file, its own (first issue's) target
+    text = "\n".join(report_serve.serve_section(data))
+    assert "`benchmarks/results/serve.json`" in text and "throughput ≥ 1.15× dense, measured 1.200× (met)" in text

@@ -1,10 +1,11 @@
-"""The SmolLM2 variants that the serving tests and benchmark serve (built in attnslim's own environment).
+"""The variants that the serving tests and benchmark serve (built in attnslim's own environment), of SmolLM2 by
+default and of any packaged model on request (benchmarks/serve.py --model: the 1.5B model's dense and NBL-12).
 
-`build(name, out)` writes one servable directory: "dense" as a plain transformers checkpoint, "mla-deepseek" as the
-DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU MLA kernel runs), the
-others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens): the
-serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not depend on how well the
-maps were fitted.
+`build(name, out, model_name)` writes one servable directory: "dense" as a plain transformers checkpoint,
+"mla-deepseek" as the DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU
+MLA kernel runs), the others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of
+`SEQ_LEN` tokens): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
+depend on how well the maps were fitted.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
 EXPORTED = {"mla-deepseek": VLLM_CPU_LORA_RANK}  # variant -> kv_lora_rank of its DeepSeek-V3 export
 
 
-def build(name: str, out: Path) -> Path:
-    """Compress SmolLM2-135M (float32) as variant `name` and save it to `out` (which must not exist)."""
+def build(name: str, out: Path, model_name: str = MODEL) -> Path:
+    """Compress the packaged model `model_name` (float32) as variant `name` and save it to `out` (which must not
+    exist)."""
     from attnslim.api import compress
     from attnslim.io import save
     from attnslim.models import load_model
@@ -38,7 +40,7 @@ def build(name: str, out: Path) -> Path:
 
     if name not in VARIANTS:
         raise AttnslimError(f"unknown serving variant {name!r}; known: {', '.join(VARIANTS)}")
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = load_model(model_name)
     step = VARIANTS[name]
     if step is None:
         with staged_output(out, overwrite=False) as tmp:
