@@ -23,7 +23,9 @@ uniform mla as recipes/default.yaml converts), rows `plan-kvF-norefit-heal40` an
 o_proj refit, 96 local-fit steps per layer) at that kv_ratio beside the plan given the same local fit on its mla
 layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains each layer alone towards the dense
 attention on calibration text); where `--heal` names the budget too, also after mla-kv25's heal (40 steps of every
-parameter at lr 3e-4): rows `-heal40-all`.
+parameter at lr 3e-4): rows `-heal40-all`; `--heal-seeds 1,2` repeats the plan's healed row with those heal seeds
+(rows `-heal40-all-seedN`: the heal's data order; the fit is deterministic), so that a target met by one heal reads
+against the heal's own spread (the uniform rival is not repeated: each row costs a fit and a heal).
 `--global-alloc 0.5`: at those budgets the plan with its mla layers joined in one `mla` step under `alloc: global`
 at their mean width (with_global; the plan still chooses which layers keep attention or lose their cache), row
 `plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
@@ -187,6 +189,8 @@ def main() -> None:
     p.add_argument("--global-alloc", default="", help="budgets whose plan also runs with its mla layers under one "
                    "global rank allocation (with_global): rows plan-kvF-global, and plan-kvF-global-local where "
                    "--local names the budget")
+    p.add_argument("--heal-seeds", default="", help="heal seeds besides 0 for the plan's -local-heal40-all rows "
+                   "(rows -heal40-all-seedN)")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
                    "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
@@ -195,6 +199,7 @@ def main() -> None:
     local = {float(b) for b in args.local.split(",") if b}
     norefit = {float(b) for b in args.norefit_heal.split(",") if b}
     joined = {float(b) for b in args.global_alloc.split(",") if b}
+    seeds = [int(s) for s in args.heal_seeds.split(",") if s]
     budgets = [float(b) for b in args.budgets.split(",")]
     layers, marker = shape(args.model)
     src = args.calib_source
@@ -239,6 +244,9 @@ def main() -> None:
                 if kv in healed:
                     harness.run(f"{key.removesuffix(cal)}-heal40-all{cal}", {**row, "heal": LOCAL.heal},
                                 summary if key.startswith("plan") else None)
+                    for seed in seeds if key.startswith("plan") else []:
+                        harness.run(f"{key.removesuffix(cal)}-heal40-all-seed{seed}{cal}",
+                                    {**row, "heal": {**(LOCAL.heal or {}), "seed": seed}}, summary)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable
 from itertools import groupby
 from pathlib import Path
@@ -111,6 +112,24 @@ def verdicts(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def seed_spread(data: dict[str, Any]) -> list[str]:
+    """Per row repeated with other heal seeds (plan.py --heal-seeds: rows KEY-seedN beside KEY, seed 0): the median
+    and span of each set's ratio over the seeds."""
+    variants, out = data["variants"], []
+    for key in sorted(variants):
+        runs = {0: variants[key]} | {int(k.rsplit("-seed", 1)[1]): v for k, v in variants.items()
+                                     if k.startswith(f"{key}-seed") and k.rsplit("-seed", 1)[1].isdigit()}
+        if len(runs) < 2:
+            continue
+        cells = []
+        for s in SOURCES:
+            values = sorted(v["ppl_ratio"][s] for v in runs.values())
+            cells.append(f"{s} {statistics.median(values):.3f} ({values[0]:.3f}–{values[-1]:.3f})")
+        out.append(f"- `{key}` over heal seeds {', '.join(map(str, sorted(runs)))}: median (span) "
+                   + ", ".join(cells) + ".")
+    return ["The healed plans' spread over the heal's seed:", "", *out, ""] if out else []
+
+
 def _chosen(data: dict[str, Any]) -> list[str]:
     """'What each plan chose, per layer' for the one-shot plan rows of `data`."""
     plans = [(k, v) for k, v in data["variants"].items()  # -global rows re-spread the widths (plan.py with_global)
@@ -130,7 +149,8 @@ def _block(stem: str, intro: str, chosen: bool = False) -> list[str]:
     data = json.loads(path.read_text())
     text = intro.format(command=data["environment"]["command"], file=f"benchmarks/results/{stem}.json")
     judged = verdicts(data)  # its header alone where the file has no single-method row
-    return [text, "", *_rows(data), "", *(judged + [""] if len(judged) > 2 else []), *(_chosen(data) if chosen else [])]
+    return [text, "", *_rows(data), "", *(judged + [""] if len(judged) > 2 else []), *seed_spread(data),
+            *(_chosen(data) if chosen else [])]
 
 
 def plan_section(data: dict[str, Any]) -> list[str]:

@@ -293,3 +293,19 @@ def test_serve_section_names_its_model_file_and_that_models_target() -> None:
     data["model"] = "smollm2-135m"  # the default model: its own file, its own (first issue's) target
     text = "\n".join(report_serve.serve_section(data))
     assert "`benchmarks/results/serve.json`" in text and "throughput ≥ 1.15× dense, measured 1.200× (met)" in text
+
+
+def test_plan_seed_spread_reads_the_rows_repeated_with_other_heal_seeds() -> None:
+    import report_plan
+
+    def row(wiki: float) -> dict[str, object]:
+        return {"ppl_ratio": {"wiki": wiki, "ptb": 2 * wiki, "c4": 3 * wiki}}
+
+    data = {"variants": {"plan-kv0.1-local-heal40-all": row(1.6), "plan-kv0.1-local-heal40-all-seed1": row(1.5),
+                         "plan-kv0.1-local-heal40-all-seed2": row(1.8), "mla-kv0.1-local-heal40-all": row(2.4)}}
+    lines = report_plan.seed_spread(data)
+    assert lines[2] == ("- `plan-kv0.1-local-heal40-all` over heal seeds 0, 1, 2: median (span) wiki 1.600 "
+                        "(1.500–1.800), ptb 3.200 (3.000–3.600), c4 4.800 (4.500–5.400).")
+    assert len(lines) == 4  # the unrepeated uniform row has no spread line
+    del data["variants"]["plan-kv0.1-local-heal40-all-seed1"], data["variants"]["plan-kv0.1-local-heal40-all-seed2"]
+    assert report_plan.seed_spread(data) == []
