@@ -47,7 +47,8 @@ def serve_section(data: dict[str, Any]) -> list[str]:
                 f"{spec['requests']} streamed completions in turn after a warm-up, {spec['prompt_len']}-token random "
                 f"prompts, {spec['new_tokens']} new tokens; TTFT = time to the first streamed token, ITL = (last "
                 "token − first) / (new tokens − 1) per request, as the server may flush several tokens per chunk "
-                "(medians over the requests). Rerun alone with `benchmarks/serve.py --latency-only`."]
+                "(medians over the requests). Rerun alone with `benchmarks/serve.py --latency-only"
+                + ("" if model == DEFAULT_MODEL else f" --model {model}") + "`."]
     nbl12 = data["variants"].get("nbl-12")
     if nbl12 is not None:
         tp, kv, goal = nbl12["throughput_vs_dense"], nbl12["kv_vs_dense"], NBL12_SPEED.get(model, 1.25)

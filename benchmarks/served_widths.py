@@ -46,16 +46,19 @@ def meta_model(model_type: str, fields: dict[str, Any]) -> Any:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
 
 
-def _reach(rope: int, model_type: str) -> str:
-    """How `attnslim export --kv-lora-rank auto` reaches a served width for this model, or why it does not."""
+def _reach(rope: int, model_type: str, biased: bool) -> str:
+    """How `attnslim export --kv-lora-rank auto` reaches a served width for this model, or why it does not.
+    `biased`: q/k/v biases, which vLLM's DeepSeek model has no place for (mla `biases: fold`, docs/serving.md)."""
     why = [f"{model_type} is not exported"] if model_type not in DEEPSEEK_BASES else []
     if rope % VLLM_ROPE or rope < VLLM_ROPE:
         why.append(f"rotary key {rope} is no multiple of {VLLM_ROPE}")
     if why:
         return "no: " + ", ".join(why)
+    fold = "`biases: fold`" if biased else ""
     if rope == VLLM_ROPE:
-        return "yes"
-    return f"with mla `rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}`"
+        return f"with mla {fold}" if biased else "yes"
+    key = f"`rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}`"
+    return f"with mla {fold + ' and ' if biased else ''}{key}"
 
 
 def row(name: str, model: Any) -> dict[str, Any]:
@@ -67,11 +70,14 @@ def row(name: str, model: Any) -> dict[str, Any]:
     rope = next(2 * int(t.numel()) for t in tables if t is not None)
     dense = 2 * heads.n_kv_heads * heads.head_dim
     model_type = str(adapter.config.model_type)
-    return {"model": name, "model_type": model_type, "layers": adapter.num_layers(), "kv_heads": heads.n_kv_heads,
+    spec = adapter.attention_spec(0)
+    biased = any(spec.bias(n) is not None for n in ("q", "k", "v"))
+    return {"model": name, "model_type": model_type, "attention_biases": biased, "layers": adapter.num_layers(),
+            "kv_heads": heads.n_kv_heads,
             "head_dim": heads.head_dim, "dense_kv_per_token_and_layer": dense, "export_rotary_dims": rope,
             "widths": {str(r + VLLM_ROPE): {"kv_lora_rank": r, "kv_fraction": (r + VLLM_ROPE) / dense,
                                             "vllm_cpu": r == VLLM_CPU_LORA_RANK} for r in VLLM_LORA_RANKS},
-            "served_by_export": _reach(rope, model_type)}
+            "served_by_export": _reach(rope, model_type, biased)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

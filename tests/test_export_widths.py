@@ -5,7 +5,9 @@ zero for every input. Widths no vLLM kernel serves are refused with the accepted
 from __future__ import annotations
 
 import json
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -209,3 +211,20 @@ def test_split_rotary_keeps_only_the_allowed_frequencies_and_refuses_what_it_can
     for bad in ({"rope_stride": 0}, {"rope_fastest": 0}):
         with pytest.raises(AttnslimError, match=next(iter(bad))):
             MLA(**bad)
+
+
+def test_the_served_widths_table_names_the_fold_for_biased_models() -> None:
+    """benchmarks/served_widths.py (docs/serving.md's table): a Qwen2 shape reads its q/k/v biases and is told
+    `biases: fold`; a Llama shape is not; an unexported family says so."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import served_widths
+
+    rows = {name: served_widths.row(name, served_widths.meta_model(*shape))
+            for name, shape in served_widths.SHAPES.items()}
+    assert rows["Qwen2.5-7B (shape)"]["attention_biases"] and not rows["Llama-3-8B (shape)"]["attention_biases"]
+    assert rows["Qwen2.5-7B (shape)"]["served_by_export"] == (
+        "with mla `biases: fold` and `rope_fastest: 32` or `rope_stride: 2`")
+    assert rows["Llama-3-8B (shape)"]["served_by_export"] == "with mla `rope_fastest: 32` or `rope_stride: 2`"
+    assert served_widths._reach(64, "llama", biased=False) == "yes"
+    assert served_widths._reach(64, "qwen2", biased=True) == "with mla `biases: fold`"
+    assert served_widths._reach(256, "gemma3_text", biased=False) == "no: gemma3_text is not exported"
