@@ -51,10 +51,10 @@ def _verdicts(dense: dict[str, Any], rows: dict[str, dict[str, Any]], sources: l
         shot = rows.get(key.split("-heal")[0]) if "-heal" in key else None
         if shot is None:
             continue
-        ppl = ", ".join(f"{s} {shot['ppl_ratio'][s]:.3f}× → {row['ppl_ratio'][s]:.3f}×" for s in sources)
+        moved = ", ".join(f"{s} {shot['ppl_ratio'][s]:.3f}× → {row['ppl_ratio'][s]:.3f}×" for s in sources)
         acc = (f"; average accuracy {_diff(row, shot)} points against the one-shot row (paired)"
                if "standard" in row and "standard" in shot else "")
-        out.append(f"- {key} against {key.split('-heal')[0]} (the heal alone): {ppl}{acc}.")
+        out.append(f"- {key} against {key.split('-heal')[0]} (the heal alone): {moved}{acc}.")
     target = rows.get("mla-kv0.625")
     if target is not None:
         wiki = target["ppl_ratio"]["wiki"]
