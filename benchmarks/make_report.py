@@ -250,7 +250,9 @@ ARCHIVE = ("latentllm-head",
            "lisa-aligner-gemma3-270m", "lisa-beta-gemma3-270m", "nbl-gemma3-speed",
            # the claims table's 1.5B column (analyses only): it carries the verdicts
            "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b", "nbl-qwen2.5-1.5b",
-           "latentllm-qwen2.5-1.5b")
+           "latentllm-qwen2.5-1.5b",
+           # the claims table carries their verdicts: ATP's BoolQ protocol, MLA against TransMLA on Gemma-3
+           "atp-boolq", "mla-gemma3")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

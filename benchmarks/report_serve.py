@@ -12,13 +12,18 @@ LABELS = {"dense": "dense", "nbl-6": "NBL-6 (linearized)", "nbl-12": "NBL-12 (li
 
 # the serving issue's NBL-12 throughput target per model (SmolLM2's from the first serving issue); KV: ≥ 1.6×
 NBL12_SPEED = {"smollm2-135m": 1.15, "qwen2.5-1.5b": 1.25}
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = "smollm2-135m"  # serving/variants.MODEL (not imported: the report needs no attnslim)
+
+
+def results_name(model: str) -> str:
+    """benchmarks/results/NAME.json of benchmarks/serve.py's run on `model`."""
+    return "serve" if model == DEFAULT_MODEL else f"serve-{model}"
 
 
 def serve_section(data: dict[str, Any]) -> list[str]:
     env, serving, work = data["environment"], data["environment"]["serving"], data["workload"]
     model = data["model"]
-    stem = "serve" if model == DEFAULT_MODEL else f"serve-{model}"
+    stem = results_name(model)
     title = "## Serving with vLLM (CPU build): throughput and KV capacity" + (
         "" if model == DEFAULT_MODEL else f", {model}")
     out = [title, "",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common import RESULTS, environment
+from report_serve import results_name
 from serve_latency import SPEC as LATENCY_SPEC
 from serve_latency import latency
 
@@ -38,10 +39,6 @@ VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek")
 OTHER_VARIANTS = ("dense", "nbl-12")  # another --model's default: the serving issue's 1.5B rows
 KV_GIB = "2"
 SPEC = {"prompts": 32, "input_len": 512, "output_len": 128}
-
-
-def results_name(model: str) -> str:
-    return "serve" if model == MODEL else f"serve-{model}"
 
 
 def _serving_versions() -> dict[str, str]:

@@ -54,11 +54,9 @@ def _reach(rope: int, model_type: str, biased: bool) -> str:
         why.append(f"rotary key {rope} is no multiple of {VLLM_ROPE}")
     if why:
         return "no: " + ", ".join(why)
-    fold = "`biases: fold`" if biased else ""
-    if rope == VLLM_ROPE:
-        return f"with mla {fold}" if biased else "yes"
-    key = f"`rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}`"
-    return f"with mla {fold + ' and ' if biased else ''}{key}"
+    needs = (["`biases: fold`"] if biased else []) + (
+        [] if rope == VLLM_ROPE else [f"`rope_fastest: {VLLM_ROPE // 2}` or `rope_stride: {rope // VLLM_ROPE}`"])
+    return "with mla " + " and ".join(needs) if needs else "yes"
 
 
 def row(name: str, model: Any) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Every window is a sequence of its own, so where the tokenizer starts sequences with a BOS token (Gemma's <bos>;
 SmolLM2's adds none) every window starts with it, followed by seq_len − 1 tokens of text. A model trained with a
 BOS uses it as its attention sink: Gemma-3 270M scored on windows that start mid-text without it has two to three
-and a half times its perplexity (BENCHMARKS.md: the dense rows of "MLA on Gemma-3 270M" and of its "windows
+and a half times its perplexity (docs/benchmarks-archive.md: the dense rows of "MLA on Gemma-3 270M" and of its "windows
 without <bos>").
 """
 
