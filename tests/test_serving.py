@@ -1,5 +1,6 @@
-"""vLLM serves dense SmolLM2, its NBL-6 and drop-6 outputs, and the DeepSeek-V3 export of its MLA conversion as HF
-runs them (marker `serving`: `make test-serve`).
+"""vLLM serves dense SmolLM2, its NBL-6 and drop-6 outputs, the planner's vLLM model at KV 0.25 (`attnslim compress
+--kv 0.25 --engine vllm`: keep/nbl/drop per layer) and the DeepSeek-V3 export of its MLA conversion as HF runs them
+(marker `serving`: `make test-serve`).
 
 One offline vLLM process serves the Llama-family variants in turn (each model starts once per session), a second
 one the DeepSeek-V3 export (vLLM's reference CPU_MLA backend: its AMX one, chosen where the CPU has AMX, runs
@@ -25,7 +26,7 @@ from serving_helpers import KV_GIB, MAX_TOKENS, PROMPT_LEN, offline, perplexity,
 
 pytestmark = pytest.mark.serving
 
-LLAMA_VARIANTS = ("dense", "nbl-6", "drop-6")
+LLAMA_VARIANTS = ("dense", "nbl-6", "drop-6", "plan-vllm-kv0.25")
 MLA_VARIANTS = ("mla-deepseek",)
 VARIANTS = LLAMA_VARIANTS + MLA_VARIANTS
 
@@ -77,13 +78,19 @@ def test_prompt_perplexity_within_one_percent_of_hf(variant, vllm_runs, hf_runs)
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
 
 
-def test_layers_without_attention_hold_no_kv_cache(vllm_runs):
-    """Same VLLM_CPU_KVCACHE_SPACE: 24 of 30 layers with a cache fit 30/24 times the dense tokens (to a block)."""
+def test_layers_without_attention_hold_no_kv_cache(served, vllm_runs):
+    """Same VLLM_CPU_KVCACHE_SPACE: C of 30 layers with a cache fit 30/C times the dense tokens (to a block); C = 24
+    for NBL-6 and drop-6, and the plan's kept layers (7 at KV 0.25), read from its compression.json."""
+    from attnslim.serving.plan import layer_kinds
+
     dense = vllm_runs["dense"]
     for variant in LLAMA_VARIANTS[1:]:
+        cached = sum(kind.has_kv_cache for kind in layer_kinds(served[variant]))
+        assert cached == 24 or variant.startswith("plan"), (variant, cached)
+        assert cached <= 30 * 0.25 or not variant.startswith("plan"), (variant, cached)  # the plan's budget
         run = vllm_runs[variant]
         assert run["block_size"] == dense["block_size"]
-        assert abs(run["kv_blocks"] - dense["kv_blocks"] * 30 / 24) <= 1, (variant, run["kv_blocks"], dense)
+        assert abs(run["kv_blocks"] - dense["kv_blocks"] * 30 / cached) <= 1, (variant, run["kv_blocks"], dense)
 
 
 def test_the_deepseek_export_caches_its_latent_and_rotary_key_only(served, vllm_runs):

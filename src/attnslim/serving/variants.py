@@ -3,8 +3,10 @@ default and of any packaged model on request (benchmarks/serve.py --model: the 1
 
 `build(name, out, model_name)` writes one servable directory: "dense" as a plain transformers checkpoint,
 "mla-deepseek" as the DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU
-MLA kernel runs), the others as attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of
-`SEQ_LEN` tokens): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
+MLA kernel runs), "plan-vllm-kvF" as `attnslim compress --kv F --engine vllm` writes it (planned, then compressed:
+a plan one vLLM route serves, on SmolLM2 the plugin's keep/nbl/drop), the others as attnslim outputs
+(`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens; the planned variants' is the
+planner's default): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
 depend on how well the maps were fitted.
 """
 
@@ -27,6 +29,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "mla-deepseek": ("mla", {"kv_ratio": 0.5, "rope_dims": 64, "layout": "deepseek"}),
 }
 EXPORTED = {"mla-deepseek": VLLM_CPU_LORA_RANK}  # variant -> kv_lora_rank of its DeepSeek-V3 export
+PLANNED = {"plan-vllm-kv0.5": 0.5, "plan-vllm-kv0.25": 0.25}  # variant -> the KV budget of `plan --engine vllm`
+KNOWN = (*VARIANTS, *PLANNED)
 
 
 def build(name: str, out: Path, model_name: str = MODEL) -> Path:
@@ -38,8 +42,10 @@ def build(name: str, out: Path, model_name: str = MODEL) -> Path:
     from attnslim.outdir import staged_output
     from attnslim.recipe import recipe_from_dict
 
-    if name not in VARIANTS:
-        raise AttnslimError(f"unknown serving variant {name!r}; known: {', '.join(VARIANTS)}")
+    if name not in KNOWN:
+        raise AttnslimError(f"unknown serving variant {name!r}; known: {', '.join(KNOWN)}")
+    if name in PLANNED:
+        return _planned(PLANNED[name], out, model_name)
     model, tokenizer = load_model(model_name)
     step = VARIANTS[name]
     if step is None:
@@ -60,3 +66,13 @@ def build(name: str, out: Path, model_name: str = MODEL) -> Path:
         export_deepseek(model, tokenizer, out, ExportOptions(kv_lora_rank=EXPORTED[name]))
         return out
     return save(model, tokenizer, out, report.to_json())
+
+
+def _planned(kv: float, out: Path, model_name: str) -> Path:
+    """`attnslim compress MODEL --kv KV --engine vllm`, every planner setting its default (the calibration too, not
+    the other variants' small one): the very plan whose quality benchmarks/plan.py --engine vllm reports."""
+    from attnslim.planner.output import plan_and_compress
+    from attnslim.planner.run import PlanConfig
+
+    plan_and_compress(model_name, PlanConfig(kv=kv, engine="vllm"), out, progress=False)
+    return out
