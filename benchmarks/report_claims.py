@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,9 @@ class Measurement:
     baseline lives elsewhere); a "*" step averages over every child. q = value/baseline (`compare: ratio`, the
     default), value − baseline (`difference`), or value alone; the cell holds when `holds_if` holds for q.
     `accuracy` = (run, variant, baseline) of summary_accuracy.json instead of paths (of a harness file, whose rows
-    carry their own suite, run is "standard"): q = the paired difference."""
+    carry their own suite, run is "standard"): q = the paired difference. `median_over`: suffixes of the variant
+    key (the path's step after "variants"): value and baseline are each the median over those rows (repeats of one
+    row under other seeds)."""
 
     label: str
     file: str
@@ -47,6 +50,7 @@ class Measurement:
     compare: str = "ratio"
     accuracy: tuple[str, str, str] | None = None
     pending: str = ""  # why the number may be absent today (the test checks every other path resolves)
+    median_over: tuple[str, ...] = ()  # e.g. ("", "-seed1", "-seed2")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ def _measurement(raw: dict[str, Any], where: str) -> Measurement:
     compare = str(raw.get("compare", "ratio" if "baseline" in raw else "value"))
     if acc is None and not raw.get("value"):
         raise _fail(where, "no value path: give value: [key, ...] or accuracy: [run, variant, baseline]")
+    median_over = tuple(str(x) for x in raw.get("median_over", ()))
+    paths = [raw.get("value") or [], *([raw["baseline"]] if "baseline" in raw else [])]
+    if median_over and (acc is not None or any(len(path) < 2 or path[0] != "variants" for path in paths)):
+        raise _fail(where, "median_over needs value (and baseline) paths of the form [variants, ROW, ...]")
     if acc is None and (compare not in ("ratio", "difference", "value") or (compare == "value") == ("baseline" in raw)):
         raise _fail(where, f"compare {compare!r}: use value (no baseline), or ratio / difference with a baseline")
     return Measurement(
@@ -79,7 +87,8 @@ def _measurement(raw: dict[str, Any], where: str) -> Measurement:
         value=tuple(str(k) for k in raw.get("value", ())),
         baseline=tuple(str(k) for k in raw["baseline"]) if "baseline" in raw else None,
         baseline_file=raw.get("baseline_file"), compare=compare,
-        accuracy=(str(acc[0]), str(acc[1]), str(acc[2])) if acc else None, pending=str(raw.get("pending", "")))
+        accuracy=(str(acc[0]), str(acc[1]), str(acc[2])) if acc else None, pending=str(raw.get("pending", "")),
+        median_over=median_over)
 
 
 def parse_claims(raw: list[dict[str, Any]]) -> list[Claim]:
@@ -162,8 +171,17 @@ def _accuracy(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:
     return text, verdict
 
 
-def _find(results: dict[str, Any], file: str, path: tuple[str, ...]) -> float | str:
-    return _lookup(results[file], path, file) if file in results else f"no {file}.json"
+def _find(results: dict[str, Any], file: str, path: tuple[str, ...], median_over: tuple[str, ...] = ()
+          ) -> float | str:
+    """The number at `path` of results/<file>.json; with `median_over`, the median over the rows whose variant key
+    (path[1]) carries each suffix."""
+    if file not in results:
+        return f"no {file}.json"
+    if not median_over:
+        return _lookup(results[file], path, file)
+    values = [_lookup(results[file], (path[0], path[1] + suffix, *path[2:]), file) for suffix in median_over]
+    missing = [v for v in values if isinstance(v, str)]
+    return missing[0] if missing else statistics.median(v for v in values if isinstance(v, float))
 
 
 def _other_windows(results: dict[str, Any], file: str, other: str) -> str | None:
@@ -177,8 +195,8 @@ def _other_windows(results: dict[str, Any], file: str, other: str) -> str | None
 
 def _number(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:
     """(text, verdict) of a measurement read from JSON paths."""
-    value = _find(results, m.file, m.value)
-    base = None if m.baseline is None else _find(results, m.baseline_file or m.file, m.baseline)
+    value = _find(results, m.file, m.value, m.median_over)
+    base = None if m.baseline is None else _find(results, m.baseline_file or m.file, m.baseline, m.median_over)
     if m.baseline_file and isinstance(value, float) and isinstance(base, float):
         base = _other_windows(results, m.file, m.baseline_file) or base
     if isinstance(value, str) or isinstance(base, str):
@@ -188,7 +206,8 @@ def _number(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:
     q = value / base if m.compare == "ratio" else value - base
     name = "ratio" if m.compare == "ratio" else "Δ"
     verdict = "holds" if _holds(m.holds_if, q) else "fails"
-    return f"{_num(value)} vs {_num(base)} ({name} {_num(q)}; {_rule(m)})", verdict
+    runs = f"medians of {len(m.median_over)} runs; " if m.median_over else ""
+    return f"{_num(value)} vs {_num(base)} ({runs}{name} {_num(q)}; {_rule(m)})", verdict
 
 
 def measure(m: Measurement, results: dict[str, Any]) -> tuple[str, str]:

@@ -214,6 +214,24 @@ def test_a_claim_whose_number_is_missing_renders_not_measured() -> None:
     assert row[6] == "not measured" and "evaluate different windows" in row[3]
 
 
+def test_a_claim_over_seeds_reads_the_median_of_each_side() -> None:
+    from report_claims import claims_section
+
+    claims = _claims(["<", 1], median_over=["", "-seed1", "-seed2"])
+    results = _results(1.0)
+    rows = results["latentllm"]["variants"]  # type: ignore[index]
+    for suffix, (v, b) in {"": (1.25, 1.33), "-seed1": (1.28, 1.28), "-seed2": (1.29, 1.24)}.items():
+        rows[f"latentllm-80{suffix}"] = {"ppl_ratio": {"wiki": v}}
+        rows[f"svdllm-attn-80{suffix}"] = {"ppl_ratio": {"wiki": b}}
+    row = _row(claims_section(claims, results))  # type: ignore[arg-type]
+    assert row[3] == "80%: 1.280 vs 1.280 (medians of 3 runs; ratio 1; holds if < 1) **fails**"  # seed 0: holds
+    del rows["svdllm-attn-80-seed2"]
+    row = _row(claims_section(claims, results))  # type: ignore[arg-type]
+    assert row[3] == "80%: not measured: no `variants.svdllm-attn-80-seed2` in latentllm.json"
+    with pytest.raises(SystemExit, match="median_over"):
+        _claims(["<", 1], median_over=["-seed1"], value=["ppl", "wiki"])
+
+
 def test_accuracy_claims_are_paired_and_within_noise_when_the_rule_would_flip() -> None:
     from report_claims import measure, parse_claims
 
