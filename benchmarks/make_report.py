@@ -47,6 +47,9 @@ SECTIONS = {
                          "(one-shot, CPU)", "benchmarks/plan.py"),
     "calib-source-smollm2-135m": ("Calibration that follows the model: wiki against text the model writes itself "
                                   "(`self`)", "benchmarks/calib_source.py"),
+    "calib-source-qwen2.5-1.5b": ("Calibration that follows the model on the 1.5B coder: wiki, text the model writes "
+                                  "itself (`self`), and code, scored on code beside wiki, ptb and c4",
+                                  "benchmarks/calib_source.py"),
     "nbl": ("NBL: linearized attention layers", "benchmarks/nbl.py"),
     "latentllm": ("LatentLLM", "benchmarks/latentllm.py"),
     "latentllm-ud": ("LatentLLM's joint up/down MLP fit (§4.3, App. H) against local MLP compression, 80% of all "
@@ -197,7 +200,7 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
          "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "plan-gemma3-270m",
-         "calib-source-smollm2-135m",
+         "calib-source-smollm2-135m", "calib-source-qwen2.5-1.5b",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "rope-stride-kv0.625-qwen2.5-1.5b",
          "bias-fold-local-qwen2.5-1.5b", "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3-speed", "nbl-gemma3",
@@ -344,7 +347,9 @@ def section(name: str, data: dict[str, Any]) -> list[str]:
             f"({ev['tokens']} tokens, {ev['seq_len']}-token windows per set).  "
         )
     if cal:
-        out.append(f"Calibration: {cal.get('description')} ({cal.get('tokens')} tokens).  ")
+        others = {v.get("calibration", {}).get("description") for v in variants.values()} - {cal.get("description")}
+        differs = " (the first row's; other rows differ: each row's `calibration` in the JSON)" if others else ""
+        out.append(f"Calibration: {cal.get('description')} ({cal.get('tokens')} tokens){differs}.  ")
     out.append(
         f"Device {env['device']}{device_details(env)} ({env['threads']} threads); torch {env['torch']}, transformers "
         f"{env['transformers']}, attnslim {env['attnslim']}."

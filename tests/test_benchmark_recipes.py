@@ -162,3 +162,18 @@ def test_plan_benchmark_joins_a_plans_mla_layers_under_one_global_allocation_at_
     recipe["steps"][2]["args"]["refit_o"] = False
     with pytest.raises(SystemExit, match="differ beyond kv_ratio"):
         plan.with_global(recipe)
+
+
+def test_calibration_source_rows_change_only_the_source_windows_and_heal(script: Any) -> None:
+    from attnslim.recipe import load_recipe, recipe_to_dict
+
+    calib = script("calib_source")
+    mla = recipe_to_dict(load_recipe("mla"))
+    rows = {s: calib.with_source(mla, s, heal=False, one_shot=True, windows=8) for s in ("wiki", "self+wiki")}
+    _check(rows)
+    for source, row in rows.items():
+        assert row["name"] == f"mla-oneshot-w8-calib{source}" and "heal" not in row  # the 1.5B rows' names
+        assert row["calibration"] == {**mla["calibration"], "source": source, "windows": 8}
+        assert row["steps"] == mla["steps"]
+    healed = calib.with_source(mla, "self", heal=True)
+    assert healed["heal"]["source"] == "self" and healed["calibration"]["windows"] == mla["calibration"]["windows"]
