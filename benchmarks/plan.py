@@ -33,8 +33,9 @@ at their mean width (with_global; the plan still chooses which layers keep atten
 `--plans-from STEM` takes the plans an earlier run recorded in benchmarks/results/STEM.json instead of planning
 again (e.g. a GPU run's plans, compressed and scored here).
 `--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
-instead of wiki (the heal's own text is unchanged); rows end in `-calibSOURCE`, the report sets them against the
-rows calibrated on wiki. The question: wiki-only costs win the plan wiki and lose it ptb; does broader text?
+instead of wiki (the heal's own text is unchanged unless the source holds the model's own text, `self` or a file:
+then the heal is on it too, as `compress --kv --heal` heals); rows end in `-calibSOURCE`, the report sets them
+against the rows calibrated on wiki. The question: wiki-only costs win the plan wiki and lose it ptb; does broader text?
 `--engine vllm --baselines nbl,drop --name plan-vllm-MODEL`: plans only of what stock vLLM serves (`attnslim plan
 --engine vllm`: on SmolLM2 below KV 0.83 the plugin's keep/nbl/drop), beside the single-method rows vLLM also
 serves; benchmarks/serve.py serves the same budgets' plans (variants plan-vllm-kvF).
@@ -62,10 +63,9 @@ from attnslim.adapters import get_adapter
 from attnslim.models import load_model
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS, candidate_set
 from attnslim.planner.costs import resources
-from attnslim.planner.run import PlanConfig, choose, prepare
+from attnslim.planner.run import PlanConfig, choose, prepare, standard_heal
 from attnslim.recipe import Calibration, load_recipe, recipe_to_dict
 
-STANDARD_HEAL = load_recipe("default").heal  # the demo recipe's heal
 LOCAL = load_recipe("mla-kv25")  # the strongest single-method MLA recipe: its conversion args and its heal
 LOCAL_ARGS = {k: v for k, v in LOCAL.steps[0].args.items() if k != "kv_ratio"}  # alloc, refit_o, local_steps
 DEFAULT_ARGS = {k: v for k, v in load_recipe("default").steps[0].args.items() if k != "kv_ratio"}  # no refit_o
@@ -210,6 +210,7 @@ def main() -> None:
     layers, marker = shape(args.model)
     src = args.calib_source
     cal = "" if src == "wiki" else f"-calib{src}"  # last in every row name: the report reads the rest as before
+    heal = standard_heal(src)  # the default recipe's, as `compress --kv --heal` heals a plan calibrated on src
     if args.baselines_only:
         for kv in budgets:
             for method in filter(None, args.baselines.split(",")):
@@ -231,13 +232,13 @@ def main() -> None:
         for method in filter(None, args.baselines.split(",")):
             harness.run(f"{method}-kv{kv:g}{cal}", baseline(method, kv, layers, marker, src))
         if kv in healed:
-            harness.run(f"plan-kv{kv:g}-heal40{cal}", {**recipe, "heal": STANDARD_HEAL}, summary)
-            harness.run(f"mla-kv{kv:g}-heal40{cal}", {**baseline("mla", kv, layers, source=src), "heal": STANDARD_HEAL})
+            harness.run(f"plan-kv{kv:g}-heal40{cal}", {**recipe, "heal": heal}, summary)
+            harness.run(f"mla-kv{kv:g}-heal40{cal}", {**baseline("mla", kv, layers, source=src), "heal": heal})
         if kv in norefit:
-            harness.run(f"plan-kv{kv:g}-norefit-heal40{cal}", {**without_refit(recipe), "heal": STANDARD_HEAL},
+            harness.run(f"plan-kv{kv:g}-norefit-heal40{cal}", {**without_refit(recipe), "heal": heal},
                         summary)
             harness.run(f"mla-kv{kv:g}-norefit-heal40{cal}", {**baseline("mla-norefit", kv, layers, source=src),
-                                                               "heal": STANDARD_HEAL})
+                                                               "heal": heal})
         if kv in joined:
             harness.run(f"plan-kv{kv:g}-global{cal}", with_global(recipe), summary)
         if kv in local:

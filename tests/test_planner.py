@@ -140,6 +140,21 @@ def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys:
     assert message in capsys.readouterr().err
 
 
+def test_default_calibration_is_wiki_and_says_how_to_keep_a_models_own_domain(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from attnslim.cli import build_parser
+    from attnslim.cli_compress import plan_config
+
+    for command in ("plan", "compress"):
+        args = build_parser().parse_args([command, "smollm2-135m", "--kv", "0.5", "--out", "x"])
+        assert plan_config(args).calibration.source == "wiki"
+        err = capsys.readouterr().err
+        assert "--calib-source wiki+file:PATH" in err and "self+wiki" in err  # on stderr: --json stays JSON
+        args = build_parser().parse_args([command, "smollm2-135m", "--kv", "0.5", "--calib-source", "wiki",
+                                          "--out", "x"])
+        assert plan_config(args).calibration.source == "wiki" and capsys.readouterr().err == ""  # chosen: no note
+
+
 def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
@@ -295,6 +310,7 @@ def test_plan_heal_flag_ends_the_recipe_with_the_default_heal_on_self_text_when_
     from attnslim.planner.run import standard_heal
 
     assert standard_heal("self+tiny") == {**default, "source": "self+tiny"} and standard_heal("wiki") == default
+    assert standard_heal("wiki+file:code.txt") == {**default, "source": "wiki+file:code.txt"}  # the user's domain
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

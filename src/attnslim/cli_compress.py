@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,29 @@ def plan_config(args: argparse.Namespace) -> Any:
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
     ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
     candidate_set(kinds, ladder, args.engine)  # unknown kinds or ladder values are refused here
-    calibration = Calibration(source=args.calib_source, windows=args.calib_windows, seq_len=512)
+    calibration = Calibration(source=calibration_source(args.calib_source), windows=args.calib_windows, seq_len=512)
     mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
     return PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
                       engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
                       refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration, mla_args=mla_args,
                       heal=standard_heal(calibration.source) if args.heal else None)
+
+
+DEFAULT_CALIBRATION = "wiki"
+DOMAIN_NOTE = ("attnslim: calibrating on Wikipedia text (the default); a model with a domain of its own (code, another "
+               "language) keeps it better with --calib-source wiki+file:PATH (that domain's text) or self+wiki "
+               "(docs/planning.md, 'Calibration that follows the model')")
+
+
+def calibration_source(given: str | None) -> str:
+    """The planner's calibration text: `given`, else wiki with a note on stderr. Why the default stays wiki and
+    the note names the alternatives: on a general model (SmolLM2) text the model writes itself loses Wikipedia-like
+    text and gains nothing elsewhere, on a code model wiki alone strips its own domain (BENCHMARKS.md, 'Calibration
+    that follows the model on the 1.5B coder'; docs/planning.md)."""
+    if given is not None:
+        return given
+    print(DOMAIN_NOTE, file=sys.stderr)
+    return DEFAULT_CALIBRATION
 
 
 def parse_floats(flag: str, text: str) -> list[float]:

@@ -295,10 +295,10 @@ def _search(model: Any, adapter: Adapter, prepared: Prepared, rows: list[list[tu
 
 
 def standard_heal(calibration_source: str) -> dict[str, Any]:
-    """The default recipe's heal, on the calibration source when that samples the model itself (a model
-    calibrated on its own text should not be healed towards another domain's)."""
+    """The default recipe's heal, on the calibration source when that holds the model's own text (sampled from it,
+    `self`, or the user's, `file:PATH`): a model calibrated on its own domain should not be healed towards another."""
     heal = dict(load_recipe("default").heal or {})
-    if SELF in mixture(calibration_source):
+    if any(part == SELF or part.startswith("file:") for part in mixture(calibration_source)):
         heal["source"] = calibration_source
     return heal
 
