@@ -258,7 +258,9 @@ ARCHIVE = ("latentllm-head",
            "lisa-qwen2.5-1.5b", "lisa-stability-qwen2.5-1.5b", "atp-qwen2.5-1.5b", "nbl-qwen2.5-1.5b",
            "latentllm-qwen2.5-1.5b",
            # the claims table carries their verdicts: ATP's BoolQ protocol, MLA against TransMLA on Gemma-3
-           "atp-boolq", "mla-gemma3")
+           "atp-boolq", "mla-gemma3",
+           # the previous default's heal comparison (its title says so); decode bytes per token: docs/cpu-speed.md
+           "heal-default", "mla-speed-bytes")
 ARCHIVE_PAGE = "docs/benchmarks-archive.md"
 
 

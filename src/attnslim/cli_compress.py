@@ -98,21 +98,22 @@ def plan_config(args: argparse.Namespace) -> Any:
                       heal=standard_heal(calibration.source) if args.heal else None)
 
 
-DEFAULT_CALIBRATION = "wiki"
 DOMAIN_NOTE = ("attnslim: calibrating on Wikipedia text (the default); a model with a domain of its own (code, another "
                "language) keeps it better with --calib-source wiki+file:PATH (that domain's text) or self+wiki "
                "(docs/planning.md, 'Calibration that follows the model')")
 
 
 def calibration_source(given: str | None) -> str:
-    """The planner's calibration text: `given`, else wiki with a note on stderr. Why the default stays wiki and
-    the note names the alternatives: on a general model (SmolLM2) text the model writes itself loses Wikipedia-like
-    text and gains nothing elsewhere, on a code model wiki alone strips its own domain (BENCHMARKS.md, 'Calibration
-    that follows the model on the 1.5B coder'; docs/planning.md)."""
+    """The planner's calibration text: `given`, else the recipe's default (wiki) with a note on stderr. Wiki calibration
+    strips a model of text unlike Wikipedia (code, on SmolLM2 and on the 1.5B coder) and `self+wiki` keeps most of it
+    at a small cost on wiki, ptb and c4; the numbers, and why the default stays wiki for now: docs/planning.md,
+    "Calibration that follows the model"."""
+    from attnslim.recipe import Calibration
+
     if given is not None:
         return given
     print(DOMAIN_NOTE, file=sys.stderr)
-    return DEFAULT_CALIBRATION
+    return Calibration().source
 
 
 def parse_floats(flag: str, text: str) -> list[float]:
