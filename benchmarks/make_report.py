@@ -220,7 +220,8 @@ HEADLINES = (
     ("nbl", "nbl", "nbl-similarity-m6", "drop-similarity-layers-m6", "--recipe nbl"),
     ("lisa", "lisa", "lisa-50", "ds-50", "--recipe lisa"),
     ("atp (serving cache)", "atp", "hybrid r=1/4", "recent r=1/4", "--recipe atp"),
-    ("planner (mla, nbl, drop, keep per layer)", "plan-smollm2-135m-h100", "plan-kv0.5", "mla-kv0.5", "--kv 0.5"),
+    ("planner (mla, nbl, drop, keep per layer)", "plan-smollm2-135m-h100", "plan-kv0.5", "mla-kv0.5",
+     "--kv 0.5 --calib-source wiki"),
 )
 
 

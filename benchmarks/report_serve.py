@@ -8,8 +8,8 @@ from typing import Any
 LABELS = {"dense": "dense", "nbl-6": "NBL-6 (linearized)", "nbl-12": "NBL-12 (linearized)",
           "drop-6": "drop-6 (attention removed)",
           "mla-deepseek": "MLA KV 0.5, DeepSeek-V3 export (vLLM's MLA, kv_lora_rank padded to 512)",
-          "plan-vllm-kv0.5": "planned, KV 0.5 (`compress --kv 0.5 --engine vllm`)",
-          "plan-vllm-kv0.25": "planned, KV 0.25 (`compress --kv 0.25 --engine vllm`)"}
+          "plan-vllm-kv0.5": "planned, KV 0.5 (`compress --kv 0.5 --engine vllm --calib-source wiki`)",
+          "plan-vllm-kv0.25": "planned, KV 0.25 (`compress --kv 0.25 --engine vllm --calib-source wiki`)"}
 PLAN25_SPEED = 1.3  # the serving issue's target for the planned KV-0.25 SmolLM2 model
 
 
@@ -40,7 +40,7 @@ def serve_section(data: dict[str, Any]) -> list[str]:
            "throughput is noisy (each round's value in parentheses).  ",
            f"Variants of {data['model']}, calibrated on {data['calibration']['windows']} × "
            f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']}"
-           + (", the planned ones as `compress --kv` calibrates (32 × 512)" if any(
+           + (", the planned ones on 32 × 512 of wiki (`compress --kv --calib-source wiki`)" if any(
                name.startswith("plan-") for name in data["variants"]) else "")
            + " (quality is not measured here; the NBL and planner sections have it).", "",
            "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense | TTFT ms | ITL ms |",

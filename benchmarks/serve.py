@@ -1,6 +1,6 @@
 """vLLM serving of dense SmolLM2, its NBL-6, NBL-12 and drop-6 outputs, the DeepSeek-V3 export of its MLA
-conversion and the planner's vLLM models at KV 0.5 and 0.25 (`attnslim compress --kv F --engine vllm`): offline
-throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
+conversion and the planner's vLLM models at KV 0.5 and 0.25 (`attnslim compress --kv F --engine vllm
+--calib-source wiki`): offline throughput, KV capacity, and latency through `attnslim serve` (serve_latency.py).
 
     .venv/bin/python benchmarks/serve.py [--rounds 2] [--dtype bfloat16]     (needs `make serve-setup`)
     .venv/bin/python benchmarks/serve.py --model qwen2.5-1.5b --prompts 8 --input-len 256 --output-len 64

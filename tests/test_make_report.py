@@ -314,7 +314,8 @@ def test_serve_section_names_its_model_file_and_that_models_target() -> None:
     assert "planned KV-0.25" not in text  # no planned row, no planned target
     data["variants"]["plan-vllm-kv0.25"] = variant(12.9, 4280)
     text = "\n".join(report_serve.serve_section(data))
-    assert "| planned, KV 0.25 (`compress --kv 0.25 --engine vllm`) | 12.9 (12.9, 12.9) | 1.290 |" in text
+    assert ("| planned, KV 0.25 (`compress --kv 0.25 --engine vllm --calib-source wiki`) | 12.9 (12.9, 12.9) | 1.290 |"
+            in text)
     assert "planned KV-0.25 model (serving issue): throughput ≥ 1.3× dense, measured 1.290× (missed)" in text
 
 

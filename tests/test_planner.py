@@ -140,19 +140,39 @@ def test_bad_plan_arguments_are_refused_before_loading(tmp_path: object, capsys:
     assert message in capsys.readouterr().err
 
 
-def test_default_calibration_is_wiki_and_says_how_to_keep_a_models_own_domain(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def test_default_calibration_is_self_wiki_wiki_under_offload_and_is_said(capsys: pytest.CaptureFixture[str]) -> None:
     from attnslim.cli import build_parser
     from attnslim.cli_compress import plan_config
 
+    assert PlanConfig(kv=0.5).calibration.source == "self+wiki"  # the API's default is the commands'
     for command in ("plan", "compress"):
         args = build_parser().parse_args([command, "smollm2-135m", "--kv", "0.5", "--out", "x"])
-        assert plan_config(args).calibration.source == "wiki"
+        assert plan_config(args).calibration.source == "self+wiki"
         err = capsys.readouterr().err
-        assert "--calib-source wiki+file:PATH" in err and "self+wiki" in err  # on stderr: --json stays JSON
+        assert "calibrating on self+wiki" in err and "--calib-source wiki+file:PATH" in err  # stderr: --json stays JSON
         args = build_parser().parse_args([command, "smollm2-135m", "--kv", "0.5", "--calib-source", "wiki",
                                           "--out", "x"])
         assert plan_config(args).calibration.source == "wiki" and capsys.readouterr().err == ""  # chosen: no note
+    args = build_parser().parse_args(["plan", "smollm2-135m", "--kv", "0.5", "--offload", "--out", "x"])
+    assert plan_config(args).calibration.source == "wiki"  # sampling needs the whole model, which --offload is not
+    err = capsys.readouterr().err
+    assert "--offload: calibrating on wiki, not the default self+wiki" in err and "wiki+file:PATH" in err
+
+
+def test_a_plan_on_sampled_text_is_reproducible_and_measured_on_that_text() -> None:
+    """The default calibration samples the dense model: the same seed gives the same costs and plan; the costs are
+    measured on the sampled windows (they differ from the text-only calibration's)."""
+    from helpers import BosTokenizer
+
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=256)
+    mixed = Calibration(source="self+tiny", windows=8, seq_len=32, seed=0, batch_size=4)
+    runs = [plan_model(model, BosTokenizer(), _config(kv=0.6, calibration=cal), progress=False)
+            for cal in (mixed, mixed, CAL)]
+    costs = [{i: {label: o["kl"] for label, o in row.items()} for i, row in r.report["options"].items()} for r in runs]
+    assert costs[0] == costs[1] and recipe_to_dict(runs[0].recipe) == recipe_to_dict(runs[1].recipe)
+    assert costs[0] != costs[2]
+    assert runs[0].report["calibration"]["source"] == "self+tiny"
 
 
 def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(

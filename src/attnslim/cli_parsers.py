@@ -93,9 +93,9 @@ def add_plan_options(p: Any) -> None:
     p.add_argument("--ladder", default=None, help="mla's kept KV fractions per layer, comma-separated "
                    "(default 0.125,0.25,0.375,0.5,0.625,0.75)")
     p.add_argument("--calib-source", default=None, help="calibration text (fits and costs; never evaluation "
-                   "text; default wiki); 'self': text the dense model samples itself, also a mixture such as "
-                   "self+wiki, which keeps a model's own domain (code, another language) better than wiki alone "
-                   "(docs/planning.md)")
+                   "text; default self+wiki: half sampled by the dense model itself, which keeps a model's own "
+                   "domain (code, another language) better than wiki alone; wiki with --offload); also wiki, "
+                   "wiki+file:PATH, self (docs/planning.md)")
     p.add_argument("--heal", action="store_true", help="end the plan with the default recipe's 40-step heal (on "
                    "the calibration source when it includes 'self' or a file:PATH, the model's own text)")
     p.add_argument("--calib-windows", type=int, default=32, help="fit windows of 512 tokens (what compress uses)")

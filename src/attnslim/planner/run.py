@@ -12,6 +12,7 @@ Steps 1-3 (`prepare`) do not depend on the budgets: one measurement serves sever
 Calibration: the fits use the recipe's calibration windows (what compress will use), raised as compress raises
 them when a candidate's fit needs more tokens on this model (mla's output refit: api.raised_calibration); per-layer
 costs and the whole-plan score use other windows of the same calibration source, drawn with seeds +1 and +2.
+The source is `self+wiki` by default (PLAN_SOURCE), wiki with --offload (OFFLOAD_SOURCE): see PLAN_SOURCE.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ from attnslim.planner.solve import Budget, Option, Solution, solve
 from attnslim.planner.starts import start_plans
 from attnslim.recipe import Calibration, Recipe, load_recipe
 
+# The planner's default calibration: half text the dense model samples itself (data/generated.py), half Wikipedia.
+# Why not wiki alone, the recipes' default: the planner picks the layers to compress by their cost on calibration
+# text, so wiki alone strips a model of its own domain (SmolLM2's code perplexity 1.56x after the heal, against 1.14x
+# on self+wiki) at a few percent on wiki, ptb and c4: docs/planning.md, "Calibration that follows the model".
+PLAN_SOURCE = "self+wiki"
+OFFLOAD_SOURCE = "wiki"  # with --offload, which keeps the dense model on disk, where `self` cannot sample it
+
+
+def _plan_calibration() -> Calibration:
+    return Calibration(source=PLAN_SOURCE)
+
 
 @dataclass(frozen=True)
 class PlanConfig:
@@ -57,7 +69,7 @@ class PlanConfig:
     engine: str = "hf"
     kinds: tuple[str, ...] = DEFAULT_KINDS
     ladder: tuple[float, ...] = DEFAULT_LADDER
-    calibration: Calibration = field(default_factory=Calibration)
+    calibration: Calibration = field(default_factory=_plan_calibration)
     score_windows: int = 4  # per-layer cost windows (scored at their second half)
     score_seq_len: int = 256
     refine_windows: int = 4  # held-out windows of the whole-plan score

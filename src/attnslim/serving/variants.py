@@ -3,10 +3,10 @@ default and of any packaged model on request (benchmarks/serve.py --model: the 1
 
 `build(name, out, model_name)` writes one servable directory: "dense" as a plain transformers checkpoint,
 "mla-deepseek" as the DeepSeek-V3 export of an all-MLA output (kv_lora_rank padded to 512: the only size vLLM's CPU
-MLA kernel runs), "plan-vllm-kvF" as `attnslim compress --kv F --engine vllm` writes it (planned, then compressed:
-a plan one vLLM route serves, on SmolLM2 the plugin's keep/nbl/drop), the others as attnslim outputs
-(`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens; the planned variants' is the
-planner's default): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
+MLA kernel runs), "plan-vllm-kvF" as `attnslim compress --kv F --engine vllm --calib-source wiki` writes it
+(planned, then compressed: a plan one vLLM route serves, on SmolLM2 the plugin's keep/nbl/drop), the others as
+attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens; the planned
+variants' is the planner's on wiki): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
 depend on how well the maps were fitted.
 """
 
@@ -69,10 +69,13 @@ def build(name: str, out: Path, model_name: str = MODEL) -> Path:
 
 
 def _planned(kv: float, out: Path, model_name: str) -> Path:
-    """`attnslim compress MODEL --kv KV --engine vllm`, every planner setting its default (the calibration too, not
-    the other variants' small one): the very plan whose quality benchmarks/plan.py --engine vllm reports."""
+    """`attnslim compress MODEL --kv KV --engine vllm --calib-source wiki`, every other planner setting its default
+    (the calibration's size too, not the other variants' small one): the very plan whose quality benchmarks/plan.py
+    --engine vllm reports, which calibrates on wiki as the single-method rows it is compared with do."""
     from attnslim.planner.output import plan_and_compress
     from attnslim.planner.run import PlanConfig
+    from attnslim.recipe import Calibration
 
-    plan_and_compress(model_name, PlanConfig(kv=kv, engine="vllm"), out, progress=False)
+    plan_and_compress(model_name, PlanConfig(kv=kv, engine="vllm", calibration=Calibration(source="wiki")), out,
+                      progress=False)
     return out
