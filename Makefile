@@ -80,7 +80,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy benchmarks  # its own run: the scripts import each other by bare name (common, ...)
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -m "not serving"
+	$(BIN)/pytest -q -m "not serving" --durations=25  # the slowest tests, in every CI log
 
 test: lint typecheck pytest
 
