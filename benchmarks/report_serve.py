@@ -40,8 +40,7 @@ def serve_section(data: dict[str, Any]) -> list[str]:
            "throughput is noisy (each round's value in parentheses).  ",
            f"Variants of {data['model']}, calibrated on {data['calibration']['windows']} × "
            f"{data['calibration']['seq_len']} tokens of {data['calibration']['source']}"
-           + (", the planned ones on 32 × 512 of wiki (`compress --kv --calib-source wiki`)" if any(
-               name.startswith("plan-") for name in data["variants"]) else "")
+           + _planned_calibration(data)
            + " (quality is not measured here; the NBL and planner sections have it).", "",
            "| variant | output tok/s (per round) | throughput ×dense | KV tokens | KV ×dense | TTFT ms | ITL ms |",
            "|---|---|---|---|---|---|---|"]
@@ -130,3 +129,13 @@ def export_section(data: dict[str, Any]) -> list[str]:
 SERVE_SPECIAL: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "serve": serve_section, "serve-qwen2.5-1.5b": serve_section, "lmeval_serve": lmeval_serve_section,
     "export": export_section}
+
+
+def _planned_calibration(data: dict[str, Any]) -> str:
+    """The planned variants' calibration, as serve.py recorded it (results before it did: the planner's size on
+    wiki, which serving/variants.py used then too)."""
+    if not any(name.startswith("plan-") for name in data["variants"]):
+        return ""
+    cal = data.get("planned_calibration", {"source": "wiki", "windows": 32, "seq_len": 512})
+    return (f", the planned ones on {cal['windows']} × {cal['seq_len']} of {cal['source']} (`compress --kv "
+            f"--calib-source {cal['source']}`)")

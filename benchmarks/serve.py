@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from serve_latency import SPEC as LATENCY_SPEC
 from serve_latency import latency
 
 from attnslim.serving.launch import serving_python
-from attnslim.serving.variants import KNOWN, MODEL, SEQ_LEN, WINDOWS, build
+from attnslim.serving.variants import KNOWN, MODEL, PLANNED, PLANNED_CALIBRATION, SEQ_LEN, WINDOWS, build
 
 VARIANTS = ("dense", "nbl-6", "nbl-12", "drop-6", "mla-deepseek", "plan-vllm-kv0.5", "plan-vllm-kv0.25")
 OTHER_VARIANTS = ("dense", "nbl-12")  # another --model's default: the serving issue's 1.5B rows
@@ -137,6 +138,8 @@ def main() -> None:
         "kv_cache_space_gib": float(KV_GIB), "calibration": {"source": "wiki", "windows": WINDOWS, "seq_len": SEQ_LEN},
         "variants": variants,
     }
+    if any(name in PLANNED for name in variants):
+        result["planned_calibration"] = asdict(PLANNED_CALIBRATION)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{results_name(args.model)}.json"
     path.write_text(json.dumps(result, indent=1))

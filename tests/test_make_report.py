@@ -317,6 +317,10 @@ def test_serve_section_names_its_model_file_and_that_models_target() -> None:
     assert ("| planned, KV 0.25 (`compress --kv 0.25 --engine vllm --calib-source wiki`) | 12.9 (12.9, 12.9) | 1.290 |"
             in text)
     assert "planned KV-0.25 model (serving issue): throughput ≥ 1.3× dense, measured 1.290× (missed)" in text
+    assert "the planned ones on 32 × 512 of wiki" in text  # a result written before serve.py recorded it
+    data["planned_calibration"] = {"source": "self+wiki", "windows": 8, "seq_len": 256}
+    assert "the planned ones on 8 × 256 of self+wiki (`compress --kv --calib-source self+wiki`)" in "\n".join(
+        report_serve.serve_section(data))
 
 
 def test_plan_seed_spread_reads_the_rows_repeated_with_other_heal_seeds() -> None:

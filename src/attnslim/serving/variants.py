@@ -6,8 +6,8 @@ default and of any packaged model on request (benchmarks/serve.py --model: the 1
 MLA kernel runs), "plan-vllm-kvF" as `attnslim compress --kv F --engine vllm --calib-source wiki` writes it
 (planned, then compressed: a plan one vLLM route serves, on SmolLM2 the plugin's keep/nbl/drop), the others as
 attnslim outputs (`attnslim.save`). Calibration is small (`WINDOWS` windows of `SEQ_LEN` tokens; the planned
-variants' is the planner's on wiki): the serving checks compare vLLM with HF on the *same* weights, and speed or KV capacity do not
-depend on how well the maps were fitted.
+variants' is PLANNED_CALIBRATION): the serving checks compare vLLM with HF on the *same* weights, and speed or KV
+capacity do not depend on how well the maps were fitted.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from attnslim.errors import AttnslimError
 from attnslim.mla_widths import VLLM_CPU_LORA_RANK
+from attnslim.recipe import Calibration
 
 MODEL = "smollm2-135m"
 WINDOWS, SEQ_LEN = 16, 256
@@ -30,6 +31,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
 }
 EXPORTED = {"mla-deepseek": VLLM_CPU_LORA_RANK}  # variant -> kv_lora_rank of its DeepSeek-V3 export
 PLANNED = {"plan-vllm-kv0.5": 0.5, "plan-vllm-kv0.25": 0.25}  # variant -> the KV budget of `plan --engine vllm`
+# The planned variants' calibration: the planner's size (32 windows of 512), on wiki as benchmarks/plan.py --engine vllm
+# plans, so that the served plan is the one whose quality that benchmark reports
+PLANNED_CALIBRATION = Calibration(source="wiki")
 KNOWN = (*VARIANTS, *PLANNED)
 
 
@@ -74,8 +78,7 @@ def _planned(kv: float, out: Path, model_name: str) -> Path:
     --engine vllm reports, which calibrates on wiki as the single-method rows it is compared with do."""
     from attnslim.planner.output import plan_and_compress
     from attnslim.planner.run import PlanConfig
-    from attnslim.recipe import Calibration
 
-    plan_and_compress(model_name, PlanConfig(kv=kv, engine="vllm", calibration=Calibration(source="wiki")), out,
+    plan_and_compress(model_name, PlanConfig(kv=kv, engine="vllm", calibration=PLANNED_CALIBRATION), out,
                       progress=False)
     return out
