@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,36 @@ def test_plan_meets_the_budget_exactly_and_reports_why() -> None:
     assert est["measured"] <= min(s["measured"] for s in result.report["starts"].values())
     assert result.report["starts"][result.report["start"]]["measured"] == est["measured_start"]
     assert len(result.report["layers"]) == 4 and result.report["binding"] == ["kv"]
+
+
+def test_the_public_planner_leaves_the_model_dense_and_its_recipe_compresses_it_within_budget() -> None:
+    import attnslim
+
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert attnslim.PlanConfig is PlanConfig  # _config's
+    result = attnslim.plan_model(model, ByteTokenizer(), _config(kv=0.4), progress=False)
+    assert isinstance(result, attnslim.PlanResult)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)  # still dense
+    dense_kv = kv_bytes_per_token(model)["total"]
+    attnslim.compress(model, ByteTokenizer(), result.recipe, progress=False)
+    assert kv_bytes_per_token(model)["total"] <= 0.4 * dense_kv
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"kv": 0.0}, "the KV cache (--kv) budget is 0.0; give a fraction"),
+    ({"kv": 0.5, "params": 1.5}, "budget is 1.5; give a fraction"),
+    ({"kv": 0.5, "rounds": -1}, "PlanConfig.rounds=-1: give an integer >= 0"),
+    ({"kv": 0.5, "score_windows": 0}, "PlanConfig.score_windows=0: give an integer >= 1"),
+    ({"kv": 0.5, "decode_at": 1.5}, "PlanConfig.decode_at=1.5: give an integer >= 1"),
+    ({"kv": 0.5, "kinds": ("mla", "lora")}, "unknown ['lora']"),
+    ({"kv": 0.5, "engine": "sglang"}, "engine 'sglang' is unknown"),
+    ({"kv": 0.5, "mla_args": {"kv_ratio": 0.3}}, "set by the planner per candidate"),
+])
+def test_plan_config_refuses_what_no_plan_can_use_before_any_measurement(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(AttnslimError, match=re.escape(message)):
+        PlanConfig(**kw)  # type: ignore[arg-type]
 
 
 def test_calibration_is_raised_to_what_the_output_refit_needs_as_compress_raises_it(

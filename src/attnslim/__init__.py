@@ -2,12 +2,15 @@
 
 The public API (everything else is internal and may change):
 
-    from attnslim import compress, save, load, load_model, load_recipe, Recipe, Step
+    from attnslim import compress, save, load, load_model, load_recipe, Recipe, Step, PlanConfig, plan_model
 
     model, tokenizer = load_model("smollm2-135m")
     report = compress(model, tokenizer, load_recipe("svdllm"))   # in place
     save(model, tokenizer, "out/svdllm", report.to_json())
     model, tokenizer = load("out/svdllm")
+
+    plan = plan_model(model, tokenizer, PlanConfig(kv=0.5))   # a budget instead of a recipe (`attnslim plan`);
+    report = compress(model, tokenizer, plan.recipe)           # the model is left dense until compress
     set_cpu_linear(model, "onednn")   # float32 linear layers on oneDNN for CPU inference (modules/cpu_linear.py)
 
 Names are imported on first use, so `import attnslim` (and the CLI's start-up) does not pay for torch and
@@ -33,15 +36,19 @@ _PUBLIC = {
     "Calibration": "attnslim.recipe",
     "AttnslimError": "attnslim.errors",
     "set_cpu_linear": "attnslim.modules.cpu_linear",
+    "plan_model": "attnslim.planner.run",
+    "PlanConfig": "attnslim.planner.run",
+    "PlanResult": "attnslim.planner.run",
 }
-__all__ = ["AttnslimError", "Calibration", "CompressionReport", "Recipe", "Step", "__version__", "compress", "load",
-           "load_model", "load_recipe", "save", "set_cpu_linear"]
+__all__ = ["AttnslimError", "Calibration", "CompressionReport", "PlanConfig", "PlanResult", "Recipe", "Step",
+           "__version__", "compress", "load", "load_model", "load_recipe", "plan_model", "save", "set_cpu_linear"]
 
 if TYPE_CHECKING:
     from attnslim.api import CompressionReport, compress
     from attnslim.api_checks import load, load_model, save
     from attnslim.errors import AttnslimError
     from attnslim.modules.cpu_linear import set_cpu_linear
+    from attnslim.planner.run import PlanConfig, PlanResult, plan_model
     from attnslim.recipe import Calibration, Recipe, Step, load_recipe
 
 

@@ -79,6 +79,19 @@ class PlanConfig:
     nbl_args: dict[str, Any] | None = None
     heal: dict[str, Any] | None = None  # the plan's heal (recipe `heal:` block); None: one-shot
 
+    def __post_init__(self) -> None:
+        """Settings no plan can use are refused here, before any model is measured (minutes later otherwise). The
+        CLI checks its flags first, so that its messages name them."""
+        for resource, value in (("kv", self.kv), ("params", self.params), ("decode", self.decode_bytes)):
+            if value is not None:
+                Budget(resource, value, 1.0)
+        for name, low in (("decode_at", 1), ("score_windows", 1), ("score_seq_len", 2), ("refine_windows", 1),
+                          ("rounds", 0), ("tries", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise AttnslimError(f"PlanConfig.{name}={value!r}: give an integer >= {low}")
+        candidate_set(self.kinds, self.ladder, self.engine, self.mla_args, self.nbl_args)
+
     def budgets_text(self) -> str:
         parts = [f"kv {self.kv:g}"]
         if self.params is not None:
