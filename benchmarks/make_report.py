@@ -47,8 +47,8 @@ SECTIONS = {
                          "(one-shot, CPU)", "benchmarks/plan.py"),
     "calib-source-smollm2-135m": ("Calibration that follows the model: wiki against text the model writes itself "
                                   "(`self`)", "benchmarks/calib_source.py"),
-    "plan-selfwiki-smollm2-135m": ("Planning under a budget, calibrated on the model's own text: the KV-0.5 plan on "
-                                   "wiki against `self+wiki`, scored on code beside wiki, ptb and c4",
+    "plan-selfwiki-smollm2-135m": ("Planning under a budget, calibrated on the model's own text: the KV-0.5 and 0.25 "
+                                   "plans on wiki against `self+wiki`, scored on code beside wiki, ptb and c4",
                                    "benchmarks/plan.py"),
     "calib-source-qwen2.5-1.5b": ("Calibration that follows the model on the 1.5B coder: wiki, text the model writes "
                                   "itself (`self`), and code, scored on code beside wiki, ptb and c4",

@@ -94,8 +94,8 @@ def test_planned_kv50_beats_uniform_mla_at_the_same_kv(smol):
     """The planner at KV 0.5 against uniform mla at kv_ratio 0.5 (same fit: no refit, the same calibration
     windows), both compressed from the packaged model and scored on the same evaluation tokens. Kept short: few
     calibration windows, two scoring windows, a four-width ladder, no sharing candidate, one refinement round.
-    The full-size comparison is benchmarks/plan.py's (BENCHMARKS.md, "Planning under a budget"). About 30 min
-    on the shared 2-core host under load (1795 s, 2026-11-27), most of it measuring every candidate of every layer."""
+    The full-size comparison is benchmarks/plan.py's (BENCHMARKS.md, "Planning under a budget"). About 2 min on the
+    2-core host (129 s, 2026-11-30: `make test --durations`), most of it measuring every candidate of every layer."""
     import copy
 
     from attnslim.api import compress
