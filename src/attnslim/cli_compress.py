@@ -74,14 +74,10 @@ def _print_compressed(report: Any, args: argparse.Namespace) -> None:
 
 def plan_config(args: argparse.Namespace) -> Any:
     """The planner's settings from `plan`/`compress --kv` arguments, checked before any model is loaded."""
-    from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS, candidate_set
+    from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS
     from attnslim.planner.run import PlanConfig, standard_heal
-    from attnslim.planner.solve import Budget
     from attnslim.recipe import Calibration
 
-    for flag, value in (("--kv", args.kv), ("--params", args.params), ("--decode-bytes", args.decode_bytes)):
-        if value is not None:
-            Budget({"--kv": "kv", "--params": "params", "--decode-bytes": "decode"}[flag], value, 1.0)
     for flag, value, low in (("--decode-at", args.decode_at, 1), ("--calib-windows", args.calib_windows, 1),
                              ("--score-windows", args.score_windows, 1), ("--rounds", args.rounds, 0),
                              ("--local-steps", args.local_steps, 0)):
@@ -89,7 +85,6 @@ def plan_config(args: argparse.Namespace) -> Any:
             raise AttnslimError(f"{flag} {value}: give an integer >= {low}")
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
     ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
-    candidate_set(kinds, ladder, args.engine)  # unknown kinds or ladder values are refused here
     calibration = Calibration(source=calibration_source(args.calib_source, args.offload), windows=args.calib_windows,
                               seq_len=512)
     mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None

@@ -50,8 +50,8 @@ from attnslim.recipe import Calibration, Recipe, load_recipe
 
 # The planner's default calibration: half text the dense model samples itself (data/generated.py), half Wikipedia.
 # Why not wiki alone, the recipes' default: the planner picks the layers to compress by their cost on calibration
-# text, so wiki alone strips a model of its own domain (SmolLM2's code perplexity 1.56x after the heal, against 1.14x
-# on self+wiki) at a few percent on wiki, ptb and c4: docs/planning.md, "Calibration that follows the model".
+# text, so wiki alone strips a model of its own domain (code), which self+wiki keeps for a little on wiki, ptb and c4:
+# BENCHMARKS.md, "Planning under a budget, calibrated on the model's own text"; docs/planning.md says why.
 PLAN_SOURCE = "self+wiki"
 OFFLOAD_SOURCE = "wiki"  # with --offload, which keeps the dense model on disk, where `self` cannot sample it
 
@@ -80,8 +80,8 @@ class PlanConfig:
     heal: dict[str, Any] | None = None  # the plan's heal (recipe `heal:` block); None: one-shot
 
     def __post_init__(self) -> None:
-        """Settings no plan can use are refused here, before any model is measured (minutes later otherwise). The
-        CLI checks its flags first, so that its messages name them."""
+        """Settings no plan can use are refused here, before any model is measured (minutes later otherwise): for
+        the CLI too, whose budget messages name the flag (solve.NAMES); it checks its integer flags first."""
         for resource, value in (("kv", self.kv), ("params", self.params), ("decode", self.decode_bytes)):
             if value is not None:
                 Budget(resource, value, 1.0)
