@@ -188,6 +188,9 @@ def test_default_calibration_is_self_wiki_wiki_under_offload_and_is_said(capsys:
     assert plan_config(args).calibration.source == "wiki"  # sampling needs the whole model, which --offload is not
     err = capsys.readouterr().err
     assert "--offload: calibrating on wiki, not the default self+wiki" in err and "wiki+file:PATH" in err
+    assert cli_main(["compress", "smollm2-135m", "--kv", "0.5", "--candidates", "mla,bogus", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "calibrating on" not in err  # a refused command line prints its error alone
 
 
 def test_a_plan_on_sampled_text_is_reproducible_and_measured_on_that_text() -> None:

@@ -25,7 +25,7 @@ from attnslim.linalg.pca import energy_kept, svd_entropy_rank
 from attnslim.linalg.precond import PRECOND_KINDS, PrecondSpec, preconditioner
 from attnslim.linalg.stats import InputStats
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 F64 = torch.float64
 HIDDEN, LAYERS = 640, 18

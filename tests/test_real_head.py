@@ -15,7 +15,7 @@ from attnslim.eval import perplexity
 from attnslim.pipeline.head import run_head
 from attnslim.settings import HeadConfig
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 
 def test_real_activation_aware_head_beats_plain_svd_at_the_same_rank():

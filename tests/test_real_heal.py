@@ -18,7 +18,7 @@ from attnslim.recipe import recipe_from_dict
 from attnslim.settings import HealConfig
 from attnslim.train.heal import heal, heal_loss
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 LAYERS = [20, 21, 22, 23]
 

@@ -18,7 +18,7 @@ from attnslim.data import eval_windows
 from attnslim.eval import perplexity
 from attnslim.recipe import recipe_from_dict
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 LAYERS = list(range(8, 16))
 CALIBRATION = {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0}

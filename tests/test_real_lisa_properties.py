@@ -23,7 +23,7 @@ from scipy.stats import spearmanr
 from attnslim.analysis.similarity import PARTS, adjacent_js, mean_pair_js, sensitivity_report, similarity_report
 from attnslim.api import compress
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 WINDOWS, SEQ_LEN = 4, 128
 

@@ -33,7 +33,7 @@ from attnslim.modules.score_link import ScoreLink
 from attnslim.modules.shared import DonorAttention, SharedAttention
 from helpers import convert_atp, install_sharing
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.real
 
 F64 = torch.float64
 LAYER = 10  # a middle layer of 30: neither the outlier first layers nor the near-linear last ones

@@ -85,33 +85,36 @@ def plan_config(args: argparse.Namespace) -> Any:
             raise AttnslimError(f"{flag} {value}: give an integer >= {low}")
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
     ladder = tuple(parse_floats("--ladder", args.ladder)) if args.ladder else DEFAULT_LADDER
-    calibration = Calibration(source=calibration_source(args.calib_source, args.offload), windows=args.calib_windows,
-                              seq_len=512)
+    source, note = calibration_source(args.calib_source, args.offload)
+    calibration = Calibration(source=source, windows=args.calib_windows, seq_len=512)
     mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
-    return PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
-                      engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
-                      refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration, mla_args=mla_args,
-                      heal=standard_heal(calibration.source) if args.heal else None)
+    cfg = PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
+                     engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
+                     refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration, mla_args=mla_args,
+                     heal=standard_heal(calibration.source) if args.heal else None)
+    if note:  # after the settings are checked: a refused command line prints its error alone
+        print(note, file=sys.stderr)
+    return cfg
 
 
-def calibration_source(given: str | None, offload: bool) -> str:
-    """The planner's calibration text: `given`, else its default with a note on stderr (stderr: `--json` output stays
-    JSON). The default is `self+wiki` (planner.run.PLAN_SOURCE: why there), and wiki with --offload, where the dense
-    model stays on disk and cannot sample its own text."""
+def calibration_source(given: str | None, offload: bool) -> tuple[str, str | None]:
+    """The planner's calibration text: `given`, else its default with the note to print (on stderr: `--json` output
+    stays JSON). The default is `self+wiki` (planner.run.PLAN_SOURCE: why there), and wiki with --offload, where the
+    dense model stays on disk and cannot sample its own text."""
     from attnslim.planner.run import OFFLOAD_SOURCE, PLAN_SOURCE
 
     if given is not None:
-        return given
+        return given, None
     if offload:
-        print(f"attnslim: --offload: calibrating on {OFFLOAD_SOURCE}, not the default {PLAN_SOURCE} (sampling the "
-              "model's own text needs it whole in memory); a model with a domain of its own (code, another language) "
-              "keeps it better with --calib-source wiki+file:PATH, that domain's text", file=sys.stderr)
-        return OFFLOAD_SOURCE
-    print(f"attnslim: calibrating on {PLAN_SOURCE} (the default): text the model samples itself beside Wikipedia, "
-          "which keeps a model's own domain (code, another language); --calib-source wiki+file:PATH uses your "
-          "domain's text, --calib-source wiki Wikipedia alone (docs/planning.md, 'Calibration that follows the "
-          "model')", file=sys.stderr)
-    return PLAN_SOURCE
+        return OFFLOAD_SOURCE, (
+            f"attnslim: --offload: calibrating on {OFFLOAD_SOURCE}, not the default {PLAN_SOURCE} (sampling the "
+            "model's own text needs it whole in memory); a model with a domain of its own (code, another language) "
+            "keeps it better with --calib-source wiki+file:PATH, that domain's text")
+    return PLAN_SOURCE, (
+        f"attnslim: calibrating on {PLAN_SOURCE} (the default): text the model samples itself beside Wikipedia, "
+        "which keeps a model's own domain (code, another language); --calib-source wiki+file:PATH uses your "
+        "domain's text, --calib-source wiki Wikipedia alone (docs/planning.md, 'Calibration that follows the "
+        "model')")
 
 
 def parse_floats(flag: str, text: str) -> list[float]:
