@@ -88,7 +88,7 @@ def test_attnslim_serve_runs_the_export_over_loopback(deci, prompts, tmp_path):
     expected = reference(str(deci["drop-6"]), prompts[:1], 16)["greedy"][0]
     port, log = free_port(), tmp_path / "server.log"
     argv = [sys.executable, "-m", "attnslim", "serve", str(deci["deci"]), "--port", str(port), "--dtype", "float32",
-            "--max-model-len", "1024", "--kv-cache-gib", "1"]
+            "--max-model-len", "1024", "--kv-cache-gib", "1", "--enforce-eager"]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -4,6 +4,7 @@ port, and the server command line."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 
@@ -84,6 +85,8 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_the_command_line(tm
     argv = launch.command(args, tmp_path)
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "sekrit" not in " ".join(argv)
+    assert "--enforce-eager" not in argv  # vLLM compiles unless asked not to
+    assert launch.command(replace(args, enforce_eager=True), tmp_path)[-1] == "--enforce-eager"
     access = check_access(args.host, args.port, args.api_key, None, False, {})
     env = launch.environment(args, access)
     assert env["VLLM_API_KEY"] == "sekrit" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"

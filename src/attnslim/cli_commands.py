@@ -112,5 +112,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from attnslim.serving.launch import ServeArgs, serve
 
     serve(ServeArgs(args.model, args.host, args.port, args.api_key, args.dtype, args.max_model_len, args.kv_cache_gib,
-                    args.api_key_file, args.no_api_key))
+                    args.api_key_file, args.no_api_key, args.enforce_eager))
     return 0  # not reached: serve() execs vLLM

@@ -257,3 +257,5 @@ def add_parsers(sub: Any) -> None:
                    "model's max_position_embeddings)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size on CPU in whole GiB "
                    "(VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM's --enforce-eager: skip its graph compilation, "
+                   "so the server starts sooner and decodes slower; for trials")

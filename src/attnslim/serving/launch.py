@@ -46,6 +46,7 @@ class ServeArgs:
     kv_cache_gib: float = 4.0
     api_key_file: Path | None = None
     no_api_key: bool = False
+    enforce_eager: bool = False  # vLLM's --enforce-eager: no graph compilation (starts sooner, decodes slower)
 
 
 def serving_venv() -> Path:
@@ -178,6 +179,8 @@ def command(args: ServeArgs, directory: Path) -> list[str]:
             "--host", args.host, "--port", str(args.port), "--dtype", args.dtype]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv + mla_arguments(directory, args.dtype) + deci_arguments(directory)
 
 
