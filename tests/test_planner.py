@@ -209,6 +209,46 @@ def test_a_plan_on_sampled_text_is_reproducible_and_measured_on_that_text() -> N
     assert runs[0].report["calibration"]["source"] == "self+tiny"
 
 
+def test_compress_kv_samples_the_models_own_text_once_and_compresses_as_a_fresh_draw_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compress --kv` (plan_and_compress) calibrates the compression on the windows the plan drew: the dense model's
+    own text is sampled once (at 1.5B each sampling costs minutes), and the model equals plan + compress drawing its
+    windows anew. Windows of another calibration are refused."""
+    import copy
+    from dataclasses import replace
+
+    from attnslim.data import windows as windows_module
+    from attnslim.planner import output
+    from helpers import BosTokenizer
+
+    real = windows_module.generated_windows
+    seeds: list[int] = []
+
+    def counted(model: object, tokenizer: object, n: int, seq_len: int, seed: int) -> torch.Tensor:
+        seeds.append(seed)
+        return real(model, tokenizer, n, seq_len, seed)
+
+    monkeypatch.setattr(windows_module, "generated_windows", counted)
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=256)
+    fresh, spare = copy.deepcopy(model), copy.deepcopy(model)
+    cfg = _config(kv=0.6, calibration=Calibration(source="self+tiny", windows=8, seq_len=32, seed=0, batch_size=4))
+    monkeypatch.setattr(output, "load_planned", lambda *a, **k: (model, BosTokenizer()))
+    monkeypatch.setattr("attnslim.io.save", lambda *a, **k: tmp_path)  # the model is compared here, not its files
+    result, _ = output.plan_and_compress("tiny", cfg, tmp_path / "out", progress=False)
+    assert seeds.count(0) == 1 and sorted(set(seeds)) == [0, 1, 2]  # fit windows once; score, held-out windows
+    seeds.clear()
+    compress(fresh, BosTokenizer(), result.recipe, progress=False)  # draws the recipe's calibration itself
+    assert seeds == [0]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(),
+                                                  strict=True))
+    other = replace(result.recipe, calibration=Calibration(source="tiny", windows=8, seq_len=32))
+    with pytest.raises(AttnslimError, match=r"holds 8 x 32 tokens of 'self\+tiny'.*calibrates on 8 x 32 of 'tiny'"):
+        compress(spare, BosTokenizer(), other, progress=False, windows=result.windows)
+    with pytest.raises(TypeError, match="windows must be the attnslim TokenWindows"):
+        compress(spare, BosTokenizer(), result.recipe, progress=False, windows=result.windows.ids)
+
+
 def test_cli_plan_writes_an_editable_recipe_and_compress_kv_records_the_plan(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json

@@ -35,8 +35,8 @@ VARIANTS = LLAMA_VARIANTS + MLA_VARIANTS
 def served(tmp_path_factory) -> dict[str, Path]:
     """Every variant as serving/variants.py builds it, but the planned one planned on less than `compress --kv 0.25
     --engine vllm`'s defaults: 8 fit windows of 256 tokens, 2 scoring windows, one refinement round, and only the
-    kinds the full-size plan chose (keep, nbl, drop: BENCHMARKS.md, "Planning under a budget"; the 320-wide MLA
-    candidate it also weighs needs 55 windows for the output refit). A mixed keep/nbl/drop model all the same,
+    kinds attnslim's vLLM plugin serves (keep, nbl, drop; the 320-wide MLA candidate the full-size plan also weighs
+    needs 55 windows for the output refit). A mixed keep/nbl/drop model all the same,
     minutes faster: what is checked here (vLLM equals HF on the same weights, the KV capacity follows the cached
     layers) does not depend on how well the plan was chosen; benchmarks/serve.py serves the full-size plan."""
     from attnslim.planner.output import plan_and_compress

@@ -10,7 +10,7 @@ The public API (everything else is internal and may change):
     model, tokenizer = load("out/svdllm")
 
     plan = plan_model(model, tokenizer, PlanConfig(kv=0.5))   # a budget instead of a recipe (`attnslim plan`);
-    report = compress(model, tokenizer, plan.recipe)           # the model is left dense until compress
+    report = compress(model, tokenizer, plan.recipe, windows=plan.windows)  # the plan's calibration windows
     set_cpu_linear(model, "onednn")   # float32 linear layers on oneDNN for CPU inference (modules/cpu_linear.py)
 
 Names are imported on first use, so `import attnslim` (and the CLI's start-up) does not pay for torch and

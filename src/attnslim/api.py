@@ -16,11 +16,11 @@ import torch
 from attnslim import _compat
 from attnslim.adapters import get_adapter
 from attnslim.adapters.base import Adapter
-from attnslim.api_checks import check_device, check_model, check_tokenizer, refuse_compressed
+from attnslim.api_checks import check_device, check_drawn, check_model, check_tokenizer, refuse_compressed
 from attnslim.bench import kv_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
 from attnslim.compress_memory import lean_heal, model_bytes, offload_reason
-from attnslim.data import calib_windows, check_draw
+from attnslim.data import TokenWindows, calib_windows, check_draw
 from attnslim.data.generated import SELF
 from attnslim.data.sources import mixture
 from attnslim.errors import AttnslimError, first_line
@@ -86,7 +86,7 @@ def library_versions() -> dict[str, str]:
 
 def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
              residency: Residency | None = None, device: torch.device | str | None = None,
-             methods: list[Method] | None = None) -> CompressionReport:
+             methods: list[Method] | None = None, windows: TokenWindows | None = None) -> CompressionReport:
     """Apply every step of `recipe` to `model` (in place) and report what changed.
 
     `residency` says where the weights live (calib/residency.py): by default the whole model is in memory and
@@ -94,7 +94,9 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
     writes the compressed layers to output shards as it goes (the model then stays a skeleton). `device` (default:
     the model's) is where each layer's calibration and conversion run when the model is in memory. `methods`: the
     steps' methods as `check_recipe(recipe)` returned them, for a caller that checked the recipe before loading
-    the model (compress_to), so each is built once; by default they are built here."""
+    the model (compress_to), so each is built once; by default they are built here. `windows`: the calibration
+    windows drawn already under `recipe.calibration` from this model (a plan's: `PlanResult.windows`), so text the
+    model samples itself (`self`) is not sampled twice; drawn here when absent, or when a method asks for more."""
     start = time.time()
     check_model("compress", model)
     check_tokenizer("compress", tokenizer)
@@ -113,13 +115,16 @@ def compress(model: Any, tokenizer: Any, recipe: Recipe, progress: bool = True,
         refuse_offloaded(recipe, methods)
     head = prepare_head(adapter, recipe.head, residency)  # refused before any work (a tied head needs untie)
     before, kv_before = adapter.param_groups(), _kv_bytes(model, residency)
-    recipe = replace(recipe, calibration=calibration_for(recipe, methods, adapter))
+    if windows is not None:
+        check_drawn(windows, recipe.calibration)
+    asked, recipe = recipe.calibration, replace(recipe, calibration=calibration_for(recipe, methods, adapter))
     cal = recipe.calibration
     if residency.offloaded and SELF in mixture(cal.source):
         raise AttnslimError("calibration.source 'self' samples the dense model, which --offload keeps on disk; "
                             "compress without --offload, or calibrate on a text source (wiki, c4, file:PATH)")
-    windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed,
-                            f"calibration.windows={cal.windows}", model=model)
+    if windows is None or cal != asked:  # none drawn, or a method raised the count: draw what it needs
+        windows = calib_windows(cal.source, tokenizer, cal.windows, cal.seq_len, cal.seed,
+                                f"calibration.windows={cal.windows}", model=model)
     heal_config = None if recipe.heal is None else HealConfig.from_dict(recipe.heal)
     if heal_config is not None:  # the heal's data, refused here rather than after every step has run
         check_draw(heal_config.source, tokenizer, heal_config.steps * heal_config.batch_size, heal_config.seq_len,

@@ -73,6 +73,22 @@ def check_device(where: str, device: object) -> torch.device | None:
         raise AttnslimError(f"{where}: {err}".replace("--device ", "device=")) from None
 
 
+def check_drawn(windows: object, cal: Any) -> None:
+    """`compress(windows=)`: token windows drawn under the recipe's calibration `cal` (attnslim.recipe.Calibration),
+    as a plan's are (`PlanResult.windows` beside `PlanResult.recipe`); others would calibrate on text the recipe
+    does not name."""
+    from attnslim.data import TokenWindows
+
+    if not isinstance(windows, TokenWindows):
+        raise TypeError(f"compress: windows must be the attnslim TokenWindows a plan drew (PlanResult.windows), got "
+                        f"{type(windows).__name__}; or leave it out and compress draws the recipe's calibration")
+    drawn = (windows.source, windows.split, tuple(windows.ids.shape))
+    if drawn != (cal.source, "calib", (cal.windows, cal.seq_len)):
+        raise AttnslimError(f"compress: windows= holds {drawn[2][0]} x {drawn[2][1]} tokens of {drawn[0]!r} "
+                            f"({drawn[1]} split), but the recipe calibrates on {cal.windows} x {cal.seq_len} of "
+                            f"{cal.source!r}: pass the windows of the plan that wrote this recipe, or none")
+
+
 def _check_path(where: str, name: str, value: object) -> Path:
     if not isinstance(value, str | os.PathLike) or (isinstance(value, str) and not value.strip()):
         raise TypeError(f"{where}: {name} must be a directory path (str or pathlib.Path), got "

@@ -109,7 +109,8 @@ def plan_and_compress(name_or_path: str, cfg: PlanConfig, out: Path, overwrite: 
 
     model, tokenizer = load_planned(name_or_path, dtype, device)
     result = plan_model(model, tokenizer, cfg, progress)
-    report = compress(model, tokenizer, result.recipe, progress, methods=result.methods)  # built once, by the plan
+    report = compress(model, tokenizer, result.recipe, progress, methods=result.methods,  # built once, by the plan
+                      windows=result.windows)  # and drawn once: `self` text is sampled by the plan only
     measured = report.kv_bytes_per_token_after / report.kv_bytes_per_token_before
     result.report["kv_measured"] = measured
     if measured > cfg.kv:

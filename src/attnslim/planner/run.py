@@ -30,7 +30,7 @@ from attnslim.api import raised_calibration
 from attnslim.api_checks import refuse_compressed
 from attnslim.bench.flops import decode_bytes_per_token
 from attnslim.calib.residency import InMemoryLayers, Residency
-from attnslim.data import calib_windows
+from attnslim.data import TokenWindows, calib_windows
 from attnslim.data.generated import SELF
 from attnslim.data.sources import mixture
 from attnslim.engines import HOW
@@ -106,6 +106,7 @@ class PlanResult:
     recipe: Recipe
     report: dict[str, Any]
     methods: list[Method]  # the recipe's steps as check_recipe built them: compress(methods=) builds none again
+    windows: TokenWindows  # the fit windows, drawn under recipe.calibration: compress(windows=) samples none again
 
 
 def layer_options(adapter: Adapter, cands: Sequence[Candidate], context: int, engine: str
@@ -164,6 +165,7 @@ class Prepared:
     seconds: float
     residency: Residency  # where the weights are while plans are scored (the model in memory, or on disk)
     calibration: Calibration  # cfg's, its windows raised to what the candidates' fits need (api.raised_calibration)
+    fit: TokenWindows  # the windows drawn under `calibration`
 
 
 @torch.no_grad()
@@ -201,7 +203,7 @@ def prepare(model: Any, tokenizer: Any, cfg: PlanConfig, progress: bool = True,
     rows = [[(c, r) for c, r in row if (i, c.label) not in measured.refused] for i, row in enumerate(rows)]
     windows = {"fit": fit.description, "score": scores.description, "held_out": held_out.description,
                "scored_tokens": scores.tokens, "held_out_tokens": held_out.tokens}
-    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start, res, cal)
+    return Prepared(rows, refused, dense, measured, held_out, windows, time.time() - start, res, cal, fit)
 
 
 def refuse_offloaded_plan(cfg: PlanConfig) -> None:
@@ -259,7 +261,7 @@ def choose(model: Any, prepared: Prepared, cfg: PlanConfig, progress: bool = Tru
         "seconds": {"measure": measured.seconds, "prepare": prepared.seconds, "refine": refined.seconds,
                     "total": prepared.seconds + time.time() - start},
     }
-    return PlanResult(recipe, report, methods)
+    return PlanResult(recipe, report, methods, prepared.fit)
 
 
 @dataclass
