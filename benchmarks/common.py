@@ -29,7 +29,7 @@ from attnslim import host
 from attnslim.adapters import get_adapter
 from attnslim.api import compress, library_versions
 from attnslim.bench import kv_bytes_per_token
-from attnslim.data import eval_windows
+from attnslim.data import TokenWindows, eval_windows
 from attnslim.eval import perplexity
 from attnslim.methods import lookup_method
 from attnslim.models import load_model
@@ -125,7 +125,11 @@ class Harness:
             self.save()
         return dict(self.data["dense"])
 
-    def run(self, key: str, recipe: Recipe | dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def run(self, key: str, recipe: Recipe | dict[str, Any], extra: dict[str, Any] | None = None,
+            windows: TokenWindows | None = None) -> dict[str, Any]:
+        """Compress a fresh copy of the model by `recipe`, score it, record row `key` (skipped where the file holds it
+        for the same recipe). `windows`: calibration windows drawn already under the recipe's calibration (a plan's,
+        attnslim.compress(windows=)): text the model samples itself is not sampled again."""
         recipe = recipe if isinstance(recipe, Recipe) else recipe_from_dict(recipe)
         done = self.data["variants"].get(key)
         resolved = resolved_fingerprint(recipe)  # rows stored before it was recorded are judged by the recipe's
@@ -137,7 +141,7 @@ class Harness:
         model, tokenizer = load_on_device(self.model_name)
         self.windows(tokenizer)  # before compressing: refuses stored rows scored on other windows
         start = time.time()
-        report = compress(model, tokenizer, recipe)
+        report = compress(model, tokenizer, recipe, windows=windows)
         result = self.evaluate(model, tokenizer, key)
         result.update({
             "recipe": report.recipe, "recipe_fingerprint": report.recipe_fingerprint,

@@ -31,7 +31,10 @@ fit and a heal).
 at their mean width (with_global; the plan still chooses which layers keep attention or lose their cache), row
 `plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
 `--plans-from STEM` takes the plans an earlier run recorded in benchmarks/results/STEM.json instead of planning
-again (e.g. a GPU run's plans, compressed and scored here).
+again (e.g. a GPU run's plans, compressed and scored here; or the plan of a run cut before it scored it: each plan is
+recorded under `planned` as soon as it is chosen, as on the 1.5B model on a 2-core CPU the plan alone takes hours).
+The plan's rows compress on the calibration windows the planner drew (attnslim.compress(windows=)): with `self` in
+the source, the model's own text is sampled once.
 `--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
 instead of wiki (the heal's own text is unchanged unless the source holds the model's own text, `self` or a file:
 then the heal is on it too, as `compress --kv --heal` heals); rows end in `-calibSOURCE`, the report sets them
@@ -60,6 +63,7 @@ from common import RESULTS, Harness, calibration, load_on_device
 from mla import speed
 
 from attnslim.adapters import get_adapter
+from attnslim.data import TokenWindows
 from attnslim.models import load_model
 from attnslim.planner.candidates import DEFAULT_KINDS, DEFAULT_LADDER, DEFAULT_MLA_ARGS, candidate_set
 from attnslim.planner.costs import resources
@@ -130,10 +134,13 @@ def with_global(recipe: dict[str, Any]) -> dict[str, Any]:
     return {**recipe, "name": f"{recipe['name']}-global", "steps": steps}
 
 
-def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
-           ) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
-    """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary),
-    each yielded as soon as it is chosen (its rows run before the next budget is planned)."""
+Plans = Iterator[tuple[float, dict[str, Any], dict[str, Any], TokenWindows | None]]
+
+
+def _plans(model_name: str, budgets: list[float], args: argparse.Namespace) -> Plans:
+    """One measurement of every candidate (planner.run.prepare), then a plan per budget: (kv, recipe, summary, the
+    plan's calibration windows), each yielded as soon as it is chosen (its rows run before the next budget is
+    planned)."""
     model, tokenizer = load_on_device(model_name)
     mla_args = {**DEFAULT_MLA_ARGS, "local_steps": args.local_steps} if args.local_steps else None
     cfg = PlanConfig(kv=min(budgets), kinds=tuple(args.candidates.split(",")),
@@ -152,19 +159,19 @@ def _plans(model_name: str, budgets: list[float], args: argparse.Namespace
                    "plan_estimate": report["estimate"], "plan_refine": report["refine"],
                    "plan_starts": report["starts"], "plan_start": report["start"],
                    "plan_config": report["config"], "plan_windows": report["windows"]}
-        yield kv, recipe_to_dict(result.recipe), summary
+        yield kv, recipe_to_dict(result.recipe), summary, result.windows
 
 
-def _stored_plans(stem: str, budgets: list[float], cal: str = ""
-                  ) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
+def _stored_plans(stem: str, budgets: list[float], cal: str = "") -> Plans:
     """The plans an earlier run recorded in benchmarks/results/STEM.json (rows plan-kvF, or plan-kvF-calibSOURCE
-    for `cal`): (kv, recipe, summary)."""
-    variants = json.loads((RESULTS / f"{stem}.json").read_text())["variants"]
+    for `cal`; or, for a run cut before it scored its plan, the plan as chosen: `planned`): (kv, recipe, summary,
+    None: their windows are drawn again)."""
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
     for kv in budgets:
-        row = variants.get(f"plan-kv{kv:g}{cal}")
+        row = data["variants"].get(f"plan-kv{kv:g}{cal}") or data.get("planned", {}).get(f"plan-kv{kv:g}{cal}")
         if row is None:
             raise SystemExit(f"{stem}.json has no row plan-kv{kv:g}{cal}: plan it first (plan.py --budgets {kv:g})")
-        yield kv, row["recipe"], {k: v for k, v in row.items() if k.startswith("plan_")}
+        yield kv, row["recipe"], {k: v for k, v in row.items() if k.startswith("plan_")}, None
 
 
 def main() -> None:
@@ -219,7 +226,7 @@ def main() -> None:
     plans = _stored_plans(args.plans_from, budgets, cal) if args.plans_from else _plans(args.model, budgets, args)
     if args.speed:
         recipes, harness.data["plans"] = {}, {}
-        for kv, recipe, summary in plans:
+        for kv, recipe, summary, _ in plans:
             recipes[f"plan-kv{kv:g}"], recipes[f"mla-kv{kv:g}"] = recipe, baseline("mla", kv, layers, source=src)
             if not args.plans_from:  # planned here: the plan seconds are this machine's
                 harness.data["plans"][f"plan-kv{kv:g}"] = summary
@@ -227,12 +234,16 @@ def main() -> None:
               repeats=args.repeats, cache_kind="dynamic")
         return
     planned = "-local-planned" if args.local_steps else ""  # its rivals are the -local rows (report_plan)
-    for kv, recipe, summary in plans:
-        harness.run(f"plan-kv{kv:g}{planned}{cal}", recipe, summary)  # a budget's rows together: a cut run keeps pairs
+    for kv, recipe, summary, windows in plans:
+        plan_key = f"plan-kv{kv:g}{planned}{cal}"
+        if not args.plans_from:  # kept as soon as chosen: a run cut before its rows are scored keeps its plan
+            harness.data.setdefault("planned", {})[plan_key] = {"recipe": recipe, **summary}  # --plans-from reads it
+            harness.save()
+        harness.run(plan_key, recipe, summary, windows)  # a budget's rows together: a cut run keeps pairs
         for method in filter(None, args.baselines.split(",")):
             harness.run(f"{method}-kv{kv:g}{cal}", baseline(method, kv, layers, marker, src))
         if kv in healed:
-            harness.run(f"plan-kv{kv:g}-heal40{cal}", {**recipe, "heal": heal}, summary)
+            harness.run(f"plan-kv{kv:g}-heal40{cal}", {**recipe, "heal": heal}, summary, windows)
             harness.run(f"mla-kv{kv:g}-heal40{cal}", {**baseline("mla", kv, layers, source=src), "heal": heal})
         if kv in norefit:
             harness.run(f"plan-kv{kv:g}-norefit-heal40{cal}", {**without_refit(recipe), "heal": heal},
