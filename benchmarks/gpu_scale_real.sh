@@ -10,6 +10,10 @@
 #   benchmarks/gpu_scale_real.sh probe         # versions, and the suite on a tiny random model (the stack works)
 #   benchmarks/gpu_scale_real.sh convert       # joins the parts (each checked), converts once, as `make qwen15` does
 #   benchmarks/gpu_scale_real.sh rows KEY...   # scale_real.py rows on cuda; the results file copied to $OUT per row
+#   benchmarks/gpu_scale_real.sh plan [ARG...] # plan.py: the planner issue's 1.5B target (KV 0.5 on the commands'
+#                                              # default self+wiki calibration, scored on code beside wiki/ptb/c4,
+#                                              # uniform mla beside it); stopped PLAN_LIMIT s in, the results file
+#                                              # (with the plan under `planned` once chosen) copied to $OUT
 set -euo pipefail
 SITE=/tmp/site KEEP=/tmp/keep NAME=scale-real-qwen2.5-1.5b-h200
 LIMIT=${LIMIT:-300}
@@ -73,5 +77,12 @@ rows)
             --row="$row" 2>&1 | grep -v -E "it/s\]|s/it\]" || echo "[fail] $row"
         cp benchmarks/results/$NAME.json "$KEEP/" && cp "$KEEP/$NAME.json" "${OUT:-/tmp}/"
     done ;;
-*) echo "usage: $0 pack|unpack|probe|convert|rows KEY..." >&2; exit 2 ;;
+plan)
+    shift
+    PLAN=plan-qwen2.5-1.5b && mkdir -p "$KEEP" && [ -f "$KEEP/$PLAN.json" ] && cp "$KEEP/$PLAN.json" benchmarks/results/
+    ATTNSLIM_BENCH_DEVICE=cuda timeout "${PLAN_LIMIT:-500}" python3 benchmarks/plan.py --model qwen2.5-1.5b \
+        --budgets 0.5 --sources wiki,ptb,c4,code --tokens 2048 --baselines mla --calib-source self+wiki --name "$PLAN" \
+        "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" || echo "[fail or cut] plan"
+    [ -f "benchmarks/results/$PLAN.json" ] && cp "benchmarks/results/$PLAN.json" "$KEEP/" && cp "$KEEP/$PLAN.json" "${OUT:-/tmp}/" ;;
+*) echo "usage: $0 pack|unpack|probe|convert|rows KEY...|plan [ARG...]" >&2; exit 2 ;;
 esac
