@@ -390,6 +390,9 @@ def main() -> None:
         if "environment" not in data:  # not a benchmarks/common.py Harness file (e.g. reliability.json)
             print(f"skipped {path.name}: no 'environment' (not a perplexity/speed harness result)")
             continue
+        if "planned" in data and not data.get("variants"):  # plan.py cut before it scored its plan
+            print(f"skipped {path.name}: no row scored yet (benchmarks/plan.py --plans-from {path.stem} scores it)")
+            continue
         results[path.stem] = data
     accuracy = load_accuracy()
     lines += summary(results, accuracy)
