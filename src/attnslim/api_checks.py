@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnslim.disk_format import COMPRESSION_JSON
 from attnslim.errors import AttnslimError
+
+if TYPE_CHECKING:
+    from attnslim.recipe import Calibration
 
 
 def check_model(where: str, model: object) -> None:
@@ -73,10 +76,9 @@ def check_device(where: str, device: object) -> torch.device | None:
         raise AttnslimError(f"{where}: {err}".replace("--device ", "device=")) from None
 
 
-def check_drawn(windows: object, cal: Any) -> None:
-    """`compress(windows=)`: token windows drawn under the recipe's calibration `cal` (attnslim.recipe.Calibration),
-    as a plan's are (`PlanResult.windows` beside `PlanResult.recipe`); others would calibrate on text the recipe
-    does not name."""
+def check_drawn(windows: object, cal: Calibration) -> None:
+    """`compress(windows=)`: token windows drawn under the recipe's calibration `cal`, as a plan's are
+    (`PlanResult.windows` beside `PlanResult.recipe`); others would calibrate on text the recipe does not name."""
     from attnslim.data import TokenWindows
 
     if not isinstance(windows, TokenWindows):
