@@ -50,6 +50,9 @@ SECTIONS = {
     "plan-selfwiki-smollm2-135m": ("Planning under a budget, calibrated on the model's own text: the KV-0.5 and 0.25 "
                                    "plans on wiki against `self+wiki`, scored on code beside wiki, ptb and c4",
                                    "benchmarks/plan.py"),
+    "plan-narrow-qwen2.5-1.5b": ("Planning under a budget on the 1.5B coder: KV 0.5 with the default calibration "
+                                 "(`self+wiki`), a narrowed planner, scored on code beside wiki, ptb and c4",
+                                 "benchmarks/plan.py"),
     "calib-source-qwen2.5-1.5b": ("Calibration that follows the model on the 1.5B coder: wiki, text the model writes "
                                   "itself (`self`), and code, scored on code beside wiki, ptb and c4",
                                   "benchmarks/calib_source.py"),
@@ -203,7 +206,8 @@ ORDER = ("scale-real-qwen2.5-1.5b", "scale-real-qwen2.5-1.5b-h200",
          "decode-ops-smollm2-135m-before", "decode-ops-smollm2-135m", "mla-speed-512", "decode-ops-gemma3-270m-before",
          "decode-ops-gemma3-270m",
          "mla-gemma3-speed", "gpu-h200", "gpu-probe-h100", "plan-smollm2-135m-h100", "plan-gemma3-270m",
-         "plan-selfwiki-smollm2-135m", "calib-source-smollm2-135m", "calib-source-qwen2.5-1.5b",
+         "plan-selfwiki-smollm2-135m", "calib-source-smollm2-135m", "plan-narrow-qwen2.5-1.5b",
+         "calib-source-qwen2.5-1.5b",
          "bias-drop-qwen2.5-1.5b", "rope-stride-qwen2.5-1.5b", "rope-stride-kv0.625-qwen2.5-1.5b",
          "bias-fold-local-qwen2.5-1.5b", "nbl", "nbl-calib",
          "nbl-small", "nbl-gemma3-bos", "nbl-gemma3-speed", "nbl-gemma3",

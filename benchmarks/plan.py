@@ -32,7 +32,8 @@ at their mean width (with_global; the plan still chooses which layers keep atten
 `plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
 `--plans-from STEM` takes the plans an earlier run recorded in benchmarks/results/STEM.json instead of planning
 again (e.g. a GPU run's plans, compressed and scored here; or the plan of a run cut before it scored it: each plan is
-recorded under `planned` as soon as it is chosen, as on the 1.5B model on a 2-core CPU the plan alone takes hours).
+recorded under `planned` as soon as it is chosen: a plan's time on a large model is its `plan_seconds` there,
+e.g. benchmarks/results/plan-narrow-qwen2.5-1.5b.json).
 The plan's rows compress on the calibration windows the planner drew (attnslim.compress(windows=)): with `self` in
 the source, the model's own text is sampled once.
 `--calib-source wiki+c4+tiny`: the planner's costs, its whole-plan score and every row's fits calibrated on that text
