@@ -17,6 +17,7 @@ from attnslim.adapters import get_adapter
 from attnslim.api import compress
 from attnslim.bench import kv_bytes_per_token
 from attnslim.bench.flops import decode_bytes_per_token
+from attnslim.data import TokenWindows, eval_windows
 from attnslim.errors import AttnslimError
 from attnslim.linalg import split_attention
 from attnslim.linalg.mla import fit_latent
@@ -539,23 +540,42 @@ def _real_onednn_agrees(model, ids: torch.Tensor) -> None:
 REAL_VARIANTS = (("mla", "mla", {}), ("svd", "mla", {"kv_weight": "svd"}), ("transmla", "transmla", {}))
 
 
-def _real_half_cache(model_name: str, layers: list[int], check_mla, variants=REAL_VARIANTS) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True)
+class DenseReference:
+    """The dense model's wiki perplexity on `windows` (1,024 tokens) and its KV bytes per token and layer."""
+
+    windows: TokenWindows
+    ppl: float
+    kv: list[float]
+
+
+def dense_reference(model, tokenizer) -> DenseReference:
+    from attnslim.eval import perplexity
+
+    windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)
+    ppl = perplexity(model, windows, progress=False).ppl
+    return DenseReference(windows, ppl, kv_bytes_per_token(model)["per_layer"])
+
+
+def _real_half_cache(model_name: str, layers: list[int], check_mla, variants=REAL_VARIANTS,
+                     dense: DenseReference | None = None) -> dict[str, float]:
     """wiki perplexity (÷ dense) of `model_name` with `layers` at half the dense KV cache (measured from the cache)
-    by each of `variants`; `check_mla(model, ids)` runs on the mla-converted model."""
-    from attnslim.data import eval_windows
+    by each of `variants`; `check_mla(model, ids)` runs on the mla-converted model. `dense`: the reference, when
+    the caller measured it already (the 1.5B model's tests share one)."""
     from attnslim.eval import perplexity
     from attnslim.models import load_model
     from attnslim.recipe import recipe_from_dict
 
     model, tokenizer = load_model(model_name)
-    windows = eval_windows("wiki", tokenizer, tokens=1024, seq_len=256)
-    dense_ppl = perplexity(model, windows, progress=False).ppl
-    dense_kv = kv_bytes_per_token(model)["per_layer"]
+    if dense is None:
+        dense = dense_reference(model, tokenizer)
+    windows, dense_ppl, dense_kv = dense.windows, dense.ppl, dense.kv
     ppl = {}
-    for name, method, args in variants:
-        del model
-        gc.collect()  # one model in memory at a time (qwen2.5-1.5b: 7.1 GB)
-        model, _ = load_model(model_name)
+    for i, (name, method, args) in enumerate(variants):
+        if i:  # the first variant converts the model the reference was measured on
+            del model
+            gc.collect()  # one model in memory at a time (qwen2.5-1.5b: 7.1 GB)
+            model, _ = load_model(model_name)
         recipe = recipe_from_dict({
             "name": name, "calibration": {"source": "wiki", "windows": 8, "seq_len": 256, "seed": 0},
             "steps": [{"method": method, "layers": layers, "args": {"kv_ratio": 0.5, **args}}]})

@@ -17,7 +17,7 @@ import torch
 
 from attnslim.models import ZOO, load_model
 from attnslim.models.parts import join_parts
-from test_mla import REAL_VARIANTS, _real_half_cache
+from test_mla import REAL_VARIANTS, DenseReference, _real_half_cache, dense_reference
 
 pytestmark = [
     pytest.mark.real,
@@ -37,25 +37,38 @@ def test_real_qwen15_parts_join_into_the_published_gguf(tmp_path):
     out.unlink()
 
 
-def test_real_qwen15_loads_as_qwen2_and_mla_beats_plain_svd_on_its_first_layers():
-    model, _ = load_model(NAME)
+@pytest.fixture(scope="module")
+def dense() -> tuple[dict[str, object], DenseReference]:
+    """The packaged model's shape, as loaded, and its dense reference, measured once for both conversion tests (a
+    load and a dense pass over 1,024 tokens at 1.5B are most of a minute on the 2-core host); the model itself is
+    not kept (one 7.1 GB model in memory at a time)."""
+    model, tokenizer = load_model(NAME)
     cfg, attn = model.config, model.model.layers[0].self_attn
-    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == ("qwen2", 1536, 28, 2)
-    assert attn.q_proj.bias is not None and attn.o_proj.bias is None and attn.head_dim == 128
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()  # untied
+    shape = {"config": (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads),
+             "q_bias": attn.q_proj.bias is not None, "o_bias": attn.o_proj.bias is not None,
+             "head_dim": attn.head_dim,
+             "tied": model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()}
+    reference = dense_reference(model, tokenizer)
     del model, attn
-    gc.collect()  # one 7.1 GB model in memory at a time
+    gc.collect()
+    return shape, reference
+
+
+def test_real_qwen15_loads_as_qwen2_and_mla_beats_plain_svd_on_its_first_layers(dense):
+    shape, reference = dense
+    assert shape["config"] == ("qwen2", 1536, 28, 2) and shape["head_dim"] == 128
+    assert shape["q_bias"] and not shape["o_bias"] and not shape["tied"]
 
     def check(model, ids):  # cached decode of the converted layers == recomputing the whole sequence
         cached = model.generate(ids[:1, :24], max_new_tokens=4, min_new_tokens=4, do_sample=False)
         uncached = model.generate(ids[:1, :24], max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=False)
         assert torch.equal(cached, uncached)
 
-    ppl = _real_half_cache(NAME, LAYERS, check, REAL_VARIANTS[:2])  # mla, and the plain SVD of the same k/v
+    ppl = _real_half_cache(NAME, LAYERS, check, REAL_VARIANTS[:2], reference)  # mla, and the plain SVD of the same k/v
     assert ppl["mla"] < ppl["svd"] and ppl["mla"] < 1.2, ppl
 
 
-def test_real_qwen15_folded_biases_stay_near_the_exact_layout_where_dropped_biases_do_not():
+def test_real_qwen15_folded_biases_stay_near_the_exact_layout_where_dropped_biases_do_not(dense):
     """`biases: fold` (layout deepseek, the bias-free form vLLM loads) against the free layout with the same rotary
     choice and the same uncentred fit, which carries every bias exactly; the baseline is that free model with its
     biases dropped (what `export --drop-biases` serves)."""
@@ -73,7 +86,8 @@ def test_real_qwen15_folded_biases_stay_near_the_exact_layout_where_dropped_bias
     served = {"rope_dims": 64, "rope_fastest": 32}  # the 64-dim DeepSeek key vLLM serves (docs/serving.md)
     same = {**served, "rope_spread": True, "center": False}  # what layout deepseek does, in the free layout
     ppl = _real_half_cache(NAME, LAYERS, check, (("mla", "mla", same),
-                                                 ("fold", "mla", {**served, "layout": "deepseek", "biases": "fold"})))
+                                                 ("fold", "mla", {**served, "layout": "deepseek", "biases": "fold"})),
+                           dense[1])
     folded = ppl["fold"] / ppl["mla"]
     assert folded < FOLD_BOUND and dropped["ratio"] > 10 * folded, (ppl, dropped)
 
