@@ -39,9 +39,9 @@ def test_real_qwen15_parts_join_into_the_published_gguf(tmp_path):
 
 @pytest.fixture(scope="module")
 def dense() -> tuple[dict[str, object], DenseReference]:
-    """The packaged model's shape, as loaded, and its dense reference, measured once for both conversion tests (a
-    load and a dense pass over 1,024 tokens at 1.5B are most of a minute on the 2-core host); the model itself is
-    not kept (one 7.1 GB model in memory at a time)."""
+    """The packaged model's shape, as loaded, and its dense reference, measured once for both conversion tests (one
+    dense pass over 1,024 tokens at 1.5B instead of one per test); the model itself is not kept (one 7.1 GB model
+    in memory at a time)."""
     model, tokenizer = load_model(NAME)
     cfg, attn = model.config, model.model.layers[0].self_attn
     shape = {"config": (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads),
