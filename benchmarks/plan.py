@@ -26,7 +26,7 @@ attention on calibration text); where `--heal` names the budget too, also after 
 parameter at lr 3e-4): rows `-heal40-all`; `--heal-seeds 1,2` repeats those healed rows (the plan's and uniform
 mla's) with those heal seeds (rows `-heal40-all-seedN`: the heal's data order; the fit is deterministic), so that
 a target met by one heal, or a plan's lead over uniform mla, reads against the heal's own spread (each row costs a
-fit and a heal).
+fit and a heal); `--heal-steps 160` gives those rows a longer heal (rows `-heal160-all`).
 `--global-alloc 0.5`: at those budgets the plan with its mla layers joined in one `mla` step under `alloc: global`
 at their mean width (with_global; the plan still chooses which layers keep attention or lose their cache), row
 `plan-kvF-global`, and with the local fit where `--local` names the budget, `plan-kvF-global-local`.
@@ -203,6 +203,9 @@ def main() -> None:
                    "--local names the budget")
     p.add_argument("--heal-seeds", default="", help="heal seeds besides 0 for the -local-heal40-all rows, the "
                    "plan's and uniform mla's (rows -heal40-all-seedN)")
+    p.add_argument("--heal-steps", type=int, default=0, help="the -local-healN-all rows' heal steps instead of "
+                   "mla-kv25's 40 (rows -healN-all): does a longer heal reach the target, and does the plan's lead "
+                   "hold?")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="plan as `attnslim plan --engine`: vllm "
                    "keeps one route vLLM serves (the plugin's keep/nbl/drop, or mla at every layer at width 320/576)")
     p.add_argument("--local-steps", type=int, default=0, help="plan with every mla candidate measured after this "
@@ -258,14 +261,16 @@ def main() -> None:
             if kv in joined:  # the global step takes the local fit as uniform mla-local does (its alloc is global)
                 pairs.append((f"plan-kv{kv:g}-global-local{cal}", with_local(with_global(recipe))))
             pairs.append((f"mla-kv{kv:g}-local{cal}", baseline("mla-local", kv, layers, source=src)))
+            local_heal = {**(LOCAL.heal or {}), **({"steps": args.heal_steps} if args.heal_steps else {})}
+            tag = f"heal{local_heal['steps']}-all"
             for key, row in pairs:
                 harness.run(key, row, summary if key.startswith("plan") else None)
                 if kv in healed:
-                    harness.run(f"{key.removesuffix(cal)}-heal40-all{cal}", {**row, "heal": LOCAL.heal},
+                    harness.run(f"{key.removesuffix(cal)}-{tag}{cal}", {**row, "heal": local_heal},
                                 summary if key.startswith("plan") else None)
                     for seed in seeds:
-                        harness.run(f"{key.removesuffix(cal)}-heal40-all-seed{seed}{cal}",
-                                    {**row, "heal": {**(LOCAL.heal or {}), "seed": seed}},
+                        harness.run(f"{key.removesuffix(cal)}-{tag}-seed{seed}{cal}",
+                                    {**row, "heal": {**local_heal, "seed": seed}},
                                     summary if key.startswith("plan") else None)
 
 

@@ -116,6 +116,9 @@ def test_the_public_planner_leaves_the_model_dense_and_its_recipe_compresses_it_
     ({"kv": 0.5, "kinds": ("mla", "lora")}, "unknown ['lora']"),
     ({"kv": 0.5, "engine": "sglang"}, "engine 'sglang' is unknown"),
     ({"kv": 0.5, "mla_args": {"kv_ratio": 0.3}}, "set by the planner per candidate"),
+    ({"kv": 0.5, "fit_steps": -1}, "PlanConfig.fit_steps=-1: give an integer >= 0"),
+    ({"kv": 0.5, "kinds": ("keep", "nbl"), "fit_steps": 4}, "mla is not among the candidates ['keep', 'nbl']"),
+    ({"kv": 0.5, "fit_steps": 4, "mla_args": {"local_steps": 4}}, "both fit the plan's mla layers: give one"),
 ])
 def test_plan_config_refuses_what_no_plan_can_use_before_any_measurement(kw: dict[str, object], message: str) -> None:
     with pytest.raises(AttnslimError, match=re.escape(message)):
@@ -162,6 +165,9 @@ def test_engine_that_serves_no_candidate_names_the_layer() -> None:
     (["compress", "--ladder", "0.5", "--heal", "--out", "{tmp}/o"], "--ladder, --heal configure the planner, which "
      "runs only with --kv"),
     (["plan", "--kv", "0.5", "--local-steps", "-1", "--out", "{tmp}/p.yaml"], "--local-steps -1: give an integer"),
+    (["plan", "--kv", "0.5", "--fit-steps", "-2", "--out", "{tmp}/p.yaml"], "--fit-steps -2: give an integer"),
+    (["plan", "--kv", "0.5", "--fit-steps", "8", "--local-steps", "8", "--out", "{tmp}/p.yaml"], "give one"),
+    (["compress", "--fit-steps", "96", "--out", "{tmp}/o"], "--fit-steps configures the planner"),
     (["plan", "--kv", "0.5", "--device", "tpu", "--out", "{tmp}/p.yaml"], "is not a device"),
     (["plan", "--kv", "0.5", "--dtype", "float8", "--out", "{tmp}/p.yaml"], "--dtype 'float8' is not supported"),
 ])
@@ -304,18 +310,10 @@ def test_plan_and_compress_kv_in_bfloat16_choose_and_save_in_that_dtype(tmp_path
     assert floats == {torch.bfloat16}
 
 
-def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--local-steps N`: each mla candidate is measured after recipes/mla-kv25.yaml's local fit (one fit per layer
-    and width, none without the option), and the plan's mla steps carry the fit."""
+def _counted_fits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers the pipeline's local fit runs on, in order, from now on (the fit itself still runs)."""
     from attnslim.pipeline import run as pipeline_run
-    from attnslim.recipe import load_recipe
-    from conftest import TINY_BUILDERS
-    from helpers import SavingTokenizer
 
-    ckpt = tmp_path / "ckpt"
-    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
-    SavingTokenizer().save_pretrained(ckpt)
     fits: list[int] = []
     real = pipeline_run.fit_locally
 
@@ -324,6 +322,21 @@ def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
         return real(runner, adapter, layer, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pipeline_run, "fit_locally", counted)
+    return fits
+
+
+def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--local-steps N`: each mla candidate is measured after recipes/mla-kv25.yaml's local fit (one fit per layer
+    and width, none without the option), and the plan's mla steps carry the fit."""
+    from attnslim.recipe import load_recipe
+    from conftest import TINY_BUILDERS
+    from helpers import SavingTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    TINY_BUILDERS["llama"]().save_pretrained(ckpt)
+    SavingTokenizer().save_pretrained(ckpt)
+    fits = _counted_fits(monkeypatch)
     options = ["--kv", "0.6", "--candidates", "keep,mla", "--ladder", "0.25,0.5", "--calib-source", "tiny",
                "--calib-windows", "8", "--score-windows", "2", "--rounds", "0"]  # the fit holds out a batch of 4
     for steps in (0, 3):
@@ -333,6 +346,29 @@ def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
         assert sorted(fits) == ([0, 0, 1, 1, 2, 2, 3, 3] if steps else [])  # two widths at each of the 4 layers
         mla_steps = [s for s in load_recipe(out).steps if s.method == "mla"]
         assert mla_steps and all(s.args.get("local_steps", 0) == steps for s in mla_steps)
+
+
+def test_fit_steps_fit_only_the_chosen_mla_layers_after_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--fit-steps N` (PlanConfig.fit_steps): no candidate is fitted while the plan is measured, so the costs and
+    the choice are the unfitted plan's; the recipe's mla steps carry the fit (and nothing else does), and compressing
+    it fits each chosen mla layer once."""
+
+    fits = _counted_fits(monkeypatch)
+    kinds = ("keep", "mla", "nbl")
+    plain = plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.3, kinds=kinds, rounds=0), progress=False)
+    fitted = plan_model(tiny_llama(), ByteTokenizer(), _config(kv=0.3, kinds=kinds, rounds=0, fit_steps=3),
+                        progress=False)
+    assert fits == []  # planning fitted nothing
+    assert fitted.report["options"] == plain.report["options"] and fitted.report["layers"] == plain.report["layers"]
+    assert fitted.report["config"]["fit_steps"] == 3
+    steps = {s.method: s for s in fitted.recipe.steps}
+    assert "mla" in steps and "nbl" in steps  # a mixed plan: the fit goes to its mla steps only
+    for before, after in zip(plain.recipe.steps, fitted.recipe.steps, strict=True):
+        extra = {"local_steps": 3} if before.method == "mla" else {}
+        assert after.layers == before.layers and dict(after.args) == {**before.args, **extra}
+    compress(tiny_llama(), ByteTokenizer(), fitted.recipe, progress=False)
+    mla_layers = sorted(i for s in fitted.recipe.steps if s.method == "mla" for i in s.layers)
+    assert sorted(fits) == mla_layers
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

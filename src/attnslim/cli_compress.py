@@ -80,7 +80,7 @@ def plan_config(args: argparse.Namespace) -> Any:
 
     for flag, value, low in (("--decode-at", args.decode_at, 1), ("--calib-windows", args.calib_windows, 1),
                              ("--score-windows", args.score_windows, 1), ("--rounds", args.rounds, 0),
-                             ("--local-steps", args.local_steps, 0)):
+                             ("--local-steps", args.local_steps, 0), ("--fit-steps", args.fit_steps, 0)):
         if value < low:
             raise AttnslimError(f"{flag} {value}: give an integer >= {low}")
     kinds = tuple(k.strip() for k in args.candidates.split(",")) if args.candidates else DEFAULT_KINDS
@@ -91,7 +91,7 @@ def plan_config(args: argparse.Namespace) -> Any:
     cfg = PlanConfig(kv=args.kv, params=args.params, decode_bytes=args.decode_bytes, decode_at=args.decode_at,
                      engine=args.engine, kinds=kinds, ladder=ladder, score_windows=args.score_windows,
                      refine_windows=args.score_windows, rounds=args.rounds, calibration=calibration, mla_args=mla_args,
-                     heal=standard_heal(calibration.source) if args.heal else None)
+                     heal=standard_heal(calibration.source) if args.heal else None, fit_steps=args.fit_steps)
     if note:  # after the settings are checked: a refused command line prints its error alone
         print(note, file=sys.stderr)
     return cfg

@@ -105,6 +105,9 @@ def add_plan_options(p: Any) -> None:
     p.add_argument("--local-steps", type=int, default=0, help="train each mla candidate's attention this many steps "
                    "towards the dense attention's output, as recipes/mla-kv25.yaml does (96 there), when it is "
                    "measured and in the plan's mla steps (0: off; several times slower: docs/planning.md)")
+    p.add_argument("--fit-steps", type=int, default=0, help="after planning, train each chosen mla layer's attention "
+                   "this many steps towards the dense attention's output (96 in recipes/mla-kv25.yaml; costs are "
+                   "measured without it, so planning takes no longer; compression does: docs/planning.md)")
 
 
 def add_compute(p: Any, where: str, dtype_note: str) -> None:
