@@ -76,6 +76,7 @@ def _single(key: str) -> bool:
 
 TAILS = {"": "–", "-heal40": "standard", "-local": "local fit (one-shot)",
          "-local-heal40-all": "local fit, then heal of every parameter",
+         "-local-heal160-all": "local fit, then a 4x longer heal of every parameter (160 steps: plan.py --heal-steps)",
          "-local-planned": "local fit, planned with it (plan --local-steps)",
          "-norefit-heal40": "standard, mla converted without the output refit",
          "-global": "–, the plan's mla layers under one global rank allocation (plan.py --global-alloc)",

@@ -328,7 +328,8 @@ def _counted_fits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--local-steps N`: each mla candidate is measured after recipes/mla-kv25.yaml's local fit (one fit per layer
-    and width, none without the option), and the plan's mla steps carry the fit."""
+    and width, none without the option), and the plan's mla steps carry the fit. `--fit-steps N` puts the same fit
+    in the plan's mla steps and fits nothing while planning."""
     from attnslim.recipe import load_recipe
     from conftest import TINY_BUILDERS
     from helpers import SavingTokenizer
@@ -346,6 +347,12 @@ def test_local_steps_fit_every_mla_candidate_when_measured_and_in_the_plan(
         assert sorted(fits) == ([0, 0, 1, 1, 2, 2, 3, 3] if steps else [])  # two widths at each of the 4 layers
         mla_steps = [s for s in load_recipe(out).steps if s.method == "mla"]
         assert mla_steps and all(s.args.get("local_steps", 0) == steps for s in mla_steps)
+    fits.clear()
+    out = tmp_path / "fitted.yaml"
+    assert cli_main(["plan", str(ckpt), *options, "--fit-steps", "3", "--out", str(out)]) == 0
+    assert fits == []
+    mla_steps = [s for s in load_recipe(out).steps if s.method == "mla"]
+    assert mla_steps and all(s.args["local_steps"] == 3 for s in mla_steps)
 
 
 def test_fit_steps_fit_only_the_chosen_mla_layers_after_planning(monkeypatch: pytest.MonkeyPatch) -> None:
