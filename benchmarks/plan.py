@@ -222,6 +222,8 @@ def main() -> None:
     src = args.calib_source
     cal = "" if src == "wiki" else f"-calib{src}"  # last in every row name: the report reads the rest as before
     heal = standard_heal(src)  # the default recipe's, as `compress --kv --heal` heals a plan calibrated on src
+    local_heal = {**(LOCAL.heal or {}), **({"steps": args.heal_steps} if args.heal_steps else {})}
+    tag = f"heal{local_heal['steps']}-all"  # the -local rows' heal: mla-kv25's, or --heal-steps long
     if args.baselines_only:
         for kv in budgets:
             for method in filter(None, args.baselines.split(",")):
@@ -261,8 +263,6 @@ def main() -> None:
             if kv in joined:  # the global step takes the local fit as uniform mla-local does (its alloc is global)
                 pairs.append((f"plan-kv{kv:g}-global-local{cal}", with_local(with_global(recipe))))
             pairs.append((f"mla-kv{kv:g}-local{cal}", baseline("mla-local", kv, layers, source=src)))
-            local_heal = {**(LOCAL.heal or {}), **({"steps": args.heal_steps} if args.heal_steps else {})}
-            tag = f"heal{local_heal['steps']}-all"
             for key, row in pairs:
                 harness.run(key, row, summary if key.startswith("plan") else None)
                 if kv in healed:
