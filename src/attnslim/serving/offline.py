@@ -7,7 +7,8 @@ REQUEST: {"models": [dir, ...], "dtype": "float32", "max_model_len": 1024, "atte
           only vLLM general plugins loaded, as VLLM_PLUGINS; [] runs stock vLLM without attnslim's plugin),
           "correctness": {"prompts": [[token ids], ...], "max_tokens": 64}         (optional)
           "throughput": {"prompts": 32, "input_len": 512, "output_len": 128}}       (optional)
-Every model is started once, in turn, in this process. OUT maps each model directory to
+Every model is started once, in turn, in this process (its engine core too where the request measures no
+throughput). OUT maps each model directory to
 {"start_s", "kv_blocks", "block_size", "kv_tokens", "architecture" (the model class vLLM ran), "general_plugins"
 (those this process loads), "correctness": {"greedy": [[ids]],
 "prompt_logprobs": [[logprob of token i given the tokens before it, i >= 1]]}, "throughput": {...}}.
@@ -93,6 +94,12 @@ def main(argv: list[str]) -> int:
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     if "plugins" in request:  # before vLLM is imported; its engine and worker processes inherit it
         os.environ["VLLM_PLUGINS"] = ",".join(request["plugins"])
+    if "throughput" not in request:
+        # Correctness only: vLLM's engine core runs in this process (vLLM's own switch) instead of a process of
+        # its own, so each model starts without spawning one and importing vLLM into it. The tokens, log-probs
+        # and KV blocks are those of the default layout (the serving tests check them against HF as before);
+        # throughput keeps vLLM's default layout, the one its users serve with.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     results = {directory: run_model(directory, request) for directory in request["models"]}
     Path(argv[1]).write_text(json.dumps(results), encoding="utf-8")
     return 0
