@@ -96,9 +96,9 @@ def main(argv: list[str]) -> int:
         os.environ["VLLM_PLUGINS"] = ",".join(request["plugins"])
     if "throughput" not in request:
         # Correctness only: vLLM's engine core runs in this process (vLLM's own switch) instead of a process of
-        # its own, so each model starts without spawning one and importing vLLM into it. The tokens, log-probs
-        # and KV blocks are those of the default layout (the serving tests check them against HF as before);
-        # throughput keeps vLLM's default layout, the one its users serve with.
+        # its own, so each model starts without spawning one and importing vLLM into it. The engine is the same
+        # (the serving tests check its tokens, log-probs and KV capacity against HF); throughput keeps vLLM's
+        # default layout, the one its users serve with.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     results = {directory: run_model(directory, request) for directory in request["models"]}
     Path(argv[1]).write_text(json.dumps(results), encoding="utf-8")
